@@ -1,0 +1,423 @@
+"""PyTorch Differential Transformer: DIFF V1 (Ye et al., arXiv 2410.05258) and DIFF V2 (Ye, Dong, Sun, Wei, 2026).
+
+Reference code: microsoft/unilm ``Diff-Transformer/multihead_flashdiff_2.py`` (V1) and
+``Diff-Transformer-V2/`` (V2). Everything that is not differential attention is Llama's, imported from
+transformers (RMSNorm, rotary embeddings with rope scaling, MLP, masks, caches, task heads).
+
+Head layout of one layer (SPEC §3), shown for V1 with H = 4 differential heads, G = 2 KV groups (n = 2)::
+
+    q_proj rows  (Hq = 2H = 8 heads of width d), group-major (g, c, r):
+        | g0 c0 r0 | g0 c0 r1 | g0 c1 r0 | g0 c1 r1 | g1 c0 r0 | g1 c0 r1 | g1 c1 r0 | g1 c1 r1 |
+    k_proj / v_proj rows (Hkv = 2G = 4 heads of width d), (g, c):
+        |  K g0 c0  |  K g0 c1  |  K g1 c0  |  K g1 c1  |      (same for V)
+    differential head h = g·n + r uses Q[g,c,r], K[g,c] for map c = 0, 1 and V = [V g0 | V g1] (2d wide).
+
+With that order the standard GQA rule (query head i reads KV head i // n) already pairs every map with its
+own key head, and the cache holds a Llama's bytes. This implementation views K and V per group as one packed
+``2d``-wide head, ``[K1 | K2]`` and ``[V_g,0 | V_g,1]`` (a free view of the projections), and zero-pads each
+query to ``2d`` on the side of its own key (``[Q1 | 0]``, ``[0 | Q2]``): one standard attention call per layer
+with equal q/k/v head sizes (what fast SDPA, flash and flex kernels need) then returns ``A_c·[V1;V2]`` for every
+map, and the two maps of a head are combined afterwards. The eager path materialises ``A1 − λ·A2`` instead.
+
+V2 is standard GQA attention over all 2H query heads, adjacent query heads (2h, 2h+1) forming a pair over one
+shared KV head; ``λ`` is computed per token and head by ``lambda_proj``.
+
+Deliberate deviations from Microsoft's reference code: rotate-half RoPE (transformers' convention) instead of
+interleaved, group-major query rows (convert_scripts handle both), no attention dropout.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_difftransformer import DiffTransformerConfig
+
+
+def lambda_init_fn(layer_idx: int) -> float:
+    """λinit(l) = 0.8 − 0.6·exp(−0.3·l), 0-based layer index (paper §2.1; layer 0 → 0.2)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+def differential_combine(maps: torch.Tensor, lam: torch.Tensor, pair_stride: int, dim: int) -> torch.Tensor:
+    """The differential step of the paper, ``A1 − λ·A2``, for every differential head.
+
+    ``maps`` holds one entry per softmax map along axis ``dim`` (2H entries: the maps themselves, shape
+    ``(B, 2H, T, S)``, or their outputs ``A_c·V``, shape ``(B, T, 2H, w)``; the step is linear, so either works).
+    The two maps of head ``h = g·n + r`` sit ``pair_stride`` entries apart inside a block of ``2·pair_stride``:
+    V1 rows are ordered (g, c, r), so ``pair_stride = n``; V2 rows are (h, c), so ``pair_stride = 1``.
+    ``lam`` must broadcast against one map entry (a scalar for V1; per token and head for V2).
+    Returns the H differential entries in head order ``h = g·n + r`` along ``dim``.
+    """
+    first, second = maps.unflatten(dim, (-1, 2, pair_stride)).unbind(dim + 1)
+    return (first - lam * second).flatten(dim, dim + 1)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    diff_lambda: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialised differential attention: ``O_h = (softmax(Q1K1ᵀ·s + M) − λ·softmax(Q2K2ᵀ·s + M))·V``.
+
+    query ``(B, 2H, T, w)``, key/value ``(B, G, S, w)`` exactly as the module passes them to every kernel.
+    Unlike standard kernels this returns the *combined* output ``(B, T, H, w)`` together with the differential
+    maps ``(B, H, T, S)`` it was computed from (SPEC §7: what ``output_attentions`` shows).
+    """
+    keys = repeat_kv(key, module.num_key_value_groups)  # (B, 2H, S, w)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    maps = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (B, 2H, T, S)
+    lam = diff_lambda if diff_lambda.dim() == 0 else diff_lambda.transpose(1, 2)[:, :, None, :, None]
+    diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1)  # (B, H, T, S)
+    values = repeat_kv(value, module.num_key_value_groups // 2)  # (B, H, S, w): head h reads group h // n
+    attn_output = torch.matmul(diff_maps, values).transpose(1, 2).contiguous()  # (B, T, H, w)
+    return attn_output, diff_maps
+
+
+class DiffTransformerAttention(nn.Module):
+    """Differential attention (V1 or V2, ``config.diff_version``); see the module docstring for the layout."""
+
+    def __init__(self, config: DiffTransformerConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.diff_version = config.diff_version
+        self.head_dim = d = config.head_dim
+        self.num_heads = config.num_attention_heads // 2  # H, differential heads
+        n = self.num_heads // config.num_kv_groups  # differential heads per KV group
+        # Query heads (one per softmax map) per KV head *as passed to the kernel*: V1 passes packed groups.
+        self.num_key_value_groups = 2 * n
+        self.pair_stride = n if self.diff_version == 1 else 1
+        self.scaling = d**-0.5  # 1/sqrt(d), not 1/sqrt(2d): each map is a d-wide dot product
+        self.is_causal = True
+        self.attention_dropout = 0.0
+
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * d, bias=bias)
+        if self.diff_version == 1:
+            self.o_proj = nn.Linear(self.num_heads * 2 * d, config.hidden_size, bias=bias)
+            self.lambda_init = config.lambda_init if config.lambda_init is not None else lambda_init_fn(layer_idx)
+            self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.subln = nn.RMSNorm(2 * d, eps=config.subln_eps, elementwise_affine=True)
+        else:
+            self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
+            self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+
+    def lambda_full(self) -> torch.Tensor:
+        """V1: ``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``, a float32 scalar for this layer."""
+        q1, k1, q2, k2 = (p.float() for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
+        return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        input_shape = hidden_states.shape[:-1]
+        d = self.head_dim
+        query = self.q_proj(hidden_states).view(*input_shape, -1, d)  # (B, T, 2H, d)
+        key = self.k_proj(hidden_states).view(*input_shape, -1, d)  # (B, T, Hkv, d)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
+
+        if self.diff_version == 1:
+            lam = self.lambda_full()
+            width = 2 * d
+            key = key.view(*input_shape, -1, width)  # (B, T, G, 2d) = [K1 | K2] per group
+            # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, c, r) → (g, c, r, c', d).
+            pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)
+            query = (query.unflatten(2, (-1, 2, self.pair_stride, 1)) * pad).reshape(*input_shape, -1, width)
+        else:
+            lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
+            width = d
+        value = self.v_proj(hidden_states).view(*input_shape, -1, width)  # V1: (B, T, G, 2d) = [V_g,0 | V_g,1]
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            diff_lambda=lam,
+            **kwargs,
+        )
+        if attn_output.shape[2] == query.shape[1]:  # a standard kernel: one output A_c·V per softmax map
+            attn_output = differential_combine(attn_output, lam if lam.dim() == 0 else lam[..., None, None], self.pair_stride, dim=2)
+
+        if self.diff_version == 1:
+            # (1 − λinit)·RMSNorm_2d(O_h)⊙w, per head, in float32.
+            weight = self.subln.weight.float() * (1.0 - self.lambda_init)
+            attn_output = F.rms_norm(attn_output.float(), (width,), weight, self.subln.eps).to(hidden_states.dtype)
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
+        return attn_output, attn_weights, lam
+
+
+class DiffTransformerDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: DiffTransformerConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = DiffTransformerAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+@dataclass
+class DiffTransformerModelOutputWithPast(BaseModelOutputWithPast):
+    """``BaseModelOutputWithPast`` plus ``lambdas`` (with ``output_lambdas=True``): one tensor per layer, a float32
+    scalar λ (V1) or λ per token and head, shape ``(B, T, H)`` (V2)."""
+
+    lambdas: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class DiffTransformerCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus ``lambdas`` (see [`DiffTransformerModelOutputWithPast`])."""
+
+    lambdas: tuple[torch.Tensor, ...] | None = None
+
+
+class DiffTransformerPreTrainedModel(PreTrainedModel):
+    config: DiffTransformerConfig
+    config_class = DiffTransformerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DiffTransformerDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    # Every kernel call has equal q/k/v head sizes and the standard GQA mapping (tests/test_attention_backends.py
+    # checks that contract through a custom AttentionInterface function).
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        "hidden_states": DiffTransformerDecoderLayer,
+        "attentions": OutputRecorder(DiffTransformerAttention, index=1),
+        "lambdas": OutputRecorder(DiffTransformerAttention, index=2),
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)  # Linear/Embedding: N(0, initializer_range); RMSNorms (incl. subln): ones
+        if isinstance(module, DiffTransformerAttention) and module.diff_version == 1:
+            for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
+                init.normal_(param, mean=0.0, std=self.config.lambda_std)
+
+    def layer_lambdas(self) -> torch.Tensor:
+        """V1: the current λ of every layer, float32 tensor of shape ``(num_hidden_layers,)``.
+
+        V2's λ depends on the input: use ``model(..., output_lambdas=True).lambdas``.
+        """
+        if self.config.diff_version != 1:
+            raise ValueError("layer_lambdas() is defined for diff_version=1; for V2 call the model with output_lambdas=True.")
+        with torch.no_grad():
+            return torch.stack([m.lambda_full() for m in self.modules() if isinstance(m, DiffTransformerAttention)])
+
+
+class DiffTransformerModel(DiffTransformerPreTrainedModel):
+    def __init__(self, config: DiffTransformerConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DiffTransformerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DiffTransformerModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return DiffTransformerModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DiffTransformerConfig):
+        super().__init__(config)
+        self.model = DiffTransformerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> DiffTransformerCausalLMOutputWithPast:
+        outputs: DiffTransformerModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return DiffTransformerCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            lambdas=outputs.lambdas,
+        )
+
+
+class DiffTransformerForSequenceClassification(GenericForSequenceClassification, DiffTransformerPreTrainedModel): ...
+
+
+class DiffTransformerForQuestionAnswering(GenericForQuestionAnswering, DiffTransformerPreTrainedModel): ...
+
+
+class DiffTransformerForTokenClassification(GenericForTokenClassification, DiffTransformerPreTrainedModel): ...
+
+
+__all__ = [
+    "DiffTransformerPreTrainedModel",
+    "DiffTransformerModel",
+    "DiffTransformerForCausalLM",
+    "DiffTransformerForSequenceClassification",
+    "DiffTransformerForQuestionAnswering",
+    "DiffTransformerForTokenClassification",
+    "differential_combine",
+    "eager_attention_forward",
+    "lambda_init_fn",
+]

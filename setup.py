@@ -1,0 +1,26 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="difftransformer",
+    version="0.1.0",
+    description="Differential Transformer (DIFF V1, arXiv 2410.05258, and DIFF V2) for Hugging Face transformers",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=find_packages(include=["difftransformer", "difftransformer.*", "convert_scripts"]),
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5,<6",
+        "safetensors>=0.4",
+        "accelerate>=1.0",
+        "tqdm",
+    ],
+    extras_require={
+        "train": ["tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15"],
+        "test": ["pytest>=8", "tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15"],
+    },
+    entry_points={"console_scripts": ["difftransformer-convert=convert_scripts.convert:main"]},
+)
