@@ -281,6 +281,18 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
             for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """As transformers', but the folder's ``auto_map`` names every Auto class (SPEC §7b).
+
+        transformers records only the class being saved (plus ``AutoConfig``); with all of them, the folder
+        loads as remote code through ``AutoModel``, ``AutoModelForCausalLM`` and the other heads.
+        """
+        if self._auto_class is not None:  # set by `import difftransformer` or by remote-code loading
+            module = self.__class__.__module__.rsplit(".", 1)[-1]
+            auto_map = {auto: f"{module}.{cls}" for auto, cls in _AUTO_MAP.items()}
+            self.config.auto_map = {**auto_map, **(getattr(self.config, "auto_map", None) or {})}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def layer_lambdas(self) -> torch.Tensor:
         """V1: the current λ of every layer, float32 tensor of shape ``(num_hidden_layers,)``.
 
@@ -409,6 +421,14 @@ class DiffTransformerForQuestionAnswering(GenericForQuestionAnswering, DiffTrans
 
 class DiffTransformerForTokenClassification(GenericForTokenClassification, DiffTransformerPreTrainedModel): ...
 
+
+_AUTO_MAP = {
+    "AutoModel": "DiffTransformerModel",
+    "AutoModelForCausalLM": "DiffTransformerForCausalLM",
+    "AutoModelForSequenceClassification": "DiffTransformerForSequenceClassification",
+    "AutoModelForTokenClassification": "DiffTransformerForTokenClassification",
+    "AutoModelForQuestionAnswering": "DiffTransformerForQuestionAnswering",
+}
 
 __all__ = [
     "DiffTransformerPreTrainedModel",
