@@ -1,0 +1,209 @@
+"""Forward-pass correctness of DIFF V1 and V2 against the float64 SPEC reference, for every attention backend."""
+
+import math
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from difftransformer import DiffTransformerForCausalLM
+from difftransformer.modeling_difftransformer import DiffTransformerAttention
+from utils_difftransformer import LAYOUTS, left_padded_batch, randomize_norms, reference_forward, tiny_config
+
+BACKENDS = ["eager", "sdpa", "flex_attention", "contract_sdpa"]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
+
+
+def _contract_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """The flash-attention contract, asserted on every call: equal q/k/v head sizes, whole GQA groups, k/v alike."""
+    assert query.shape[-1] == key.shape[-1] == value.shape[-1], (query.shape, key.shape, value.shape)
+    assert key.shape == value.shape, (key.shape, value.shape)
+    assert query.shape[1] % key.shape[1] == 0 and query.shape[1] // key.shape[1] == module.num_key_value_groups
+    assert query.shape[-1] <= 256  # flash kernels' largest head size
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("contract_sdpa", _contract_sdpa)
+AttentionMaskInterface.register("contract_sdpa", sdpa_mask)
+
+
+def _model(layout, attn, dtype=torch.float32, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = DiffTransformerForCausalLM(tiny_config(layout, **overrides))
+    randomize_norms(model, seed)
+    model.set_attn_implementation(attn)
+    return model.to(dtype).eval()
+
+
+# flex_attention compiles per shape on CPU (~10 s each): three layouts cover MHA, GQA and both versions.
+FAST_PAIRS = [(layout, attn) for layout in LAYOUTS for attn in BACKENDS if attn != "flex_attention"]
+FLEX_PAIRS = [(layout, "flex_attention") for layout in ("v1_mha", "v1_gqa", "v2_gqa")]
+
+
+@pytest.mark.parametrize("layout,attn", FAST_PAIRS + FLEX_PAIRS)
+def test_backends_match_float64_reference_with_left_padding(layout, attn):
+    model = _model(layout, attn)
+    ids, mask = left_padded_batch(model.config.vocab_size, [9, 6, 3], seed=1)
+    ref, _ = reference_forward(model, ids, mask)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(logits[valid].double(), ref[valid], atol=TOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_backends_bfloat16_close_to_reference(layout, attn):
+    model = _model(layout, attn, dtype=torch.bfloat16)
+    ids, mask = left_padded_batch(model.config.vocab_size, [8, 5], seed=2)
+    ref, _ = reference_forward(model, ids, mask)  # the bf16 weights, computed in float64
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    err = (logits[valid].double() - ref[valid]).abs().max().item()
+    assert err < TOL[torch.bfloat16] * ref[valid].abs().max().item() + TOL[torch.bfloat16], err
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_output_attentions_are_the_differential_maps(layout):
+    model = _model(layout, "eager")
+    ids, mask = left_padded_batch(model.config.vocab_size, [7, 4], seed=3)
+    _, ref_maps = reference_forward(model, ids, mask)
+    out = model(ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+    H = model.config.num_attention_heads // 2
+    assert len(out.attentions) == model.config.num_hidden_layers
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    for maps, ref in zip(out.attentions, ref_maps):
+        assert maps.shape == (2, H, 7, 7)
+        rows = mask.bool()[:, None, :, None].expand_as(maps)  # valid query rows
+        torch.testing.assert_close(maps[rows].double(), ref[rows], atol=2e-6, rtol=0)
+    # The returned maps are the tensors the output is computed from (gradients reach them).
+    for maps in out.attentions:
+        maps.retain_grad()
+    out.logits.sum().backward()
+    assert all(maps.grad is not None and maps.grad.abs().sum() > 0 for maps in out.attentions)
+
+
+def test_lambdas_are_inspectable():
+    v1 = _model("v1_gqa", "sdpa")
+    lam = v1.layer_lambdas()
+    for layer, attn in enumerate(m for m in v1.modules() if isinstance(m, DiffTransformerAttention)):
+        expected = (
+            math.exp(float(attn.lambda_q1 @ attn.lambda_k1))
+            - math.exp(float(attn.lambda_q2 @ attn.lambda_k2))
+            + 0.8
+            - 0.6 * math.exp(-0.3 * layer)
+        )
+        assert lam[layer].item() == pytest.approx(expected, rel=1e-6)
+    out = v1(torch.tensor([[5, 6, 7]]), output_lambdas=True)
+    torch.testing.assert_close(torch.stack(out.lambdas), lam)
+
+    v2 = _model("v2_gqa", "sdpa")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = v2(ids, output_lambdas=True, output_hidden_states=True)
+    assert len(out.lambdas) == v2.config.num_hidden_layers
+    for layer, lam in enumerate(out.lambdas):
+        assert lam.shape == (1, 4, v2.config.num_attention_heads // 2)
+        layer_mod = v2.model.layers[layer]
+        x = layer_mod.input_layernorm(out.hidden_states[layer])
+        torch.testing.assert_close(lam, torch.sigmoid(layer_mod.self_attn.lambda_proj(x)))
+    with pytest.raises(ValueError, match="output_lambdas"):
+        v2.layer_lambdas()
+
+
+def test_constant_lambda_init_option():
+    model = _model("v1_gqa", "sdpa", lambda_init=0.8)
+    assert all(m.lambda_init == 0.8 for m in model.modules() if isinstance(m, DiffTransformerAttention))
+    ids, _ = left_padded_batch(model.config.vocab_size, [6], seed=4)
+    ref, _ = reference_forward(model, ids)
+    torch.testing.assert_close(model(ids).logits.double(), ref, atol=2e-5, rtol=0)
+
+
+# --- Hand-set weights: a wrong pairing of maps, keys or value halves cannot pass. -------------------------------
+
+
+def _pairing_case(version, hq, hkv, seed=0):
+    """One attention layer whose map (h, c) provably attends to exactly one known position.
+
+    Tokens are one-hot inputs x_t = e_t. Identity rotary (cos = 1, sin = 0). Each softmax map is made to point at
+    a distinct position p(h, c); the expected output is then V(x_p(h,0)) − λ·V(x_p(h,1)) per head, computed from
+    the SPEC §3 index rules on the value weights alone.
+    """
+    torch.manual_seed(seed)
+    d, H = 8, hq // 2
+    G = hkv // 2 if version == 1 else hkv
+    n = H // G
+    width = 2 * d if version == 1 else d
+    E = max(H * width, 32)
+    cfg = tiny_config("v1_gqa", hidden_size=E, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, diff_version=version)
+    attn = DiffTransformerAttention(cfg, layer_idx=2).eval()
+    big = 60.0
+    T = 2 * H + 1  # distinct target position per map, and a final query token
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.zero_()
+        attn.o_proj.weight[:, : H * width] = torch.eye(E)[:, : H * width]
+        attn.v_proj.weight.normal_()
+        last = T - 1
+        targets = {}
+        for h in range(H):
+            g, r = divmod(h, n)
+            for c in range(2):
+                targets[h, c] = 2 * h + c
+                if version == 1:
+                    qi, kj, u = (2 * g + c) * n + r, 2 * g + c, r  # map c of head h uses K[g, c]; direction r
+                else:
+                    qi, kj, u = 2 * h + c, g, 2 * r + c  # V2: both maps share K[g]; direction per map
+                # key head kj puts position targets[h, c] on direction u; query qi looks along u (last token).
+                attn.k_proj.weight[kj * d + u, targets[h, c]] = big
+                attn.q_proj.weight[qi * d + u, last] = 1.0
+        if version == 1:
+            attn.lambda_q1.normal_(0, 0.3), attn.lambda_k1.normal_(0, 0.3)
+            attn.lambda_q2.normal_(0, 0.3), attn.lambda_k2.normal_(0, 0.3)
+            attn.subln.weight.fill_(1.0)
+        else:
+            attn.lambda_proj.weight.normal_()
+    x = torch.eye(E)[:T][None]  # (1, T, E)
+    cos, sin = torch.ones(1, T, d), torch.zeros(1, T, d)
+    Wv = attn.v_proj.weight.view(hkv, d, E)
+    expected = []
+    for h in range(H):
+        g, r = divmod(h, n)
+        if version == 1:
+            value = lambda t: torch.cat([Wv[2 * g, :, t], Wv[2 * g + 1, :, t]])  # noqa: E731
+            lam = attn.lambda_full()
+            o = value(targets[h, 0]) - lam * value(targets[h, 1])
+            o = o * torch.rsqrt(o.pow(2).mean() + cfg.subln_eps) * (1 - attn.lambda_init)
+        else:
+            lam = torch.sigmoid(attn.lambda_proj.weight[h] @ x[0, last])
+            o = Wv[g, :, targets[h, 0]] - lam * Wv[g, :, targets[h, 1]]
+        expected.append(o)
+    expected = torch.cat(expected)
+    return attn, x, (cos, sin), expected, H * width
+
+
+@pytest.mark.parametrize("version,hq,hkv", [(1, 8, 4), (1, 8, 2), (1, 8, 8), (2, 8, 2), (2, 8, 4)])
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_hand_set_weights_pair_maps_keys_and_values_as_the_paper(version, hq, hkv, attn_impl):
+    attn, x, pos, expected, width = _pairing_case(version, hq, hkv)
+    attn.config._attn_implementation = attn_impl
+    mask = torch.full((1, 1, x.shape[1], x.shape[1]), float("-inf")).triu(1)
+    with torch.no_grad():
+        out, _, _ = attn(x, pos, attention_mask=mask)
+    torch.testing.assert_close(out[0, -1, :width], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_model_from_config_and_task_heads():
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers import AutoModelForQuestionAnswering
+
+    cfg = tiny_config("v2_gqa", num_labels=3)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert type(AutoModelForCausalLM.from_config(cfg)).__name__ == "DiffTransformerForCausalLM"
+    assert AutoModel.from_config(cfg)(ids).last_hidden_state.shape == (1, 4, cfg.hidden_size)
+    assert AutoModelForSequenceClassification.from_config(cfg)(ids).logits.shape == (1, 3)
+    assert AutoModelForTokenClassification.from_config(cfg)(ids).logits.shape == (1, 4, 3)
+    qa = AutoModelForQuestionAnswering.from_config(cfg)(ids)
+    assert qa.start_logits.shape == qa.end_logits.shape == (1, 4)
