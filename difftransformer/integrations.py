@@ -1,0 +1,154 @@
+"""Glue between difftransformer and the libraries users train with: PEFT and transformers' ``Trainer``.
+
+Both libraries key some behaviour off *static* tables of known architectures, which a model registered at run time
+is missing from:
+
+* PEFT picks default adapter targets (``LoraConfig(task_type="CAUSAL_LM")`` without ``target_modules``) from
+  ``peft.utils.constants.TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING`` by ``config.model_type``; an unknown type
+  raises. :func:`register_peft` adds ``"difftransformer"`` with Llama's entries: our module names are Llama's
+  (``q_proj``, ``v_proj``, ``down_proj``, ...), so every PEFT method's Llama default applies unchanged.
+* ``Trainer`` with ``label_smoothing_factor > 0`` shifts labels by one (next-token targets) only when the model's
+  class name is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; otherwise it silently scores each position against its
+  *own* token. :func:`register_trainer` adds our causal-LM class there (text-generation pipelines read the same
+  table to decide whether a model is a supported generator).
+
+:func:`register_integrations` does both. The differential λ parameters can be trained next to an adapter:
+
+* V2: ``lambda_proj`` is an ``nn.Linear``; PEFT's own ``modules_to_save=["lambda_proj"]`` trains it and stores it in
+  the adapter (see :func:`lambda_modules_to_save`).
+* V1: ``lambda_q1/k1/q2/k2`` are bare ``nn.Parameter`` vectors of the attention module, which PEFT cannot wrap
+  (``modules_to_save`` wraps modules, and wrapping ``self_attn`` would fully fine-tune q/k/v/o and forbid LoRA inside
+  it; ``target_parameters`` needs 2-D weights). :func:`enable_lambda_training` marks them trainable and
+  :func:`save_adapter` writes them into ``adapter_model.safetensors`` under the names PEFT's loader matches, so the
+  standard ``PeftModel.from_pretrained`` restores them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+MODEL_TYPE = "difftransformer"
+CAUSAL_LM_CLASS = "DiffTransformerForCausalLM"
+# Names of the V1 λ vectors inside an attention module (SPEC §3).
+V1_LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+_V1_LAMBDA_RE = re.compile(r"(^|\.)self_attn\.(" + "|".join(V1_LAMBDA_NAMES) + r")$")
+
+
+def register_peft() -> bool:
+    """Give ``model_type="difftransformer"`` PEFT's Llama defaults for every adapter method. Idempotent.
+
+    Returns ``False`` (and does nothing) when PEFT is not installed.
+    """
+    try:
+        from peft.utils import constants
+    except ImportError:
+        return False
+    for name in dir(constants):
+        table = getattr(constants, name)
+        # Mutated in place: PEFT's tuner classes hold references to these very dicts (e.g.
+        # LoraModel.target_module_mapping is TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and "llama" in table:
+            table.setdefault(MODEL_TYPE, table["llama"])
+    return True
+
+
+def register_trainer() -> None:
+    """Make ``Trainer`` (label smoothing) and pipelines treat ``DiffTransformerForCausalLM`` as a causal LM. Idempotent.
+
+    The entry is added only to the *names* table; transformers' lazy Auto mappings skip model types absent from
+    ``CONFIG_MAPPING_NAMES``, so nothing tries to import ``transformers.models.difftransformer``.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MODEL_TYPE, CAUSAL_LM_CLASS)
+
+
+def register_integrations() -> None:
+    """:func:`register_peft` and :func:`register_trainer`; meant to run at ``import difftransformer``."""
+    register_peft()
+    register_trainer()
+
+
+def _config_of(model):
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) != MODEL_TYPE:
+        raise ValueError(f"Expected a difftransformer model (config.model_type={MODEL_TYPE!r}), got {type(model).__name__}.")
+    return config
+
+
+def lambda_modules_to_save(config) -> list[str]:
+    """``modules_to_save`` entries that train λ with PEFT's own mechanism: ``["lambda_proj"]`` for V2.
+
+    V1 has no λ *module* (λ is four vectors on the attention module): the list is empty; use
+    :func:`enable_lambda_training` and :func:`save_adapter` instead.
+    """
+    return ["lambda_proj"] if config.diff_version == 2 else []
+
+
+def enable_lambda_training(peft_model) -> list[str]:
+    """Mark λ trainable in a PEFT-wrapped (or plain) model and return the names of the parameters switched on.
+
+    V1: the four λ vectors of every layer (float32, ``head_dim`` each: a few hundred parameters per model).
+    V2: rejected with a pointer to ``modules_to_save=["lambda_proj"]``, PEFT's native route (it also keeps the base
+    ``lambda_proj`` untouched, so ``disable_adapter()`` still gives the base model).
+
+    Note that V1 λ are trained *in place* in the base model (PEFT has no copy-on-train mechanism for bare
+    parameters): ``disable_adapter()`` disables the LoRA update but not a λ change.
+    """
+    config = _config_of(peft_model)
+    if config.diff_version != 1:
+        raise ValueError(
+            "enable_lambda_training is for diff_version=1 (λ vectors); for diff_version=2 add "
+            "modules_to_save=['lambda_proj'] to the PEFT config (see lambda_modules_to_save)."
+        )
+    names = []
+    for name, param in peft_model.named_parameters():
+        if _V1_LAMBDA_RE.search(name):
+            param.requires_grad_(True)
+            names.append(name)
+    return names
+
+
+def save_adapter(peft_model, save_directory: str | os.PathLike, **kwargs) -> Path:
+    """``peft_model.save_pretrained(save_directory, **kwargs)``, plus trainable V1 λ inside the adapter file.
+
+    The λ tensors are stored under the PeftModel's own parameter names (``base_model.model.model.layers.{l}.
+    self_attn.lambda_q1``, ...), which PEFT's ``set_peft_model_state_dict`` passes unchanged to
+    ``load_state_dict(strict=False)``: ``PeftModel.from_pretrained(base, folder)`` restores them with no extra step.
+    Returns the folder of the default adapter file.
+    """
+    from safetensors.torch import load_file, save_file
+
+    _config_of(peft_model)
+    peft_model.save_pretrained(save_directory, **kwargs)
+    lambdas = {
+        name: param.detach().to("cpu").contiguous()
+        for name, param in peft_model.named_parameters()
+        if param.requires_grad and _V1_LAMBDA_RE.search(name)
+    }
+    adapter_name = getattr(peft_model, "active_adapter", "default")
+    folder = Path(save_directory) if adapter_name == "default" else Path(save_directory) / adapter_name
+    if lambdas:
+        path = folder / "adapter_model.safetensors"
+        if not path.is_file():
+            raise ValueError(
+                f"{path} not found: V1 λ are stored inside the safetensors adapter file; "
+                "do not pass safe_serialization=False."
+            )
+        tensors = load_file(path)
+        tensors.update(lambdas)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+__all__ = [
+    "V1_LAMBDA_NAMES",
+    "enable_lambda_training",
+    "lambda_modules_to_save",
+    "register_integrations",
+    "register_peft",
+    "register_trainer",
+    "save_adapter",
+]
