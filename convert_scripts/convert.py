@@ -1,0 +1,143 @@
+"""Command line for difftransformer.convert (also installed as ``difftransformer-convert``).
+
+    python convert_scripts/convert.py --from llama --to difftransformer --diff-version 2 \
+        --input ./my-llama --output ./my-llama-diff-v2 --verify
+
+Every option is explained by ``--help``; the conversions themselves live in ``difftransformer/convert.py``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository importable without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from difftransformer.convert import DTYPES, MICROSOFT_V1_MODULES, SOURCES, TARGETS, ConversionError, convert  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="difftransformer-convert",
+        description=(
+            "Convert a checkpoint folder into the difftransformer format (or a V1 model into transformers' DiffLlama). "
+            "The source is checked key by key and shape by shape before anything is written; the result is written "
+            "to a temporary folder beside --output and renamed into place at the end. See docs/convert.md."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        choices=SOURCES,
+        help="Source format. diffllama: transformers DiffLlamaForCausalLM folder (V1, exact). microsoft-v1 / "
+        "microsoft-v2: full-model state dict whose attention modules are Microsoft's MultiheadDiffAttn / "
+        "MultiheadFlashDiff1 / MultiheadFlashDiff2 (V1) or MultiheadFlashDiffV2 (V2), Llama names elsewhere, with a "
+        "config.json in Microsoft's head convention (num_heads = differential heads, num_kv_heads). llama: any "
+        "Llama / Mistral / Qwen2 causal LM folder (needs --diff-version). difftransformer: our own format (re-save "
+        "with another dtype or shard size, or export with --to diffllama).",
+    )
+    parser.add_argument(
+        "--to",
+        dest="target",
+        default="difftransformer",
+        choices=TARGETS,
+        help="Target format. difftransformer: our format, loadable with AutoModelForCausalLM (custom code and auto_map "
+        "included). diffllama: transformers' DiffLlama, for V1 models only (subln folded into o_proj; needs "
+        "subln_eps == rms_norm_eps).",
+    )
+    parser.add_argument("--input", required=True, type=Path, help="Source folder (config.json plus safetensors, sharded or not).")
+    parser.add_argument(
+        "--output",
+        required=True,
+        type=Path,
+        help="Folder to create. Never the input or a folder containing it; a non-empty folder is refused unless --overwrite.",
+    )
+    parser.add_argument(
+        "--diff-version",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="Only for --from llama (required there): 2 = exact upcycling (query heads duplicated, λ = 0.5, o_proj "
+        "doubled: same logits); 1 = approximate upcycling (needs even num_key_value_heads; the result must be trained "
+        "further). Other sources imply their version.",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="dtype of the written weights; auto keeps the source's (config dtype, else its tensors'). V1 λ vectors "
+        "are always stored in float32.",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="After converting, run the source and the result (float32, CPU) on a fixed 16-token prompt and print the "
+        "max |logit difference|. Loads both models into memory. Microsoft sources cannot be run: only the result is "
+        "checked (it loads and gives finite logits).",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --output folder (only once the new one is complete).")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="Accept pytorch_model.bin weights. Unpickling can run code: only for files you trust (they are read with "
+        "torch.load(weights_only=True)).",
+    )
+    parser.add_argument(
+        "--key-map",
+        type=Path,
+        default=None,
+        help='Microsoft sources only: JSON file {"source prefix": "our prefix"} renaming the state dict into the '
+        "default layout (Llama names, attention at model.layers.{l}.self_attn.); '{l}' stands for a layer index, the "
+        "longest matching prefix wins, unmatched keys keep their names.",
+    )
+    parser.add_argument(
+        "--microsoft-module",
+        default=None,
+        choices=MICROSOFT_V1_MODULES,
+        help="microsoft-v1 only: the module that produced the weights (else 'attention_module' from config.json). "
+        "Required under GQA (num_heads > num_kv_heads), where MultiheadDiffAttn checkpoints are refused (their key "
+        "pairing is not DIFF V1).",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--from llama --diff-version 1: seed of the N(0, lambda_std) λ initialisation.")
+    parser.add_argument(
+        "--max-shard-size",
+        default="50GB",
+        help="Largest safetensors shard (as save_pretrained, e.g. 5GB or a byte count); larger models get an index.",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar over tensors.")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    max_shard_size = int(args.max_shard_size) if str(args.max_shard_size).isdigit() else args.max_shard_size
+    try:
+        result = convert(
+            args.source,
+            args.input,
+            args.output,
+            args.target,
+            diff_version=args.diff_version,
+            dtype=args.dtype,
+            verify=args.verify,
+            overwrite=args.overwrite,
+            allow_pickle=args.allow_pickle,
+            key_map=args.key_map,
+            microsoft_module=args.microsoft_module,
+            seed=args.seed,
+            max_shard_size=max_shard_size,
+            progress=not args.no_progress,
+        )
+    except ConversionError as err:
+        print(f"difftransformer-convert: error: {err}", file=sys.stderr)
+        return 2
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"wrote {result.output} ({'exact' if result.exact else 'approximate'} conversion)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
