@@ -853,7 +853,7 @@ def write_plan(
                 tensor = steps[name].fn(ckpt.get)
                 if tuple(tensor.shape) != tuple(plan.target_shapes[name]):
                     raise ConversionError(f"internal: {name} computed with shape {tuple(tensor.shape)}, expected {plan.target_shapes[name]}.")
-                shard[name] = tensor.to(out_dtype[name]).contiguous()
+                shard[name] = tensor.to(device="cpu", dtype=out_dtype[name]).contiguous()
                 bar.update()
             save_file(shard, str(folder / filename), metadata={"format": "pt"})
             del shard

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import DiffLlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.convert import ConversionError, convert
@@ -88,18 +89,18 @@ def ms_attention_v2(sd, p, x, H, G, d):
     return o.reshape(T, H * d) @ sd[p + "o_proj.weight"].T
 
 
-def ms_model_logits(sd, ids, version, H, G, naive=False, d=None, tied=False):
+def ms_model_logits(sd, ids, version, H, G, naive=False, d=None, tied=False, eps=EPS):
     sd = {k: v.double() for k, v in sd.items()}
     x = sd["model.embed_tokens.weight"][ids]
     for layer in range(LAYERS):
         p = f"model.layers.{layer}."
-        h = rms(x, sd[p + "input_layernorm.weight"], EPS)
+        h = rms(x, sd[p + "input_layernorm.weight"], eps)
         a = p + "self_attn."
         x = x + (ms_attention_v1(sd, a, h, H, G, layer, naive) if version == 1 else ms_attention_v2(sd, a, h, H, G, d))
-        h = rms(x, sd[p + "post_attention_layernorm.weight"], EPS)
+        h = rms(x, sd[p + "post_attention_layernorm.weight"], eps)
         mlp = torch.nn.functional.silu(h @ sd[p + "mlp.gate_proj.weight"].T) * (h @ sd[p + "mlp.up_proj.weight"].T)
         x = x + mlp @ sd[p + "mlp.down_proj.weight"].T
-    x = rms(x, sd["model.norm.weight"], EPS)
+    x = rms(x, sd["model.norm.weight"], eps)
     return x @ (sd["model.embed_tokens.weight"] if tied else sd["lm_head.weight"]).T
 
 
@@ -280,6 +281,22 @@ def test_weightless_subln_of_early_files_and_partial_subln_error(tmp_path):
     src2 = write_source(tmp_path / "ms2", partial, ms_config(4, 4))
     with pytest.raises(ConversionError, match=r"missing tensors: model\.layers\.1\.self_attn\.subln\.weight"):
         convert("microsoft-v1", src2, tmp_path / "out2", progress=False)
+
+
+def test_microsoft_v1_straight_to_diffllama(tmp_path):
+    """--to diffllama composes with any V1 source: stock transformers then serves Microsoft-layout weights."""
+    sd = ms_state_dict(1, 4, 2, seed=8)
+    cfg = {**ms_config(4, 2, module="MultiheadFlashDiff1"), "rms_norm_eps": 1e-5}  # = Microsoft's subln eps
+    src = write_source(tmp_path / "ms", sd, cfg)
+    convert("microsoft-v1", src, tmp_path / "dl", target="diffllama", progress=False)
+    served = DiffLlamaForCausalLM.from_pretrained(tmp_path / "dl").eval()
+    with torch.no_grad():
+        logits = served(IDS).logits[0].double()
+    torch.testing.assert_close(logits, ms_model_logits(sd, IDS[0], 1, 4, 2, eps=1e-5), atol=2e-5, rtol=2e-5)
+    # With a model eps different from the per-head norm's, DiffLlama cannot hold it exactly: refused.
+    src2 = write_source(tmp_path / "ms2", sd, ms_config(4, 2, module="MultiheadFlashDiff1"))
+    with pytest.raises(ConversionError, match="subln_eps"):
+        convert("microsoft-v1", src2, tmp_path / "dl2", target="diffllama", progress=False)
 
 
 def test_in_memory_state_dict_and_config_errors(tmp_path):
