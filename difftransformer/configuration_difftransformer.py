@@ -86,7 +86,7 @@ class DiffTransformerConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_dropout: float | int | None = 0.0
     mlp_bias: bool = False
-    diff_version: int = 1
+    diff_version: int | str = 1
     lambda_init: float | None = None
     lambda_std: float = 0.1
     subln_eps: float = 1e-5
@@ -94,6 +94,9 @@ class DiffTransformerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if isinstance(self.diff_version, str):  # accept "1", "v1", "V2": normalised to the int that is saved
+            name = self.diff_version.strip().lower().removeprefix("v")
+            self.diff_version = int(name) if name.isdigit() else self.diff_version
         if self.head_dim is None:
             # An explicit head_dim may differ from hidden_size // Hq (as in Llama); a derived one must divide exactly.
             if self.num_attention_heads and self.hidden_size % self.num_attention_heads:
@@ -110,7 +113,7 @@ class DiffTransformerConfig(PreTrainedConfig):
     def validate_architecture(self):
         """Every SPEC §0 invariant; runs at construction and from ``config.validate()``."""
         v, hq, hkv, d = self.diff_version, self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        if v not in SUPPORTED_DIFF_VERSIONS:
+        if isinstance(v, bool) or v not in SUPPORTED_DIFF_VERSIONS:
             raise ValueError(f"`diff_version` must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {v!r}.")
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:

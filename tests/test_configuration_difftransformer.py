@@ -1,0 +1,74 @@
+"""DiffTransformerConfig: derived sizes, strict validation with field-naming errors, serialisation, Auto registration."""
+
+import pytest
+from transformers import AutoConfig
+
+from difftransformer import DiffTransformerConfig
+
+BASE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=96)
+
+
+@pytest.mark.parametrize(
+    "version,hkv,groups,n", [(1, 8, 4, 1), (1, 4, 2, 2), (1, 2, 1, 4), (2, 4, 4, 1), (2, 2, 2, 2), (2, 1, 1, 4)]
+)
+def test_derived_sizes(version, hkv, groups, n):
+    cfg = DiffTransformerConfig(**{**BASE, "num_key_value_heads": hkv, "diff_version": version})
+    assert cfg.head_dim == 8 and cfg.num_diff_heads == 4
+    assert cfg.num_kv_groups == groups and cfg.num_diff_heads // cfg.num_kv_groups == n
+
+
+@pytest.mark.parametrize(
+    "overrides,fields",
+    [
+        (dict(num_attention_heads=7, head_dim=8), ["num_attention_heads", "even"]),
+        (dict(num_key_value_heads=3), ["num_key_value_heads", "even"]),
+        (dict(num_attention_heads=12, num_key_value_heads=8, head_dim=8), ["num_key_value_heads", "one of"]),
+        (dict(diff_version=2, num_key_value_heads=8), ["num_key_value_heads", "one of [1, 2, 4]"]),
+        (dict(diff_version=2, num_attention_heads=12, num_key_value_heads=4, head_dim=8), ["num_key_value_heads", "[1, 2, 3, 6]"]),
+        (dict(diff_version=3), ["diff_version", "(1, 2)"]),
+        (dict(diff_version="v3"), ["diff_version", "(1, 2)"]),
+        (dict(diff_version="paper"), ["diff_version", "(1, 2)"]),
+        (dict(attention_dropout=0.1), ["attention_dropout", "must be 0"]),
+        (dict(hidden_size=60), ["hidden_size", "num_attention_heads", "head_dim"]),
+        (dict(head_dim=7), ["head_dim", "even"]),
+        (dict(num_key_value_heads=0), ["num_key_value_heads", "positive"]),
+        (dict(lambda_init=1.5), ["lambda_init", "[0, 1)"]),
+        (dict(subln_eps=0.0), ["subln_eps"]),
+    ],
+)
+def test_invalid_configs_raise_value_error_naming_fields(overrides, fields):
+    with pytest.raises(ValueError) as err:
+        DiffTransformerConfig(**{**BASE, **overrides})
+    for text in fields:
+        assert text in str(err.value)
+
+
+@pytest.mark.parametrize("name,version", [("v1", 1), ("V2", 2), ("2", 2), (1, 1)])
+def test_version_names_are_normalised(name, version):
+    cfg = DiffTransformerConfig(**{**BASE, "num_key_value_heads": 4, "diff_version": name})
+    assert cfg.diff_version == version and cfg.to_dict()["diff_version"] == version
+
+
+def test_validation_also_applies_when_loading(tmp_path):
+    cfg = DiffTransformerConfig(**BASE)
+    cfg.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text().replace('"num_key_value_heads": 4', '"num_key_value_heads": 3')
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_round_trip_and_auto_config(tmp_path):
+    cfg = DiffTransformerConfig(**{**BASE, "num_key_value_heads": 2}, diff_version=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
+    cfg.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is DiffTransformerConfig and loaded.model_type == "difftransformer"
+    assert loaded.to_diff_dict() == cfg.to_diff_dict()
+    assert loaded.rope_parameters["factor"] == 2.0 and loaded.diff_version == 2
+    assert AutoConfig.for_model("difftransformer", **BASE).num_diff_heads == 4
+
+
+def test_defaults_are_the_paper_v1():
+    cfg = DiffTransformerConfig()
+    assert cfg.diff_version == 1 and cfg.lambda_init is None and cfg.lambda_std == 0.1 and cfg.subln_eps == 1e-5
+    assert cfg.num_key_value_heads == cfg.num_attention_heads and cfg.attention_dropout == 0.0
