@@ -291,12 +291,6 @@ def _meta_shapes(model_cls, config) -> dict[str, tuple]:
     return shapes
 
 
-def _identity_plan(source_shapes: dict[str, tuple], config, target_shapes: dict[str, tuple], tied: bool) -> Plan:
-    steps = [Step(k, (k,), _copy(k), keep_float32=_is_lambda_vector(k)) for k in target_shapes]
-    optional = {"lm_head.weight": source_shapes["model.embed_tokens.weight"]} if tied else {}
-    return Plan(dict(source_shapes), optional, steps, config, target_shapes)
-
-
 def _is_lambda_vector(key: str) -> bool:
     return re.search(r"\.lambda_[qk][12]$", key) is not None
 
@@ -317,10 +311,13 @@ def _tied_optional(config, hidden: int) -> dict[str, tuple]:
 # -- difftransformer (ours) --------------------------------------------------------------------------------------
 
 
-def plan_from_difftransformer(config: DiffTransformerConfig) -> Plan:
+def plan_from_difftransformer(config) -> Plan:
+    """Our own format: every tensor copied (a re-save with another dtype or shard size, or the start of --to diffllama)."""
+    # A fresh config of our class: never mutate a caller's model config, and accept one loaded as remote code.
+    config = DiffTransformerConfig.from_dict(config.to_dict())
     shapes = _meta_shapes(DiffTransformerForCausalLM, config)
-    source = dict(shapes)
-    return _identity_plan(source, config, shapes, config.tie_word_embeddings)
+    steps = [Step(k, (k,), _copy(k), keep_float32=_is_lambda_vector(k)) for k in shapes]
+    return Plan(dict(shapes), _tied_optional(config, config.hidden_size), steps, config, shapes)
 
 
 # -- transformers DiffLlama -------------------------------------------------------------------------------------
@@ -551,6 +548,8 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
         raise ConversionError(f"num_heads ({H}) must be a multiple of num_kv_heads ({G}).")
     if version == 1:
         # MultiheadDiffAttn / MultiheadFlashDiff*: head_dim = embed_dim // num_heads // 2, fixed by the module.
+        if E % (2 * H):
+            raise ConversionError(f"hidden_size ({E}) must be divisible by 2 * num_heads ({2 * H}) for Microsoft's V1 modules.")
         d = E // H // 2
         if cfg.get("head_dim") not in (None, d):
             raise ConversionError(f"head_dim={cfg['head_dim']}: Microsoft's V1 modules fix head_dim = hidden_size // num_heads // 2 = {d}.")
@@ -601,18 +600,18 @@ def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None
     target_shapes = _meta_shapes(DiffTransformerForCausalLM, config)
     d, E = config.head_dim, config.hidden_size
     rope_rows = interleaved_to_rotate_half(d)
+    # V1 query rows (g, r, c) → (g, c, r); V2 rows already pair adjacent heads. k and v keep their order. Every q
+    # and k head also goes from interleaved to rotate-half RoPE.
+    if version == 1:
+        q_rows, out_name = expand_heads(v1_query_heads_from("microsoft", G, n), d, rope_rows), "out_proj"
+    else:
+        q_rows, out_name = expand_heads(torch.arange(config.num_attention_heads), d, rope_rows), "o_proj"
+    k_rows = expand_heads(torch.arange(config.num_key_value_heads), d, rope_rows)
     source_shapes = {k: v for k, v in target_shapes.items() if ".self_attn." not in k}
     steps = _common_steps(target_shapes)
     for layer in range(config.num_hidden_layers):
         p = _layer_prefix(layer)
         q_shape, kv_shape = target_shapes[p + "q_proj.weight"], target_shapes[p + "k_proj.weight"]
-        if version == 1:
-            q_rows = expand_heads(v1_query_heads_from("microsoft", G, n), d, rope_rows)
-            out_name = "out_proj"
-        else:
-            q_rows = expand_heads(torch.arange(config.num_attention_heads), d, rope_rows)
-            out_name = "o_proj"
-        k_rows = expand_heads(torch.arange(config.num_key_value_heads), d, rope_rows)
         source_shapes.update({p + "q_proj.weight": q_shape, p + "k_proj.weight": kv_shape, p + "v_proj.weight": kv_shape})
         source_shapes[f"{p}{out_name}.weight"] = target_shapes[p + "o_proj.weight"]
         steps += [
@@ -842,10 +841,12 @@ def write_plan(
     progress: bool = True,
 ) -> None:
     """Compute and write every tensor of ``plan`` into ``folder`` as (sharded) safetensors, one shard in memory."""
-    out_dtype = {k: (torch.float32 if s.keep_float32 and dtype != torch.float64 else dtype) for k, s in ((s.target, s) for s in plan.steps)}
+    steps = {s.target: s for s in plan.steps}
+    wide = torch.float32 if dtype.itemsize < 4 else dtype
+    out_dtype = {k: wide if step.keep_float32 else dtype for k, step in steps.items()}
+    # Shard boundaries from shapes alone (meta tensors), exactly as save_pretrained would place them.
     metas = {k: torch.empty(plan.target_shapes[k], dtype=out_dtype[k], device="meta") for k in plan.target_shapes}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    steps = {s.target: s for s in plan.steps}
     with tqdm(total=len(steps), desc="Converting tensors", unit="tensor", disable=not progress) as bar:
         for filename, names in split.filename_to_tensors.items():
             shard = {}
@@ -1060,7 +1061,7 @@ def convert(
 
     result = ConversionResult(output, plan.config, plan.exact, plan.notes, copied)
     if verify:
-        result.max_logit_diff = verify_conversion(source, input, output, src_config, plan.config)
+        result.max_logit_diff = verify_conversion(source, input, output)
     return result
 
 
@@ -1081,13 +1082,13 @@ def verify_prompt(vocab_size: int, length: int = 16) -> torch.Tensor:
 
 
 @torch.no_grad()
-def verify_conversion(source: str, input, output: Path, src_config, config) -> float | None:
+def verify_conversion(source: str, input, output: str | os.PathLike) -> float | None:
     """Run the source model and the converted one on :func:`verify_prompt` in float32; return the max |Δ logit|.
 
     Microsoft sources have no runnable model in transformers; for them only the result is run (finite logits).
     """
     result = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
-    ids = verify_prompt(config.vocab_size)
+    ids = verify_prompt(result.config.vocab_size)
     new_logits = result(ids).logits
     if not torch.isfinite(new_logits).all():
         raise ConversionError(f"--verify: the converted model in {output} produces non-finite logits.")

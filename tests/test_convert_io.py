@@ -27,6 +27,7 @@ from transformers import (
 )
 
 import difftransformer.convert as conv
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from convert_scripts.convert import build_parser, main
 from difftransformer.convert import ConversionError, convert
 from test_convert_microsoft import ms_config, ms_state_dict, write_source
@@ -139,6 +140,19 @@ def test_sharded_input_and_sharded_output_with_index(tmp_path):
     # Re-saving our own format (here: unsharded, float16) reads the sharded result back.
     convert("difftransformer", tmp_path / "out", tmp_path / "fp16", dtype="float16", progress=False)
     assert set(load_file(tmp_path / "fp16" / "model.safetensors")) == stored
+
+
+def test_resave_in_memory_model_leaves_it_untouched(tmp_path):
+    """--from difftransformer with a model in memory: bf16 copy on disk, λ kept in float32, caller's model unchanged."""
+    model = DiffTransformerForCausalLM(DiffTransformerConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    config_before = model.config.to_json_string()
+    convert("difftransformer", model, tmp_path / "bf16", dtype="bfloat16", progress=False)
+    assert model.config.to_json_string() == config_before and model.dtype == torch.float32
+    stored = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert stored["model.layers.0.self_attn.lambda_q1"].dtype == torch.float32
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(stored["model.layers.1.self_attn.lambda_k2"], model.model.layers[1].self_attn.lambda_k2.detach(), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ output safety
