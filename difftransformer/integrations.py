@@ -9,8 +9,8 @@ is missing from:
   (``q_proj``, ``v_proj``, ``down_proj``, ...), so every PEFT method's Llama default applies unchanged.
 * ``Trainer`` with ``label_smoothing_factor > 0`` shifts labels by one (next-token targets) only when the model's
   class name is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; otherwise it silently scores each position against its
-  *own* token. :func:`register_trainer` adds our causal-LM class there (text-generation pipelines read the same
-  table to decide whether a model is a supported generator).
+  *own* token. :func:`register_trainer` adds our causal-LM class there. (Pipelines read the same table but also
+  the Auto classes' registrations, so they already accept the model.)
 
 :func:`register_integrations` does both. The differential λ parameters can be trained next to an adapter:
 

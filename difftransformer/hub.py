@@ -1,0 +1,172 @@
+"""Hub readiness: the exact folder a push uploads, a model card that says what the model is, and the push itself.
+
+A Differential Transformer folder must load where this package is not installed, through the Hub's remote-code
+format: ``config.json`` with ``auto_map``, both source files (``configuration_difftransformer.py``,
+``modeling_difftransformer.py``), the weights, ``generation_config.json``, the tokenizer, and a model card
+(``README.md``) stating the DIFF version and citing the paper (arXiv 2410.05258). :func:`save_for_hub` writes that
+folder with transformers' ``save_pretrained`` and ``huggingface_hub.ModelCard``; :func:`check_hub_folder` names
+anything missing; :func:`push_to_hub` uploads the folder in one commit with ``HfApi.upload_folder`` (what
+transformers' own ``push_to_hub`` does after saving to a temporary folder; here the tokenizer and our card travel in
+the same commit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+PAPER_URL = "https://arxiv.org/abs/2410.05258"
+CITATION = """@inproceedings{ye2025differential,
+  title     = {Differential Transformer},
+  author    = {Tianzhu Ye and Li Dong and Yuqing Xia and Yutao Sun and Yi Zhu and Gao Huang and Furu Wei},
+  booktitle = {The Thirteenth International Conference on Learning Representations (ICLR)},
+  year      = {2025},
+  url       = {https://arxiv.org/abs/2410.05258}
+}"""
+SOURCE_FILES = ("configuration_difftransformer.py", "modeling_difftransformer.py")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+_VERSION_TEXT = {
+    1: (
+        "DIFF V1 (the paper's differential attention): every head computes two softmax maps and subtracts them, "
+        "`(softmax(Q1 K1ᵀ/√d) − λ · softmax(Q2 K2ᵀ/√d)) V`, with one learnable scalar λ per layer "
+        "(re-parameterised as `exp(λq1·λk1) − exp(λq2·λk2) + λinit`), a per-head RMSNorm and `(1 − λinit)` scaling."
+    ),
+    2: (
+        "DIFF V2 (Ye, Dong, Sun, Wei, 2026): adjacent query heads over one shared KV head form a pair, "
+        "`o_h = a_2h − sigmoid(x W_λ)_h · a_2h+1`, with λ computed per token and head; no per-head norm. "
+        "Its KV cache and attention kernels are a standard GQA model's."
+    ),
+}
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json: save the model there first (model.save_pretrained).")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def model_card(config, *, model_name: str | None = None, training_note: str | None = None, license: str | None = None):
+    """A ``huggingface_hub.ModelCard`` for a difftransformer model: DIFF version, sizes, usage, citation.
+
+    ``config`` is a ``DiffTransformerConfig`` or its ``config.json`` dict. The metadata header marks the repository
+    as ``custom_code`` (the Hub shows the ``trust_remote_code`` notice) with ``pipeline_tag: text-generation``.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    cfg = config if isinstance(config, dict) else config.to_dict()
+    if cfg.get("model_type") != "difftransformer":
+        raise ValueError(f"`config` must be a difftransformer config (model_type 'difftransformer'), got {cfg.get('model_type')!r}.")
+    version = cfg.get("diff_version", 1)
+    if version not in _VERSION_TEXT:
+        raise ValueError(f"`diff_version` must be one of {tuple(_VERSION_TEXT)}, got {version!r}.")
+    name = model_name or f"DiffTransformer (DIFF V{version})"
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=["difftransformer", "differential-transformer", f"diff-v{version}", "custom_code", "text-generation"],
+    )
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    sizes = (
+        f"| field | value |\n|---|---|\n| `diff_version` | {version} |\n| layers | {cfg['num_hidden_layers']} |\n"
+        f"| hidden size | {cfg['hidden_size']} |\n| differential heads (`num_attention_heads / 2`) | {hq // 2} |\n"
+        f"| query heads / KV heads | {hq} / {hkv} |\n| head dim | {cfg.get('head_dim')} |\n"
+        f"| vocabulary | {cfg['vocab_size']} |\n"
+    )
+    body = f"""# {name}
+
+A **Differential Transformer** language model, architecture **DIFF V{version}**
+([Ye et al., *Differential Transformer*, arXiv 2410.05258]({PAPER_URL})), in the Hugging Face `transformers`
+format of the `difftransformer` package.
+
+{_VERSION_TEXT[version]}
+
+{sizes}
+{training_note + chr(10) if training_note else ""}
+## Usage
+
+The repository carries its modeling code, so it loads without the `difftransformer` package:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("<this folder or repo id>", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("<this folder or repo id>")
+out = model.generate(**tokenizer("def main(", return_tensors="pt"), max_new_tokens=32)
+print(tokenizer.decode(out[0], skip_special_tokens=True))
+```
+
+With `pip install difftransformer`, `import difftransformer` registers the classes and `trust_remote_code` is not
+needed.
+
+## Citation
+
+```bibtex
+{CITATION}
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+
+
+def write_model_card(folder: str | os.PathLike, config=None, **card_kwargs) -> Path:
+    """Write ``README.md`` (see :func:`model_card`) into ``folder``; the config is read from the folder if omitted."""
+    folder = Path(folder)
+    card = model_card(config if config is not None else _read_config(folder), **card_kwargs)
+    path = folder / "README.md"
+    card.save(path)
+    return path
+
+
+def check_hub_folder(folder: str | os.PathLike, require_tokenizer: bool = True) -> None:
+    """Raise ``ValueError`` naming every file or ``auto_map`` entry a remote-code load of ``folder`` would miss."""
+    folder = Path(folder)
+    config = _read_config(folder)
+    problems = []
+    auto_map = config.get("auto_map") or {}
+    for key in ("AutoConfig", "AutoModel", "AutoModelForCausalLM"):
+        if key not in auto_map:
+            problems.append(f"config.json auto_map lacks {key!r}")
+    expected = list(SOURCE_FILES) + ["generation_config.json", "README.md"]
+    if require_tokenizer:
+        expected += list(TOKENIZER_FILES)
+    problems += [f"missing {name}" for name in expected if not (folder / name).is_file()]
+    if not any(folder.glob("*.safetensors")):
+        problems.append("missing weights (*.safetensors)")
+    if problems:
+        raise ValueError(f"{folder} is not Hub-ready: " + "; ".join(problems) + ".")
+
+
+def save_for_hub(model, folder: str | os.PathLike, tokenizer=None, **card_kwargs) -> Path:
+    """Write the exact folder :func:`push_to_hub` uploads: weights, config with ``auto_map``, both source files,
+    generation config, tokenizer (if given) and model card; then :func:`check_hub_folder` it."""
+    folder = Path(folder)
+    if getattr(model, "_auto_class", None) is None:
+        raise ValueError(
+            "The model class is not marked for remote code, so save_pretrained would not copy the source files: "
+            "create it after `import difftransformer` (or load it with trust_remote_code=True)."
+        )
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    write_model_card(folder, model.config, **card_kwargs)
+    check_hub_folder(folder, require_tokenizer=tokenizer is not None)
+    return folder
+
+
+def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = None, token: str | None = None,
+                commit_message: str = "Upload DiffTransformer model", **card_kwargs):
+    """Create ``repo_id`` if needed and upload :func:`save_for_hub`'s folder in one commit. Needs the network."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as tmp:
+        save_for_hub(model, tmp, tokenizer=tokenizer, **card_kwargs)
+        return api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)
+
+
+__all__ = ["CITATION", "check_hub_folder", "model_card", "push_to_hub", "save_for_hub", "write_model_card"]
