@@ -281,6 +281,28 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
             for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """As transformers', but a checkpoint that lacks a tensor of the backbone fails loudly.
+
+        transformers only reports missing keys and initialises them randomly; for a differential model a missing λ,
+        ``subln`` or projection silently changes the function. Only a task head that the checkpoint cannot have
+        (e.g. ``score`` of a sequence classifier built from a causal LM) may be initialised fresh. Mis-shaped tensors
+        already raise in transformers, whose load report names them.
+        """
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        prefix = model.base_model_prefix + "."
+        is_base = model.base_model is model
+        missing = sorted(k for k in info["missing_keys"] if is_base or k.startswith(prefix))
+        if missing:
+            raise ValueError(
+                f"The checkpoint lacks {len(missing)} tensor(s) of the {cls.__name__} backbone: "
+                f"{', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}. Refusing to initialise them randomly: "
+                "check that the checkpoint matches its config.json, or convert it with convert_scripts/convert.py."
+            )
+        return (model, info) if output_loading_info else model
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """As transformers', but the folder's ``auto_map`` names every Auto class (SPEC §7b).
 

@@ -1,0 +1,146 @@
+"""save_pretrained / from_pretrained: exact round trips, Hub remote-code format, meta-device init, loud failures."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from difftransformer import DiffTransformerForCausalLM
+from difftransformer.modeling_difftransformer import DiffTransformerAttention
+from utils_difftransformer import randomize_norms, tiny_config
+
+
+def _saved(tmp_path, layout, **overrides):
+    torch.manual_seed(0)
+    model = randomize_norms(DiffTransformerForCausalLM(tiny_config(layout, **overrides)).eval())
+    folder = tmp_path / layout
+    model.save_pretrained(folder)
+    return model, folder
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_round_trip_is_exact_in_safetensors(tmp_path, layout):
+    model, folder = _saved(tmp_path, layout)
+    assert (folder / "model.safetensors").exists() and not list(folder.glob("*.bin"))
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(loaded) is DiffTransformerForCausalLM
+    original, reloaded = model.state_dict(), loaded.state_dict()
+    assert original.keys() == reloaded.keys()
+    for key in original:
+        assert torch.equal(original[key], reloaded[key]), key
+    assert loaded.model.layers[0].self_attn.lambda_q1.dtype == torch.float32 if layout.startswith("v1") else True
+    ids = torch.randint(3, 97, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_bfloat16_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = DiffTransformerForCausalLM(tiny_config("v1_gqa")).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_folder_is_in_hub_remote_code_format(tmp_path):
+    _, folder = _saved(tmp_path, "v1_gqa")
+    assert (folder / "configuration_difftransformer.py").exists() and (folder / "modeling_difftransformer.py").exists()
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoConfig"] == "configuration_difftransformer.DiffTransformerConfig"
+    assert auto_map["AutoModel"] == "modeling_difftransformer.DiffTransformerModel"
+    assert auto_map["AutoModelForCausalLM"] == "modeling_difftransformer.DiffTransformerForCausalLM"
+
+
+REMOTE_CODE_CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    sys.modules["difftransformer"] = None  # the package must not be importable here
+    try:
+        import difftransformer
+        raise SystemExit("difftransformer is importable")
+    except ImportError:
+        pass
+    from transformers import AutoModel, AutoModelForCausalLM
+    folder, ids, expected = sys.argv[1], torch.load(sys.argv[2]), torch.load(sys.argv[3])
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, atol=0, rtol=0)
+    base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    assert type(base).__name__ == "DiffTransformerModel"
+    print("REMOTE_CODE_OK")
+    """
+)
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_loads_with_trust_remote_code_in_a_process_without_the_package(tmp_path, layout):
+    model, folder = _saved(tmp_path, layout)
+    ids = torch.randint(3, 97, (1, 6))
+    with torch.no_grad():
+        torch.save(model(ids).logits, tmp_path / "expected.pt")
+    torch.save(ids, tmp_path / "ids.pt")
+    script = tmp_path / "check.py"
+    script.write_text(REMOTE_CODE_CHECK)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, str(script), str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "expected.pt")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+    )
+    assert "REMOTE_CODE_OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_meta_device_init_covers_lambda_and_subln():
+    cfg = tiny_config("v1_gqa", num_hidden_layers=4, head_dim=64, hidden_size=64)
+    with torch.device("meta"):
+        model = DiffTransformerForCausalLM(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    for attn in (m for m in model.modules() if isinstance(m, DiffTransformerAttention)):
+        lam = torch.cat([attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2])
+        assert torch.isfinite(lam).all() and 0.06 < lam.std() < 0.14  # N(0, lambda_std=0.1)
+        assert torch.equal(attn.subln.weight, torch.ones_like(attn.subln.weight))
+    v2 = tiny_config("v2_gqa", hidden_size=256)
+    with torch.device("meta"):
+        model = DiffTransformerForCausalLM(v2)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    w = model.model.layers[0].self_attn.lambda_proj.weight
+    assert torch.isfinite(w).all() and 0.015 < w.std() < 0.025  # N(0, initializer_range=0.02)
+
+
+def test_from_pretrained_initialises_nothing_the_checkpoint_provides(tmp_path):
+    model, folder = _saved(tmp_path, "v1_gqa")
+    torch.manual_seed(123)  # a different seed: any random init would show
+    loaded = DiffTransformerForCausalLM.from_pretrained(folder)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    # A new task head on the same backbone is the only thing initialised fresh.
+    clf = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3)
+    assert torch.equal(clf.model.layers[1].self_attn.lambda_k2, model.model.layers[1].self_attn.lambda_k2)
+    assert AutoModel.from_pretrained(folder).layers[0].self_attn.subln.weight.shape == (16,)
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.self_attn.lambda_q2", "model.layers.0.self_attn.subln.weight", "model.layers.2.self_attn.k_proj.weight"])
+def test_checkpoint_missing_a_tensor_fails_loudly(tmp_path, key):
+    _, folder = _saved(tmp_path, "v1_gqa")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[key]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_checkpoint_with_mis_shaped_tensor_fails_loudly(tmp_path, caplog):
+    _, folder = _saved(tmp_path, "v2_gqa")
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.0.self_attn.lambda_proj.weight"
+    tensors[key] = torch.zeros(3, tensors[key].shape[1])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match="ignore_mismatched_sizes"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert key in caplog.text and "[3, 48]" in caplog.text  # transformers' load report names the tensor
