@@ -13,7 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from difftransformer.convert import DTYPES, MICROSOFT_V1_MODULES, SOURCES, TARGETS, ConversionError, convert  # noqa: E402
+from difftransformer.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES, MICROSOFT_V1_MODULES, SOURCES, TARGETS, ConversionError, convert  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="--from llama --diff-version 1: seed of the N(0, lambda_std) λ initialisation.")
     parser.add_argument(
         "--max-shard-size",
-        default="50GB",
-        help="Largest safetensors shard (as save_pretrained, e.g. 5GB or a byte count); larger models get an index.",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="Largest safetensors shard (e.g. 5GB, 500MB or a byte count); larger models are split with an index. "
+        "One shard is held in memory while it is written, so this also bounds the conversion's memory.",
     )
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar over tensors.")
     return parser

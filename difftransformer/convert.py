@@ -87,6 +87,9 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 GENERATION_CONFIG_FILE = "generation_config.json"
+# One shard is held in memory while it is written (safetensors writes whole files), so the shard size bounds the
+# conversion's memory: 5GB (huggingface_hub's default) rather than save_pretrained's 50GB.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # Old Llama checkpoints store the (deterministic, recomputed) rotary buffer; transformers ignores it on load.
 _DROPPABLE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -837,7 +840,7 @@ def write_plan(
     ckpt: Checkpoint,
     folder: Path,
     dtype: torch.dtype,
-    max_shard_size: int | str = "50GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
 ) -> None:
     """Compute and write every tensor of ``plan`` into ``folder`` as (sharded) safetensors, one shard in memory."""
@@ -980,7 +983,7 @@ def convert(
     source_config: Mapping | None = None,
     microsoft_module: str | None = None,
     seed: int = 0,
-    max_shard_size: int | str = "50GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
 ) -> ConversionResult:
     """Convert a checkpoint (SPEC §6). See the module docstring and docs/convert.md.
@@ -998,7 +1001,8 @@ def convert(
             ``input/config.json``); a folder's config.json may be overridden by it.
         microsoft_module: which Microsoft V1 module produced the weights (needed under GQA).
         seed: seed of the λ initialisation for Llama → V1 upcycling.
-        max_shard_size: as ``save_pretrained``; larger results are sharded with an index.
+        max_shard_size: largest shard (bytes or "5GB"); larger results are sharded with an index. Peak memory is
+            about one shard plus the source tensors it reads (memory-mapped).
     """
     output = Path(output)
     in_folder = Path(input) if isinstance(input, (str, os.PathLike)) else None

@@ -125,11 +125,20 @@ def test_pickled_weights_need_explicit_flag(tmp_path):
     torch.testing.assert_close(logits_of(tmp_path / "out"), logits_of(model), atol=1e-5, rtol=1e-5)
 
 
-def test_sharded_input_and_sharded_output_with_index(tmp_path):
+def test_sharded_input_and_sharded_output_with_index(tmp_path, monkeypatch):
     model = tiny_llama(seed=2)
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
     assert (tmp_path / "src" / "model.safetensors.index.json").is_file()
+    real_save, in_memory = conv.save_file, []
+
+    def recording_save(tensors, *args, **kwargs):
+        in_memory.append((sum(t.nbytes for t in tensors.values()), max(t.nbytes for t in tensors.values())))
+        return real_save(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(conv, "save_file", recording_save)
     convert("llama", tmp_path / "src", tmp_path / "out", diff_version=2, max_shard_size="20KB", progress=False)
+    # Streaming: never more than one shard (20KB, or one larger tensor on its own) held at a time.
+    assert len(in_memory) > 1 and all(total <= 20_000 or total == largest for total, largest in in_memory)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", s) for s in shards)
