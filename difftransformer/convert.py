@@ -1009,6 +1009,8 @@ def convert(
     model = input if hasattr(input, "state_dict") and hasattr(input, "config") else None
     if in_folder is None and model is None and not isinstance(input, Mapping):
         raise ConversionError(f"input must be a folder, a transformers model or (Microsoft sources) a state dict; got {type(input).__name__}.")
+    if in_folder is not None and not in_folder.is_dir():
+        raise ConversionError(f"--input {str(in_folder)!r} is not a folder.")
     _prepare_output(output, [in_folder] if in_folder is not None else [], overwrite)
 
     # Source config.

@@ -101,6 +101,8 @@ def test_wrong_source_format_or_architecture(tmp_path, llama_dir):
     (empty / "config.json").write_text((llama_dir / "config.json").read_text())
     with pytest.raises(ConversionError, match="No weights found"):
         convert("llama", empty, tmp_path / "o", diff_version=2, progress=False)
+    with pytest.raises(ConversionError, match="is not a folder"):
+        convert("llama", tmp_path / "nowhere", tmp_path / "o", diff_version=2, progress=False)
     with pytest.raises(ConversionError, match="has no config.json"):
         convert("llama", tmp_path / "gpt2" / "..", tmp_path / "o", diff_version=2, progress=False)
     with pytest.raises(ConversionError, match="--key-map applies to Microsoft sources only"):
