@@ -15,6 +15,7 @@ from transformers import (
 )
 
 from .configuration_difftransformer import DiffTransformerConfig
+from .integrations import register_integrations
 from .modeling_difftransformer import (
     DiffTransformerForCausalLM,
     DiffTransformerForQuestionAnswering,
@@ -39,6 +40,7 @@ DiffTransformerConfig.register_for_auto_class()
 for _auto_class, _model_class in _AUTO_CLASSES.items():
     _auto_class.register(DiffTransformerConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
+register_integrations()  # PEFT default LoRA targets and Trainer's causal-LM table (see integrations.py)
 
 __all__ = [
     "DiffTransformerConfig",
