@@ -70,7 +70,7 @@ REMOTE_CODE_CHECK = textwrap.dedent(
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected, atol=0, rtol=0)
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-5)  # other thread count: float rounding
     base = AutoModel.from_pretrained(folder, trust_remote_code=True)
     assert type(base).__name__ == "DiffTransformerModel"
     print("REMOTE_CODE_OK")
