@@ -5,9 +5,8 @@ format: ``config.json`` with ``auto_map``, both source files (``configuration_di
 ``modeling_difftransformer.py``), the weights, ``generation_config.json``, the tokenizer, and a model card
 (``README.md``) stating the DIFF version and citing the paper (arXiv 2410.05258). :func:`save_for_hub` writes that
 folder with transformers' ``save_pretrained`` and ``huggingface_hub.ModelCard``; :func:`check_hub_folder` names
-anything missing; :func:`push_to_hub` uploads the folder in one commit with ``HfApi.upload_folder`` (what
-transformers' own ``push_to_hub`` does after saving to a temporary folder; here the tokenizer and our card travel in
-the same commit).
+anything missing; :func:`push_to_hub` uploads the folder in one commit, the way transformers' own ``push_to_hub``
+does (save to a temporary folder, ``HfApi.create_commit``), with the tokenizer and our card in the same commit.
 """
 
 from __future__ import annotations
@@ -159,14 +158,23 @@ def save_for_hub(model, folder: str | os.PathLike, tokenizer=None, **card_kwargs
 
 def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = None, token: str | None = None,
                 commit_message: str = "Upload DiffTransformer model", **card_kwargs):
-    """Create ``repo_id`` if needed and upload :func:`save_for_hub`'s folder in one commit. Needs the network."""
-    from huggingface_hub import HfApi
+    """Create ``repo_id`` if needed and upload :func:`save_for_hub`'s folder as one commit. Needs the network.
+
+    Like transformers' ``push_to_hub`` (save to a temporary folder, then ``HfApi.create_commit`` with one
+    ``CommitOperationAdd`` per file), but the tokenizer and our model card travel in the same commit.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     with tempfile.TemporaryDirectory() as tmp:
         save_for_hub(model, tmp, tokenizer=tokenizer, **card_kwargs)
-        return api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)
+        operations = [
+            CommitOperationAdd(path_in_repo=path.relative_to(tmp).as_posix(), path_or_fileobj=str(path))
+            for path in sorted(Path(tmp).rglob("*"))
+            if path.is_file()
+        ]
+        return api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message)
 
 
 __all__ = ["CITATION", "check_hub_folder", "model_card", "push_to_hub", "save_for_hub", "write_model_card"]

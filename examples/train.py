@@ -217,9 +217,7 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
     from difftransformer.data import get_tokenizer, lm_datasets
     from difftransformer.hub import save_for_hub
-    from difftransformer.integrations import register_integrations
 
-    register_integrations()
     if args.threads:
         torch.set_num_threads(args.threads)
     output_dir = Path(args.output_dir)
