@@ -44,13 +44,13 @@ MODELS = ("v1", "v2", "llama")
 SIZES = {
     "default": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                     intermediate_size=688, seq_len=256, batch_size=16, steps=600, warmup=60, eval_every=50,
-                    eval_blocks=64, probe_samples=8, lens_examples=10),
+                    eval_blocks=64, probe_samples=8, lens_examples=10, lr=2e-3, retrieval_fraction=0.5),
     "reduced": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                     intermediate_size=384, seq_len=192, batch_size=12, steps=250, warmup=25, eval_every=25,
-                    eval_blocks=32, probe_samples=6, lens_examples=10),
+                    eval_blocks=32, probe_samples=6, lens_examples=10, lr=2e-3, retrieval_fraction=0.5),
     "smoke": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   intermediate_size=64, seq_len=96, batch_size=4, steps=4, warmup=1, eval_every=2, eval_blocks=4,
-                  probe_samples=1, lens_examples=2),
+                  probe_samples=1, lens_examples=2, lr=2e-3, retrieval_fraction=0.25),
 }
 
 
@@ -294,6 +294,14 @@ def evaluate_model(model, tokenizer, probe_examples: dict, lens_examples: int, o
         "answer_best_head": float(shares[kind][..., 0].max()),
         "noise_of_best_head": float(shares[kind][..., 1].flatten()[shares[kind][..., 0].flatten().argmax()]),
     }
+    # One heatmap: the first of those prompts, last layer, every head (answer span outlined).
+    enc = tokenizer(chosen[0].prompt, return_offsets_mapping=True)
+    answer = analysis.char_span_to_tokens(enc["offset_mapping"], *chosen[0].evidence_span)
+    question = analysis.char_span_to_tokens(enc["offset_mapping"], chosen[0].question_start, len(chosen[0].prompt))[0]
+    report = analysis.lens(model, torch.tensor(enc["input_ids"]), answer, (0, question), tokenizer=tokenizer, model_name=name)
+    num_layers, num_heads = report.shares[kind].shape[:2]
+    analysis.plot_heatmaps(report, os.path.join(out_dir, f"heatmap_{name}.png"), layers=[num_layers - 1],
+                           heads=list(range(min(num_heads, 4))), last_rows=24)
     if lensed.lambdas is not None:  # V1: λ per layer; V2: mean over heads of the per-token mean / std of λ
         lam = lensed.lambdas
         result["lambdas"] = lam.tolist() if lam.dim() == 1 else {"mean": lam[..., 0].mean(1).tolist(), "std": lam[..., 1].mean(1).tolist()}
@@ -399,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--size", choices=sorted(SIZES), default="default", help="Preset: default (~30 min/model on 2 idle cores), reduced (~5-8 min/model, 1 thread), smoke (seconds, for tests). Default: default.")
     p.add_argument("--models", default=",".join(MODELS), help=f"Comma-separated subset of {MODELS}. Default: all three.")
-    p.add_argument("--out", default="benchmarks/results/compare_small", help="Output folder. Default: benchmarks/results/compare_small.")
+    p.add_argument("--out", default=None, help="Output folder. Default: benchmarks/results/compare_small_<size>.")
     p.add_argument("--hidden-size", type=int, help="Model width E.")
     p.add_argument("--num-hidden-layers", type=int, help="Number of layers.")
     p.add_argument("--num-attention-heads", type=int, help="Query heads Hq of width head_dim (the Llama's heads; V1/V2 have Hq/2 differential heads).")
@@ -410,16 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="Sequences per step.")
     p.add_argument("--steps", type=int, help="Optimiser steps.")
     p.add_argument("--warmup", type=int, help="Linear warm-up steps of the cosine schedule.")
-    p.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, betas 0.9/0.95, weight decay 0.1). Default 1e-3.")
+    p.add_argument("--lr", type=float, help="Peak learning rate (AdamW, betas 0.9/0.95, weight decay 0.1).")
     p.add_argument("--eval-every", type=int, help="Validate every N steps.")
     p.add_argument("--eval-blocks", type=int, help="Held-out corpus blocks (and about as many retrieval rows) per validation.")
-    p.add_argument("--retrieval-fraction", type=float, default=0.25, help="Share of each batch that is synthetic retrieval (NIAH, MQAR, ICL). Default 0.25.")
+    p.add_argument("--retrieval-fraction", type=float, help="Share of each batch that is synthetic retrieval rows (NIAH, MQAR, ICL).")
     p.add_argument("--probe-samples", type=int, help="Probe samples per (length, depth) cell.")
     p.add_argument("--lens-examples", type=int, help="Needle prompts the lens averages over.")
     p.add_argument("--vocab-size", type=int, default=4096, help="Tokenizer vocabulary (difftransformer.data.get_tokenizer). Default 4096.")
     p.add_argument("--max-corpus-chars", type=int, default=None, help="Cap on training corpus characters (default: the whole train split; smoke: 300000).")
     p.add_argument("--seed", type=int, default=0, help="Seed of data order, retrieval sets and every model's init. Default 0.")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (the machine is shared). Default 1.")
+    p.add_argument("--save-models", default=None, help="Folder to save the trained models (and tokenizer) into, one subfolder per model. Default: not saved.")
     p.add_argument("--no-progress", action="store_true", help="No tqdm progress bars.")
     return p
 
@@ -429,6 +438,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
     for key, value in SIZES[args.size].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.out is None:
+        args.out = f"benchmarks/results/compare_small_{args.size}"
     if args.size == "smoke" and args.max_corpus_chars is None:
         args.max_corpus_chars = 300_000
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -460,6 +471,9 @@ def run(args: argparse.Namespace) -> dict:
         t1 = time.time()
         evaluation = evaluate_model(model, tokenizer, probe_examples, args.lens_examples, args.out, name)
         results[name] = {"params": _count(model), "curves": curves, "eval": evaluation, "eval_seconds": time.time() - t1}
+        if args.save_models:  # e.g. to run the lens CLI on the trained models afterwards
+            model.save_pretrained(os.path.join(args.save_models, name))
+            tokenizer.save_pretrained(os.path.join(args.save_models, name))
         print(f"{name}: {_count(model):,} params, {curves['train_seconds']:.0f}s, val loss {curves['val_loss'][-1]:.3f}, "
               f"NIAH {evaluation['probes']['niah']['accuracy']:.2f}, MQAR {evaluation['probes']['mqar']['accuracy']:.2f}, "
               f"ICL {evaluation['probes']['icl']['accuracy']:.2f}, answer/noise {evaluation['lens']['answer_mean']:.3f}/"

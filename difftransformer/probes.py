@@ -137,13 +137,13 @@ def _filler_lines(tokenizer, texts: list[str], budget: int, rng: random.Random) 
         for i in range(start, len(doc_lines), 64):
             chunk = doc_lines[i : i + 64]
             for ln, c in zip(chunk, _count_tokens(tokenizer, chunk)):
-                if total >= budget:
+                if lines and total + c / 2 > budget:  # stop at the line boundary nearest to the budget
                     return lines, counts
                 lines.append(ln)
                 counts.append(c)
                 total += c
         doc, start = (doc + 1) % len(texts), 0
-    if total < budget:
+    if not lines:
         raise ValueError(f"the filler texts hold fewer than {budget} tokens; pass longer `filler_texts`.")
     return lines, counts
 
@@ -198,13 +198,12 @@ def needle_in_haystack(
                 overhead = sum(_count_tokens(tokenizer, needles + [question])) + 1  # +1: bos
                 budget = max(1, length - overhead)
                 lines, counts = _filler_lines(tokenizer, texts, budget, rng)
-                # Insertion slot i = before filler line i (len(lines) = after the last line).
-                cum, slot = 0, len(lines)
-                for i, c in enumerate(counts):
-                    if cum >= depth * sum(counts):
-                        slot = i
-                        break
-                    cum += c
+                # Insertion slot i = before filler line i (len(lines) = after the last line): the line boundary
+                # whose share of filler tokens before it is nearest to `depth`.
+                bounds = [0]
+                for c in counts:
+                    bounds.append(bounds[-1] + c)
+                slot = min(range(len(bounds)), key=lambda i: abs(bounds[i] - depth * bounds[-1]))
                 slots = {slot: [0]}
                 for j in range(1, num_needles):
                     slots.setdefault(rng.randrange(len(lines) + 1), []).append(j)
