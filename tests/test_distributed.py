@@ -1,0 +1,162 @@
+"""Multi-process training and inference on 2 CPU processes (gloo), launched with torchrun.
+
+Each test runs a script of examples/distributed/ under `torchrun --standalone --nproc_per_node 2` and compares
+it with the same script's function run in this single process:
+
+* DDP through the transformers `Trainer`: same loss at every step as one process with the same global batch;
+* FSDP2 (transformers' `DistributedConfig(fsdp_size=2)`, i.e. `fully_shard` per decoder layer): each process
+  holds half the parameters, the loss trajectory and the saved (gathered) weights equal the single-process run;
+* tensor parallelism with the model's `base_model_tp_plan` (`DistributedConfig(tp_plan="auto")`): the shards hold
+  whole KV groups, logits and greedy tokens equal the unsharded model's, for V1 and V2.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import difftransformer  # noqa: F401
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "distributed"
+sys.path.insert(0, str(EXAMPLES))
+
+import dist_common  # noqa: E402
+import train_fsdp2  # noqa: E402
+import train_trainer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with the gloo backend is unavailable"
+)
+
+FSDP_SAVE_AUTO_MAP_BUG = (
+    "Under FSDP2 the model's class is torch's dynamic subclass FSDPDiffTransformerForCausalLM, defined in "
+    "torch/distributed/fsdp/_fully_shard/_fsdp_init.py: transformers' custom_object_save (called by save_pretrained) "
+    "copies torch's _fsdp_*.py files instead of modeling_difftransformer.py and records "
+    "'_fsdp_init.FSDPDiffTransformerForCausalLM' in auto_map, so the folder does not load as remote code. Needs the "
+    "lead's fix in DiffTransformerPreTrainedModel.save_pretrained (see the distributed report)."
+)
+
+
+def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run examples/distributed/<script> on `nproc` CPU processes; fail with the processes' output if it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(EXAMPLES / script), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def last_json_line(text: str) -> dict:
+    return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
+
+
+@pytest.fixture(autouse=True)
+def _single_process_env(monkeypatch):
+    # The in-process reference runs must not believe they are part of a distributed job.
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_ddp_trainer_matches_one_process_with_the_same_global_batch(tmp_path):
+    common = ["--diff-version", "2", "--max-steps", "5", "--learning-rate", "3e-3"]
+    torchrun("train_trainer.py", "--output-dir", str(tmp_path / "ddp"), "--per-device-batch-size", "2", *common, cwd=tmp_path)
+    ddp = json.loads((tmp_path / "ddp" / "losses.json").read_text())
+    assert ddp["world_size"] == 2  # really one DDP job, not two processes training alone
+
+    single = train_trainer.train(
+        train_trainer.parse_args(["--output-dir", str(tmp_path / "single"), "--per-device-batch-size", "4", *common])
+    )
+    assert len(single) == len(ddp["losses"]) == 5
+    assert single[-1] < single[0]  # it trains
+    torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(single), rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_script_refuses_fsdp_on_multi_cpu(tmp_path, monkeypatch):
+    # accelerate runs FSDP only on accelerators; on CPU it would silently train DDP, so the script must refuse.
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present: FSDP through the Trainer is supported here")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="--fsdp needs GPUs"):
+        train_trainer.training_arguments(train_trainer.parse_args(["--fsdp", "--output-dir", str(tmp_path)]))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """One FSDP2 job on 2 processes and the same training in this process, both saving the trained model."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    dist_common.tiny_model(diff_version=1, seed=0).save_pretrained(tmp / "init")
+    common = ["--model", str(tmp / "init"), "--max-steps", "4", "--global-batch-size", "4", "--learning-rate", "3e-3", "--save"]
+    torchrun("train_fsdp2.py", "--output-dir", str(tmp / "fsdp"), *common, cwd=tmp)
+    single = train_fsdp2.train(train_fsdp2.parse_args(["--output-dir", str(tmp / "single"), *common]))
+    return tmp, single
+
+
+def test_fsdp2_shards_and_matches_one_process(fsdp_run):
+    tmp, single = fsdp_run
+    fsdp = json.loads((tmp / "fsdp" / "losses.json").read_text())
+    assert fsdp["world_size"] == 2
+    assert fsdp["local_fraction"] < 0.6  # each process holds about half of the parameters
+    torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(single), rtol=1e-4, atol=1e-5)
+
+    # save_pretrained gathered the shards into a normal checkpoint equal to the single-process result.
+    sharded_trained = load_file(tmp / "fsdp" / "model" / "model.safetensors")
+    single_trained = load_file(tmp / "single" / "model" / "model.safetensors")
+    initial = load_file(tmp / "init" / "model.safetensors")
+    assert not torch.equal(single_trained["model.layers.0.self_attn.q_proj.weight"], initial["model.layers.0.self_attn.q_proj.weight"])
+    assert sharded_trained.keys() == single_trained.keys()
+    for name, tensor in single_trained.items():
+        torch.testing.assert_close(sharded_trained[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp / "fsdp" / "model")
+    assert reloaded.config.diff_version == 1
+
+
+@pytest.mark.xfail(strict=True, reason=FSDP_SAVE_AUTO_MAP_BUG)
+def test_fsdp2_saved_folder_is_remote_code_ready(fsdp_run):
+    tmp, _ = fsdp_run
+    folder = tmp / "fsdp" / "model"
+    assert sorted(p.name for p in folder.glob("*.py")) == ["configuration_difftransformer.py", "modeling_difftransformer.py"]
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_difftransformer.DiffTransformerForCausalLM"
+    assert all(ref.split(".")[0] in ("configuration_difftransformer", "modeling_difftransformer") for ref in auto_map.values())
+
+
+@pytest.mark.parametrize("diff_version", [1, 2])
+def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_version):
+    model = dist_common.tiny_model(diff_version=diff_version, seed=0).eval()
+    model.save_pretrained(tmp_path / "model")
+    prompt = [5, 17, 3, 99, 42, 7, 64]
+    proc = torchrun(
+        "tp_generate.py", "--model", str(tmp_path / "model"), "--input-ids", *map(str, prompt), "--max-new-tokens", "6",
+        "--save-logits", str(tmp_path / "logits.pt"), cwd=tmp_path,
+    )
+    result = last_json_line(proc.stdout)
+    assert result["world_size"] == 2
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected_logits = model(ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected_logits, rtol=1e-5, atol=1e-5)
+    expected_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
+    assert result["generated_ids"] == expected_tokens
+
+    # What is sharded: q/k/v by output rows (whole KV groups per process), o_proj by input columns.
+    shards, config = result["shards"], model.config
+    d = config.head_dim
+    assert shards["q_proj.weight"]["local"] == [config.num_attention_heads * d // 2, config.hidden_size]
+    assert shards["k_proj.weight"]["local"] == [config.num_key_value_heads * d // 2, config.hidden_size]
+    assert shards["o_proj.weight"]["local"][1] == shards["o_proj.weight"]["global"][1] // 2
+    if diff_version == 1:  # λ vectors and the per-head norm are replicated
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "subln.weight"):
+            assert shards[name]["local"] == shards[name]["global"], name
+    else:  # one λ row per differential head, sharded with its heads
+        assert shards["lambda_proj.weight"]["local"] == [config.num_attention_heads // 4, config.hidden_size]
