@@ -1,0 +1,666 @@
+"""End-to-end CPU benchmark: DiffTransformer V1 and V2 against same-config Llama and DiffLlama (issue 5).
+
+Builds four causal LMs with identical shapes and random weights — ``llama`` (transformers' ``LlamaForCausalLM``),
+``diffllama`` (transformers' ``DiffLlamaForCausalLM``), ``ours_v1`` and ``ours_v2`` (``DiffTransformerForCausalLM``
+with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, SPEC §0) — all with ``attn_implementation="sdpa"``,
+and measures in one process, models interleaved (order rotated every repetition), after warm-up:
+
+* prefill tokens/s: one forward with a fresh ``DynamicCache`` and ``logits_to_keep=1``, exactly what ``generate``
+  runs for a prompt (default shapes 1×512, 1×2048, 8×256);
+* decode tokens/s: greedy ``generate`` of ``--new-tokens`` after a ``--prompt-len`` prompt (EOS disabled), batch 1
+  and 8, with a dynamic cache, a static cache, and a static cache with ``torch.compile`` (on CPU ``generate`` only
+  compiles with a ``CompileConfig`` whose ``_compile_all_devices`` is set). Only the decode steps are timed: a
+  logits processor stamps the clock when the first token is chosen, i.e. after the prefill;
+* training step time: forward + backward + ``AdamW.step`` on ``--train-shape`` (4×512) with labels, with and without
+  gradient checkpointing (bf16 rows train bf16 weights directly);
+* peak memory: growth of peak RSS (``VmHWM`` after resetting it through ``/proc/self/clear_refs``) over the resident
+  model (+ optimizer state for training) while running one prefill, one decode ``generate`` and one training step;
+  each measurement in its own process, forked from a server that imported torch but never computed, with glibc
+  told to return freed tensors to the system (``MALLOC_MMAP_THRESHOLD_``) so RSS follows live tensors.
+
+Reports medians, spread (IQR / median) and ratios to Llama (time ratios: above 1 is slower), checks the issue's
+targets, prints a Markdown table and writes JSON and a PNG chart. ``--smoke`` runs tiny sizes once (CI).
+Timings on a shared machine are noisy: rerun when the spread is wide, and compare ratios from the same run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from tqdm.auto import tqdm
+
+# Run as a script (`python benchmarks/bench.py`), the repository root is not on sys.path; `benchmarks.*` needs it.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+MODELS = ("llama", "diffllama", "ours_v1", "ours_v2")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GROUPS = ("prefill", "decode", "decode_static", "decode_compiled", "train", "train_ckpt", "memory")
+MEMORY_WORKLOADS = ("prefill", "decode", "train")
+# Issue 5 targets: ratio to same-config Llama (medians, same run) per metric family, for V1 and V2.
+TARGETS = {
+    "prefill": {"ours_v1": {512: 1.10, 2048: 1.25, None: 1.10}, "ours_v2": {None: 1.03}},
+    "decode": {"ours_v1": {None: 1.05}, "ours_v2": {None: 1.03}},
+    "train": {"ours_v1": {None: 1.08}, "ours_v2": {None: 1.03}},
+    "memory": {"ours_v1": {None: 1.05}, "ours_v2": {None: 1.03}},
+}
+# Llama's own MLP ratio (LlamaConfig defaults: 11008 / 4096).
+LLAMA_MLP_RATIO = 11008 / 4096
+
+
+@dataclass
+class Shape:
+    """Model shape shared by all four models (defaults: the issue's Llama-style config)."""
+
+    hidden_size: int = 512
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    vocab_size: int = 32000
+    intermediate_size: int | None = None  # None: Llama's ratio, rounded
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if self.intermediate_size is None:
+            self.intermediate_size = round(self.hidden_size * LLAMA_MLP_RATIO)
+
+
+@dataclass
+class Plan:
+    """What to measure: workloads, repetitions and sizes."""
+
+    prefill_shapes: list[tuple[int, int]] = field(default_factory=lambda: [(1, 512), (1, 2048), (8, 256)])
+    decode_batches: list[int] = field(default_factory=lambda: [1, 8])
+    prompt_len: int = 128
+    new_tokens: int = 128
+    train_shape: tuple[int, int] = (4, 512)
+    memory_prefill: tuple[int, int] = (1, 2048)
+    memory_decode_batch: int = 8
+    reps: int = 7
+    warmup: int = 1
+    threads: int = 2
+    attn_v1: str = "sdpa"  # attn_implementation of ours_v1 (another registered name measures an alternative kernel)
+
+
+def smoke_plan_and_shape() -> tuple[Plan, Shape]:
+    """Tiny sizes, one repetition: every code path runs in seconds (``--smoke``)."""
+    shape = Shape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=256, max_position_embeddings=128)
+    plan = Plan(prefill_shapes=[(1, 32), (2, 16)], decode_batches=[1, 2], prompt_len=8, new_tokens=4,
+                train_shape=(2, 32), memory_prefill=(1, 32), memory_decode_batch=2, reps=1, warmup=1)
+    return plan, shape
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_config(kind: str, shape: Shape, attn_implementation: str = "sdpa"):
+    """The config of model ``kind`` (one of MODELS) with ``shape``; EOS/BOS disabled so decode runs full length."""
+    from transformers import DiffLlamaConfig, LlamaConfig
+
+    from difftransformer import DiffTransformerConfig
+
+    fields = asdict(shape) | {"bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
+    if kind == "llama":
+        cfg = LlamaConfig(**fields)
+    elif kind == "diffllama":
+        cfg = DiffLlamaConfig(**fields)
+    elif kind in ("ours_v1", "ours_v2"):
+        cfg = DiffTransformerConfig(**fields, diff_version=int(kind[-1]))
+    else:
+        raise ValueError(f"model kind must be one of {MODELS}, got {kind!r}")
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, seed: int = 0,
+                attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A randomly initialised ``*ForCausalLM`` of ``kind`` in ``dtype``, eval mode, greedy generation config."""
+    from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
+
+    from difftransformer import DiffTransformerForCausalLM
+
+    cls = {"llama": LlamaForCausalLM, "diffllama": DiffLlamaForCausalLM}.get(kind, DiffTransformerForCausalLM)
+    torch.manual_seed(seed)
+    model = cls(build_config(kind, shape, attn_implementation)).to(dtype).eval()
+    gen = model.generation_config
+    gen.eos_token_id, gen.bos_token_id, gen.pad_token_id = None, None, 0
+    gen.do_sample, gen.temperature, gen.top_p, gen.top_k = False, None, None, None
+    return model
+
+
+def _ids(batch: int, seq: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workloads: each builder returns a callable that runs once and returns the seconds of its measured part.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def prefill_workload(model, batch: int, seq: int) -> Callable[[], float]:
+    """One prompt forward as ``generate`` runs it: fresh DynamicCache, logits for the last position only."""
+    from transformers import DynamicCache
+
+    ids = _ids(batch, seq, model.config.vocab_size)
+
+    def run() -> float:
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            start = time.perf_counter()
+            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - start
+    return run
+
+
+class _StepClock:
+    """Logits processor that stamps the time each generation step chooses a token (it changes nothing)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: str = "dynamic",
+                    compiled: bool = False) -> Callable[[], float]:
+    """Greedy ``generate``; returns the seconds of the ``new_tokens − 1`` decode steps (prefill excluded).
+
+    ``cache``: ``"dynamic"`` or ``"static"``; ``compiled`` (static only) passes a ``CompileConfig`` with
+    ``_compile_all_devices = True`` so that ``generate`` compiles the decode step on CPU too.
+    """
+    from transformers import CompileConfig, LogitsProcessorList
+
+    if compiled and cache != "static":
+        raise ValueError("compiled decode needs cache='static' (generate only compiles with a static cache)")
+    ids = _ids(batch, prompt_len, model.config.vocab_size)
+    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    if compiled:
+        compile_config = CompileConfig(fullgraph=False)
+        compile_config._compile_all_devices = True
+        kwargs["compile_config"] = compile_config
+    else:
+        kwargs["disable_compile"] = True
+
+    def run() -> float:
+        clock = _StepClock()
+        with torch.no_grad():
+            out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kwargs)
+        end = time.perf_counter()
+        if out.shape[1] != prompt_len + new_tokens:
+            raise RuntimeError(f"generate stopped early: {out.shape[1] - prompt_len} of {new_tokens} tokens")
+        return end - clock.stamps[0]
+    return run
+
+
+def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr: float = 1e-5) -> Callable[[], float]:
+    """One optimisation step: forward with labels, backward, ``AdamW.step``, ``zero_grad``. Leaves eval mode set."""
+    ids = _ids(batch, seq, model.config.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def run() -> float:
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            start = time.perf_counter()
+            loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return time.perf_counter() - start
+        finally:
+            if checkpointing:
+                model.activation_checkpointing_disable()
+            model.eval()
+    run.optimizer = optimizer
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def summarize(samples: list[float]) -> dict:
+    """Median, spread (IQR / median; (max − min) / median below 4 samples) and the samples themselves."""
+    med = statistics.median(samples)
+    if len(samples) >= 4:
+        q = statistics.quantiles(samples, n=4)
+        spread = (q[2] - q[0]) / med
+    else:
+        spread = (max(samples) - min(samples)) / med if len(samples) > 1 else 0.0
+    return {"median": med, "spread": spread, "samples": samples}
+
+
+def run_interleaved(runs: dict[str, Callable[[], float]], reps: int, warmup: int, progress=None) -> dict[str, dict]:
+    """Warm every model up, then ``reps`` rounds over all models, the order rotated by one each round."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    names = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            samples[name].append(runs[name]())
+            if progress is not None:
+                progress.update(1)
+    return {name: summarize(s) for name, s in samples.items()}
+
+
+def _items(group: str, plan: Plan) -> list[dict]:
+    """The measurements of a group: name, workload arguments, and what one run produces (tokens or a step)."""
+    if group == "prefill":
+        return [{"item": f"prefill {b}x{t}", "family": "prefill", "length": t, "tokens": b * t, "args": (b, t)}
+                for b, t in plan.prefill_shapes]
+    if group.startswith("decode"):
+        cache = "dynamic" if group == "decode" else "static"
+        label = {"decode": "dynamic", "decode_static": "static", "decode_compiled": "static+compile"}[group]
+        return [{"item": f"decode b{b} {label}", "family": "decode", "length": None,
+                 "tokens": b * (plan.new_tokens - 1), "args": (b, cache, group == "decode_compiled")}
+                for b in plan.decode_batches]
+    if group.startswith("train"):
+        b, t = plan.train_shape
+        suffix = " ckpt" if group == "train_ckpt" else ""
+        return [{"item": f"train {b}x{t}{suffix}", "family": "train", "length": None, "tokens": None,
+                 "args": (b, t, group == "train_ckpt")}]
+    raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
+
+
+def _workload(group: str, model, args: tuple, plan: Plan) -> Callable[[], float]:
+    if group == "prefill":
+        return prefill_workload(model, *args)
+    if group.startswith("decode"):
+        batch, cache, compiled = args
+        return decode_workload(model, batch, plan.prompt_len, plan.new_tokens, cache, compiled)
+    return train_workload(model, *args)
+
+
+def time_group(group: str, models: dict[str, torch.nn.Module], plan: Plan, progress=None) -> list[dict]:
+    """All items of ``group`` for every model, interleaved; one result dict per item."""
+    results = []
+    for spec in _items(group, plan):
+        runs = {kind: _workload(group, model, spec["args"], plan) for kind, model in models.items()}
+        stats = run_interleaved(runs, plan.reps, plan.warmup, progress)
+        del runs
+        gc.collect()
+        results.append(_with_ratios(spec, stats, unit="s"))
+    return results
+
+
+def _with_ratios(spec: dict, stats: dict[str, dict], unit: str) -> dict:
+    """Attach ratios to Llama (time or bytes ratio: > 1 means slower / more) and tokens/s where it applies."""
+    base = stats.get("llama", {}).get("median")
+    for row in stats.values():
+        # No ratio against a zero (memory growth below a page) or failed baseline.
+        row["ratio"] = row["median"] / base if base and base == base and base > 0 else None
+        if spec.get("tokens"):
+            row["tokens_per_s"] = spec["tokens"] / row["median"]
+    return {k: v for k, v in spec.items() if k != "args"} | {"unit": unit, "models": stats}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Peak memory, one process per measurement
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _proc_status_kb(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux ≥ 4.0); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_worker(kind: str, workload: str, dtype_name: str, shape: Shape, plan: Plan) -> dict:
+    """Peak-RSS growth (MiB) of one workload of one model, run in a fresh process (see module docstring).
+
+    A warm-up run first (thread pools, kernel caches; for training: the optimizer state, which then counts as
+    resident), then the peak is reset and the measured run's peak growth over the resident set is returned.
+    """
+    torch.set_num_threads(plan.threads)
+    if plan.attn_v1 != "sdpa":
+        import benchmarks.proposed_kernel  # noqa: F401  (registers the alternative kernels)
+    model = build_model(kind, shape, DTYPES[dtype_name], attn_implementation=plan.attn_v1 if kind == "ours_v1" else "sdpa")
+    if workload == "prefill":
+        run = prefill_workload(model, *plan.memory_prefill)
+    elif workload == "decode":
+        run = decode_workload(model, plan.memory_decode_batch, plan.prompt_len, plan.new_tokens)
+    elif workload == "train":
+        run = train_workload(model, *plan.train_shape)
+    else:
+        raise ValueError(f"memory workload must be one of {MEMORY_WORKLOADS}, got {workload!r}")
+    run()
+    gc.collect()
+    exact = reset_peak_rss()
+    base_kb = _proc_status_kb("VmRSS")
+    start_peak_kb = _proc_status_kb("VmHWM")
+    run()
+    peak_kb = _proc_status_kb("VmHWM")
+    # Without clear_refs the peak includes the warm-up; growth is then measured against the pre-warm-up peak.
+    return {"growth_mib": (peak_kb - (base_kb if exact else start_peak_kb)) / 1024, "resident_mib": base_kb / 1024,
+            "peak_mib": peak_kb / 1024, "exact_reset": exact}
+
+
+def _memory_child(queue, *args):
+    try:
+        queue.put(memory_worker(*args))
+    except Exception as exc:  # reported in the table instead of killing the whole benchmark
+        queue.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan, progress=None) -> list[dict]:
+    """Peak-RSS growth per workload and model, each in its own forked process, repeated ``plan.reps`` times
+    (at most 3: memory is nearly deterministic) with the model order rotated."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the fork server and its children
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "131072")
+    ctx = mp.get_context("forkserver")
+    # The server imports these (and the main module) once, then forks a clean child per measurement.
+    ctx.set_forkserver_preload(["torch", "transformers", "difftransformer"])
+    reps = max(1, min(plan.reps, 3))
+    results = []
+    for workload in MEMORY_WORKLOADS:
+        samples: dict[str, list] = {m: [] for m in models}
+        errors: dict[str, str] = {}
+        for rep in range(reps):
+            for kind in models[rep % len(models):] + models[: rep % len(models)]:
+                queue = ctx.Queue()
+                proc = ctx.Process(target=_memory_child, args=(queue, kind, workload, dtype_name, shape, plan))
+                proc.start()
+                out = queue.get()
+                proc.join()
+                if "error" in out:
+                    errors[kind] = out["error"]
+                else:
+                    samples[kind].append(out)
+                if progress is not None:
+                    progress.update(1)
+        stats = {}
+        for kind, outs in samples.items():
+            if outs:
+                stats[kind] = summarize([o["growth_mib"] for o in outs]) | {"resident_mib": outs[-1]["resident_mib"],
+                                                                             "exact_reset": outs[-1]["exact_reset"]}
+            else:
+                stats[kind] = {"median": float("nan"), "spread": 0.0, "samples": [], "error": errors.get(kind)}
+        label = {"prefill": "prefill {}x{}".format(*plan.memory_prefill), "decode": f"decode b{plan.memory_decode_batch}",
+                 "train": "train {}x{}".format(*plan.train_shape)}[workload]
+        results.append(_with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, unit="MiB"))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reporting
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def target_for(family: str, kind: str, length: int | None) -> float | None:
+    """Issue 5's ratio target for ``kind`` on a metric of ``family`` (prefill targets depend on the length)."""
+    per_len = TARGETS.get(family, {}).get(kind)
+    if per_len is None:
+        return None
+    return per_len.get(length, per_len.get(None))
+
+
+def check_targets(result: dict) -> dict:
+    """Per model: ratio ≤ target; plus ``v1_beats_diffllama`` (V1 faster or leaner than DiffLlama)."""
+    out = {}
+    for kind in ("ours_v1", "ours_v2"):
+        row, target = result["models"].get(kind), target_for(result["family"], kind, result.get("length"))
+        if row and target is not None and row.get("ratio") is not None:
+            out[kind] = {"target": target, "met": row["ratio"] <= target}
+    v1, dl = result["models"].get("ours_v1"), result["models"].get("diffllama")
+    if v1 and dl and v1.get("ratio") is not None and dl.get("ratio") is not None:
+        # Memory: equal counts as not worse; time: strictly faster.
+        out["v1_beats_diffllama"] = v1["median"] <= dl["median"] if result["unit"] == "MiB" else v1["median"] < dl["median"]
+    return out
+
+
+def _value(result: dict, row: dict) -> str:
+    if row.get("error") or row.get("median") != row.get("median"):
+        return "error"
+    if "tokens_per_s" in row:
+        return f"{row['tokens_per_s']:.0f} tok/s"
+    if result["unit"] == "MiB":
+        return f"{row['median']:.0f} MiB"
+    return f"{row['median']:.3f} s"
+
+
+def format_table(report: dict) -> str:
+    """Markdown table per dtype: Llama's absolute value, every model's ratio to Llama (± spread), targets."""
+    lines = []
+    models = report["models"]
+    others = [m for m in models if m != "llama"]
+    for dtype_name, results in report["results"].items():
+        lines.append(f"\n**{dtype_name}** — ratios are time (or memory) relative to Llama, medians; spread = IQR/median\n")
+        head = "| metric | llama | " + " | ".join(f"{m} ×" for m in others) + " | V1 target | V2 target | V1 < DiffLlama |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for res in results:
+            rows = res["models"]
+            cells = [res["item"], _value(res, rows["llama"]) + f" ±{rows['llama']['spread'] * 100:.0f}%" if "llama" in rows else "–"]
+            for m in others:
+                r = rows.get(m)
+                cells.append("–" if r is None or r.get("ratio") is None or r.get("ratio") != r.get("ratio")
+                             else f"{r['ratio']:.2f} ±{r['spread'] * 100:.0f}%")
+            checks = check_targets(res)
+            for kind in ("ours_v1", "ours_v2"):
+                c = checks.get(kind)
+                cells.append("–" if c is None else f"≤ {c['target']:.2f} {'✓' if c['met'] else '✗'}")
+            beats = checks.get("v1_beats_diffllama")
+            cells.append("–" if beats is None else ("✓" if beats else "✗"))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_chart(report: dict, path: str) -> None:
+    """PNG: per dtype, horizontal bars of every model's ratio to Llama per metric, V1 targets as ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(report["results"])
+    others = [m for m in report["models"] if m != "llama"]
+    n_items = max(len(r) for r in report["results"].values())
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 0.55 * n_items * max(1, len(others)) / 2 + 2),
+                             squeeze=False)
+    colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green"}
+    height = 0.8 / max(1, len(others))
+    for ax, dtype_name in zip(axes[0], dtypes):
+        results = report["results"][dtype_name]
+        for i, res in enumerate(results):
+            for j, m in enumerate(others):
+                r = res["models"].get(m, {})
+                ratio = r.get("ratio")
+                if ratio is None or ratio != ratio:
+                    continue
+                ax.barh(i + (j - (len(others) - 1) / 2) * height, ratio, height, color=colors.get(m, None),
+                        label=m if i == 0 else None)
+            target = target_for(res["family"], "ours_v1", res.get("length"))
+            if target is not None and "ours_v1" in others:
+                y = i + (others.index("ours_v1") - (len(others) - 1) / 2) * height
+                ax.plot([target, target], [y - height / 2, y + height / 2], color="black", lw=2)
+        ax.axvline(1.0, color="red", lw=1, ls="--")
+        ax.set_yticks(range(len(results)), [r["item"] for r in results])
+        ax.invert_yaxis()
+        ax.set_xlabel("time (memory) relative to same-config Llama — lower is better; black tick: V1 target")
+        ax.set_title(f"{dtype_name}, {report['machine']['threads']} threads, {report['machine']['cpu'][:40]}")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import transformers
+
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_avg_start": os.getloadavg()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _pairs(text: str, flag: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",") if item]  # type: ignore[misc]
+    except ValueError:
+        raise SystemExit(f"{flag}: expected comma-separated BATCHxLENGTH pairs such as 1x512,8x256; got {text!r}")
+
+
+def _choices(text: str, allowed, flag: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {bad}; allowed values: {', '.join(allowed)}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(GROUPS),
+                   help=f"comma-separated measurement groups to run (default: all of {', '.join(GROUPS)})")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models (default: {', '.join(MODELS)}); "
+                   "ratios need llama")
+    p.add_argument("--dtype", default=None, help="comma-separated dtypes: fp32, bf16 (default: both; fp32 with --smoke)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per model and item; medians reported "
+                   "(default 7; memory uses at most 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs per model and item before timing (default 1; "
+                   "the compiled-decode warm-up compiles)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--hidden-size", type=int, default=None, help="model width (default 512)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
+    p.add_argument("--heads", type=int, default=None, help="query heads of width head_dim, as Llama counts them (default 8)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 4)")
+    p.add_argument("--head-dim", type=int, default=None, help="query/key head width (default 64)")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default 32000)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: hidden × 11008/4096, Llama's ratio)")
+    p.add_argument("--prefill-shapes", default=None, help="prefill BATCHxLENGTH list (default 1x512,1x2048,8x256)")
+    p.add_argument("--decode-batches", default=None, help="decode batch sizes (default 1,8)")
+    p.add_argument("--prompt-len", type=int, default=None, help="decode prompt length (default 128)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run (default 128)")
+    p.add_argument("--train-shape", default=None, help="training BATCHxLENGTH (default 4x512)")
+    p.add_argument("--attn-v1", default="sdpa", help="attn_implementation of ours_v1 (default sdpa); another name "
+                   "registered with transformers' AttentionInterface measures an alternative kernel, e.g. "
+                   "`difftransformer_fast` from benchmarks/proposed_kernel.py")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition, no compiled decode: checks that "
+                   "every path runs (CI); sizes flags still override")
+    p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path ('' to skip)")
+    p.add_argument("--png", default="benchmarks/results/bench.png", help="PNG chart path ('' to skip)")
+    return p.parse_args(argv)
+
+
+def plan_and_shape(args: argparse.Namespace) -> tuple[Plan, Shape]:
+    plan, shape = smoke_plan_and_shape() if args.smoke else (Plan(), Shape())
+    shape_over = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+                  "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
+                  "intermediate_size": args.intermediate_size}
+    shape_over = {k: v for k, v in shape_over.items() if v is not None}
+    if "hidden_size" in shape_over and "intermediate_size" not in shape_over:
+        shape_over["intermediate_size"] = None  # recompute from the ratio
+    shape = replace(shape, **shape_over)
+    plan_over = {"reps": args.reps, "warmup": args.warmup, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                 "threads": args.threads, "attn_v1": args.attn_v1}
+    if args.prefill_shapes:
+        plan_over["prefill_shapes"] = _pairs(args.prefill_shapes, "--prefill-shapes")
+    if args.decode_batches:
+        plan_over["decode_batches"] = [int(b) for b in args.decode_batches.split(",")]
+    if args.train_shape:
+        plan_over["train_shape"] = _pairs(args.train_shape, "--train-shape")[0]
+    plan = replace(plan, **{k: v for k, v in plan_over.items() if v is not None})
+    if plan.new_tokens < 2:
+        raise SystemExit("--new-tokens must be at least 2: decode time is measured from the first generated token")
+    max_len = max([t for _, t in plan.prefill_shapes] + [plan.prompt_len + plan.new_tokens, plan.train_shape[1]])
+    shape.max_position_embeddings = max(shape.max_position_embeddings, max_len)
+    return plan, shape
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    groups = _choices(args.only, GROUPS, "--only")
+    models = _choices(args.models, MODELS, "--models")
+    dtypes = _choices(args.dtype or ("fp32" if args.smoke else "fp32,bf16"), DTYPES, "--dtype")
+    if args.smoke and args.only == ",".join(GROUPS):
+        groups = [g for g in groups if g != "decode_compiled"]  # compiling takes ~15 s per model: not in CI smoke
+    plan, shape = plan_and_shape(args)
+    torch.set_num_threads(plan.threads)
+    if plan.attn_v1 != "sdpa":
+        import benchmarks.proposed_kernel  # noqa: F401  (registers the alternative kernels)
+
+    timed = [g for g in groups if g != "memory"]
+    total = 0
+    for g in timed:
+        total += len(_items(g, plan)) * len(models) * plan.reps
+    if "memory" in groups:
+        total += len(MEMORY_WORKLOADS) * len(models) * max(1, min(plan.reps, 3))
+    report = {"machine": machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "models": models,
+              "groups": groups, "results": {}}
+    with tqdm(total=total * len(dtypes), desc="bench", file=sys.stderr) as bar:
+        for dtype_name in dtypes:
+            results = []
+            if timed:
+                built = {m: build_model(m, shape, DTYPES[dtype_name],
+                                        attn_implementation=plan.attn_v1 if m == "ours_v1" else "sdpa") for m in models}
+                for g in timed:
+                    bar.set_postfix_str(f"{dtype_name} {g}")
+                    results += time_group(g, built, plan, bar)
+                del built
+                gc.collect()
+            if "memory" in groups:
+                bar.set_postfix_str(f"{dtype_name} memory")
+                results += measure_memory(models, dtype_name, shape, plan, bar)
+            report["results"][dtype_name] = results
+    report["machine"]["load_avg_end"] = os.getloadavg()
+    table = format_table(report)
+    print(table)
+    print(f"\nmachine: {report['machine']}")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report | {"table": table}, f, indent=1)
+    if args.png:
+        os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
+        write_chart(report, args.png)
+    return report
+
+
+if __name__ == "__main__":
+    main()
