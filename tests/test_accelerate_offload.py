@@ -39,7 +39,7 @@ def _nbytes(module: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize(
-    "diff_version", [pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=V1_SUBLN_OFFLOAD_BUG)), 2]
+    "diff_version", [pytest.param(1, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=V1_SUBLN_OFFLOAD_BUG)), 2]
 )
 def test_disk_offload_loads_and_generates_like_the_plain_model(tmp_path, diff_version):
     model = _tiny(diff_version)
