@@ -107,6 +107,24 @@ def eager_attention_forward(
     return attn_output, diff_maps
 
 
+class DiffTransformerHeadRMSNorm(nn.Module):
+    """V1's per-head norm, ``scale · RMSNorm_2d(O_h) ⊙ w``, computed in float32 (paper §2.1, "GroupNorm" = RMSNorm
+    per head in the reference code). ``scale`` is ``1 − λinit``. A module (not a bare weight read) so that hooks
+    such as accelerate's offloading see it run."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, heads: torch.Tensor, scale: float) -> torch.Tensor:
+        weight = self.weight.float() * scale
+        return F.rms_norm(heads.float(), (heads.shape[-1],), weight, self.eps).to(heads.dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
 class DiffTransformerAttention(nn.Module):
     """Differential attention (V1 or V2, ``config.diff_version``); see the module docstring for the layout."""
 
@@ -136,7 +154,7 @@ class DiffTransformerAttention(nn.Module):
             self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
             self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
             self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.subln = nn.RMSNorm(2 * d, eps=config.subln_eps, elementwise_affine=True)
+            self.subln = DiffTransformerHeadRMSNorm(2 * d, eps=config.subln_eps)
         else:
             self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
             self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
@@ -195,9 +213,7 @@ class DiffTransformerAttention(nn.Module):
             attn_output = differential_combine(attn_output, lam if lam.dim() == 0 else lam[..., None, None], self.pair_stride, dim=2)
 
         if self.diff_version == 1:
-            # (1 − λinit)·RMSNorm_2d(O_h)⊙w, per head, in float32.
-            weight = self.subln.weight.float() * (1.0 - self.lambda_init)
-            attn_output = F.rms_norm(attn_output.float(), (width,), weight, self.subln.eps).to(hidden_states.dtype)
+            attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         return attn_output, attn_weights, lam
 

@@ -17,14 +17,6 @@ from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 
 pytest.importorskip("accelerate")
 
-V1_SUBLN_OFFLOAD_BUG = (
-    "DiffTransformerAttention.forward reads `self.subln.weight` directly instead of calling `self.subln(...)`; "
-    "accelerate loads an offloaded module's weights in a hook that only runs when that module's forward is called, "
-    "so V1's subln weight stays on the meta device ('Tensor on device meta is not on the expected device cpu'). "
-    "Needs the lead's fix in modeling_difftransformer.py (see the distributed report)."
-)
-
-
 def _tiny(diff_version: int) -> DiffTransformerForCausalLM:
     torch.manual_seed(0)
     config = DiffTransformerConfig(
@@ -39,7 +31,7 @@ def _nbytes(module: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize(
-    "diff_version", [pytest.param(1, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=V1_SUBLN_OFFLOAD_BUG)), 2]
+    "diff_version", [1, 2]
 )
 def test_disk_offload_loads_and_generates_like_the_plain_model(tmp_path, diff_version):
     model = _tiny(diff_version)
