@@ -17,6 +17,7 @@ from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 
 pytest.importorskip("accelerate")
 
+
 def _tiny(diff_version: int) -> DiffTransformerForCausalLM:
     torch.manual_seed(0)
     config = DiffTransformerConfig(
