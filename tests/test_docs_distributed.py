@@ -18,12 +18,6 @@ from utils_distributed import DOC_MODEL_V1, DOC_MODEL_V2, REPO, doc_blocks, save
 
 sys.path.insert(0, str(REPO / "examples" / "distributed"))
 
-V1_SUBLN_OFFLOAD_BUG = (
-    "V1 + disk offload: DiffTransformerAttention.forward reads self.subln.weight without calling self.subln, so "
-    "accelerate never loads the offloaded weight (see tests/test_accelerate_offload.py)."
-)
-
-
 def _snippet(keyword: str) -> str:
     return next(block for block in doc_blocks("python") if keyword in block)
 
@@ -45,10 +39,7 @@ def _run(code: str) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize(
-    "model_path",
-    [pytest.param(DOC_MODEL_V1, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=V1_SUBLN_OFFLOAD_BUG)), DOC_MODEL_V2],
-)
+@pytest.mark.parametrize("model_path", [DOC_MODEL_V1, DOC_MODEL_V2])
 def test_offload_snippet_runs(doc_workdir, model_path):
     code = _snippet("offload_folder").replace(DOC_MODEL_V1, model_path)
     printed = _run(code)
