@@ -36,6 +36,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -105,6 +106,39 @@ def eager_attention_forward(
     values = repeat_kv(value, module.num_key_value_groups // 2)  # (B, H, S, w): head h reads group h // n
     attn_output = torch.matmul(diff_maps, values).transpose(1, 2).contiguous()  # (B, T, H, w)
     return attn_output, diff_maps
+
+
+class PackedGroupsPagedCache(PagedAttentionCache):
+    """V1's view of transformers' paged cache (continuous batching), handed to the kernel in place of the cache.
+
+    Continuous batching writes keys and values inside the attention function, into a cache laid out per token as
+    ``(num_key_value_heads, head_dim)``: byte for byte the packed ``(G, 2d)`` groups V1 gives its kernel
+    (``[K1 | K2]`` per group, SPEC §4). ``update`` converts the views both ways — no copy — so every kernel that
+    supports the paged cache (sdpa, ``paged|eager``) runs V1 with its single call. The flash block-table path writes
+    the cache inside the flash kernel with the config's head size and is refused.
+    """
+
+    def __init__(self, cache: PagedAttentionCache):  # a view: deliberately no second cache (no super().__init__)
+        self._cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        def heads(x):  # (1, G, T, 2d) -> (1, Hkv, T, d)
+            return x.transpose(1, 2).unflatten(-1, (2, -1)).flatten(2, 3).transpose(1, 2)
+
+        def groups(x):  # (1, Hkv, S, d) -> (1, G, S, 2d)
+            return x.transpose(1, 2).unflatten(2, (-1, 2)).flatten(3, 4).transpose(1, 2)
+
+        key, value = self._cache.update(heads(key_states), heads(value_states), layer_idx, kwargs)
+        if kwargs.get("block_table") is not None:
+            raise NotImplementedError(
+                "diff_version=1 with a block-table paged cache (flash paged attention) is not supported: that kernel "
+                "writes keys of width head_dim, V1 attends over packed 2*head_dim groups. Use attn_implementation="
+                "'sdpa' or 'eager' for continuous batching, or a diff_version=2 model."
+            )
+        return groups(key), groups(value)
 
 
 class DiffTransformerHeadRMSNorm(nn.Module):
@@ -194,6 +228,8 @@ class DiffTransformerAttention(nn.Module):
 
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
+        if self.diff_version == 1 and isinstance(kwargs.get("cache"), PagedAttentionCache):
+            kwargs["cache"] = PackedGroupsPagedCache(kwargs["cache"])  # continuous batching: kernel writes the cache
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
