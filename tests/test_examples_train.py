@@ -33,16 +33,16 @@ def tokenizer_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory, tokenizer_cache):
-    """The documented smoke command, uninterrupted, in a fresh process: the reference for the resume test."""
-    out = tmp_path_factory.mktemp("cli") / "run"
+    """The smoke command, uninterrupted, in a fresh process, writing to the default --output-dir under a scratch
+    working directory: the reference for the resume test and the model the docs examples use."""
+    cwd = tmp_path_factory.mktemp("cli")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--output-dir", str(out), "--tokenizer-cache", tokenizer_cache,
-         "--threads", "1"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        [sys.executable, str(SCRIPT), "--smoke", "--tokenizer-cache", tokenizer_cache, "--threads", "1"],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout + proc.stderr
+    return cwd / "runs" / "difftransformer-stdlib", proc.stdout + proc.stderr
 
 
 def test_help_explains_every_flag():
@@ -140,3 +140,44 @@ def test_bad_flags_are_rejected():
 def test_smoke_keeps_explicit_flags():
     args = train_script.parse_args(["--smoke", "--max-steps=9", "--diff-version", "2"])
     assert args.max_steps == 9 and args.diff_version == 2 and args.hidden_size == train_script.SMOKE["hidden_size"]
+
+
+def _python_blocks(markdown: str) -> list[str]:
+    blocks, inside = [], None
+    for line in markdown.splitlines():
+        if inside is None and line.strip() == "```python":
+            inside = []
+        elif inside is not None and line.strip() == "```":
+            blocks.append("\n".join(inside))
+            inside = None
+        elif inside is not None:
+            inside.append(line)
+    return blocks
+
+
+def test_docs_ecosystem_examples_run(cli_run, tmp_path, monkeypatch):
+    """Every Python block of docs/ecosystem.md, as written, in the folder the main demo (--smoke) ran in."""
+    from types import SimpleNamespace
+
+    from huggingface_hub import HfApi
+
+    run_dir, _ = cli_run
+    blocks = _python_blocks((REPO / "docs" / "ecosystem.md").read_text())
+    assert len(blocks) >= 6
+    monkeypatch.chdir(run_dir.parent.parent)
+    monkeypatch.setenv("DIFFTRANSFORMER_CACHE", str(tmp_path / "cache"))
+    uploaded = {}  # the Hub's HTTP API, replaced by a record of what would be committed
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id))
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: uploaded.update(
+        {repo_id: sorted(op.path_in_repo for op in operations)}))
+    threads = torch.get_num_threads()
+    try:
+        for i, code in enumerate(blocks):
+            exec(compile(code, f"docs/ecosystem.md[python block {i}]", "exec"), {"__name__": "__main__"})
+    finally:
+        torch.set_num_threads(threads)
+    # What the blocks promise exists.
+    assert (Path("runs/finetune/final") / "model.safetensors").is_file()
+    assert (Path("runs/lora/adapter") / "adapter_model.safetensors").is_file()
+    assert (Path("runs/lora/merged") / "modeling_difftransformer.py").is_file()
+    assert sorted(p.name for p in Path("runs/hub-upload").iterdir()) == uploaded["your-name/difftransformer-stdlib"]
