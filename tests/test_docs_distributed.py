@@ -47,8 +47,9 @@ def test_offload_snippet_runs(doc_workdir, model_path):
     assert "def fibonacci(n):" in printed  # the prompt, followed by the generated text
 
 
-def test_continuous_batching_snippet_runs(doc_workdir):
-    printed = _run(_snippet("generate_batch"))
+@pytest.mark.parametrize("model_path", [DOC_MODEL_V1, DOC_MODEL_V2])
+def test_continuous_batching_snippet_runs(doc_workdir, model_path):
+    printed = _run(_snippet("generate_batch").replace(DOC_MODEL_V1, model_path))
     assert len(printed.strip().splitlines()) == 3  # one line per request
 
 

@@ -11,7 +11,7 @@ from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "distributed.md"
-# Where the doc's examples expect a model (the main job's output folders).
+# Where the doc's examples expect a model (the main job's output folder, V1); tests substitute a V2 twin for it.
 DOC_MODEL_V1 = "runs/difftransformer-stdlib/model"
 DOC_MODEL_V2 = "runs/difftransformer-stdlib-v2/model"
 
