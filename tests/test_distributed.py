@@ -30,6 +30,7 @@ sys.path.insert(0, str(EXAMPLES))
 import dist_common  # noqa: E402
 import train_fsdp2  # noqa: E402
 import train_trainer  # noqa: E402
+from utils_distributed import word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with the gloo backend is unavailable"
@@ -135,9 +136,16 @@ def test_fsdp2_saved_folder_is_remote_code_ready(fsdp_run):
 def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_version):
     model = dist_common.tiny_model(diff_version=diff_version, seed=0).eval()
     model.save_pretrained(tmp_path / "model")
-    prompt = [5, 17, 3, 99, 42, 7, 64]
+    if diff_version == 1:  # prompt as token ids
+        prompt = [5, 17, 3, 99, 42, 7, 64]
+        prompt_args = ["--input-ids", *map(str, prompt)]
+    else:  # prompt as text, through the tokenizer saved with the model (the doc's form)
+        text = "def main ( argv ) : return"
+        tokenizer = word_tokenizer([text])
+        tokenizer.save_pretrained(tmp_path / "model")
+        prompt, prompt_args = tokenizer(text).input_ids, ["--prompt", text]
     proc = torchrun(
-        "tp_generate.py", "--model", str(tmp_path / "model"), "--input-ids", *map(str, prompt), "--max-new-tokens", "6",
+        "tp_generate.py", "--model", str(tmp_path / "model"), *prompt_args, "--max-new-tokens", "6",
         "--save-logits", str(tmp_path / "logits.pt"), cwd=tmp_path,
     )
     result = last_json_line(proc.stdout)
@@ -149,6 +157,8 @@ def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_ve
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected_logits, rtol=1e-5, atol=1e-5)
     expected_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
     assert result["generated_ids"] == expected_tokens
+    if diff_version == 2:
+        assert result["text"] == tokenizer.decode(expected_tokens)
 
     # What is sharded: q/k/v by output rows (whole KV groups per process), o_proj by input columns.
     shards, config = result["shards"], model.config
