@@ -31,6 +31,10 @@ Strategies (see ``STRATEGIES``):
 * ``direct``         (f) decode formulation: two batched matmuls on d-wide views of the packed key cache, float32
   softmax, combine on the (tiny) map, one matmul with the packed value cache: each cache byte is read once.
 * ``direct_padded``  (f') as ``direct`` but one matmul with zero-padded queries against the whole packed key.
+* ``packed_sdpa``    (g) decode: the 2n padded queries of a group as the rows of one SDPA query head (one fast call,
+  no mask, each packed cache byte read once); other phases fall back to ``padded_sdpa``.
+* ``proposed``       (h) ``benchmarks/proposed_kernel.py``: ``packed_sdpa`` for decode, else blocks of 128 rows with
+  a recomputing backward (keeps no T×S map for training).
 
 Run ``python benchmarks/attention_micro.py --help``. Timings are per call, median over ``--reps`` repetitions with
 the strategies interleaved (order rotated every repetition), so that load from other processes hits all of them.
@@ -49,12 +53,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import os
+
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from difftransformer.modeling_difftransformer import differential_combine
+
+# Run as a script, the repository root is not on sys.path; the `proposed` strategy imports `benchmarks.*`.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Max error allowed against the float64 reference, relative to max |reference|: float32 rounding of softmax
@@ -170,9 +181,16 @@ def _causal_args(q_len: int, kv_len: int, device: torch.device) -> dict:
     return {"attn_mask": visible}
 
 
+def _mask(x: AttentionInputs) -> torch.Tensor | None:
+    """The mask transformers passes to a kernel: none for one token or square attention, else bottom-right causal
+    (transformers' sdpa path reads ``None`` with ``T < S`` as a prefill into an empty static cache, top-left)."""
+    mask = _causal_args(x.query.shape[1], x.key_packed.shape[2], x.query.device).get("attn_mask")
+    return None if mask is None else mask[None, None]  # (1, 1, T, S), as transformers' mask builders return
+
+
 def llama_sdpa(x: AttentionInputs) -> torch.Tensor:
     """Yardstick: a same-config Llama's attention (2H d-wide query heads, 2G KV heads), output ``(B, T, 2H, d)``."""
-    out, _ = sdpa_attention_forward(_KernelModule(x.n), x.query.transpose(1, 2), x.key_std, x.value_std, None, scaling=x.scaling)
+    out, _ = sdpa_attention_forward(_KernelModule(x.n), x.query.transpose(1, 2), x.key_std, x.value_std, _mask(x), scaling=x.scaling)
     return out
 
 
@@ -181,7 +199,7 @@ def padded_sdpa(x: AttentionInputs) -> torch.Tensor:
     b, t, s, h, g, d = x.shape
     pad = torch.eye(2, dtype=x.query.dtype, device=x.query.device).view(2, 1, 2, 1)
     query = (x.query.unflatten(2, (-1, 2, x.n, 1)) * pad).reshape(b, t, -1, 2 * d).transpose(1, 2)
-    out, _ = sdpa_attention_forward(_KernelModule(2 * x.n), query, x.key_packed, x.value_packed, None, scaling=x.scaling)
+    out, _ = sdpa_attention_forward(_KernelModule(2 * x.n), query, x.key_packed, x.value_packed, _mask(x), scaling=x.scaling)
     return differential_combine(out, x.lam, x.n, dim=2)
 
 
@@ -193,7 +211,7 @@ def two_sdpa(x: AttentionInputs) -> torch.Tensor:
     outs = []
     for j in range(2):
         value = halves[:, :, j : j + 1].expand(b, g, 2, s, d).reshape(b, 2 * g, s, d)  # head 2g+c holds V_g,j (copy)
-        outs.append(sdpa_attention_forward(_KernelModule(x.n), query, x.key_std, value, None, scaling=x.scaling)[0])
+        outs.append(sdpa_attention_forward(_KernelModule(x.n), query, x.key_std, value, _mask(x), scaling=x.scaling)[0])
     return differential_combine(torch.cat(outs, dim=-1), x.lam, x.n, dim=2)
 
 
@@ -297,6 +315,22 @@ def packed_sdpa(x: AttentionInputs) -> torch.Tensor:
     return (out[:, :, 0] - x.lam * out[:, :, 1]).view(b, 1, h, 2 * d)
 
 
+def proposed(x: AttentionInputs) -> torch.Tensor:
+    """(h) ``benchmarks/proposed_kernel.py``: packed decode for one token without autograd, else the blocked kernel
+    with its recomputing backward (the dispatch PROPOSED_KERNEL.md puts into the modeling file)."""
+    from benchmarks import proposed_kernel as pk
+
+    b, t, s, h, g, d = x.shape
+    q = x.query.view(b, t, g, 2, x.n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d) view
+    grad = torch.is_grad_enabled() and x.query.requires_grad
+    if t == 1 and not grad:
+        return pk.decode_attention(q[:, :, 0, :, 0], q[:, :, 1, :, 0], x.key_packed, x.value_packed, x.lam,
+                                   x.scaling).reshape(b, 1, h, 2 * d)
+    mask = _mask(x)
+    out = pk.blocked_attention(q[:, :, 0], q[:, :, 1], x.key_packed, x.value_packed, x.lam, x.scaling, mask)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, 2 * d)
+
+
 _FLEX_CACHE: dict = {}
 
 
@@ -329,6 +363,7 @@ STRATEGIES: dict[str, Callable[[AttentionInputs], torch.Tensor]] = {
     "direct": direct,
     "direct_padded": direct_padded,
     "packed_sdpa": packed_sdpa,
+    "proposed": proposed,
     "blocked64": functools.partial(blocked, block=64),
     "blocked128": functools.partial(blocked, block=128),
 }
@@ -513,6 +548,9 @@ class _OpCounter(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+DECODE_KINDS = ("llama", "diffllama", "ours_v1", "ours_v2", "ours_v1_proposed")
+
+
 def _decode_setup(kind: str, past: int, batch: int, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int):
     """One attention module of ``kind`` with a DynamicCache holding ``past`` tokens and a one-token decode input."""
     from transformers import DiffLlamaConfig, LlamaConfig
@@ -526,7 +564,7 @@ def _decode_setup(kind: str, past: int, batch: int, dtype: torch.dtype, hidden: 
     common = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=1,
                   intermediate_size=4 * hidden, vocab_size=128)
     if kind.startswith("ours"):
-        cfg = DiffTransformerConfig(**common, diff_version=int(kind[-1]))
+        cfg = DiffTransformerConfig(**common, diff_version=2 if kind == "ours_v2" else 1)
         module = DiffTransformerAttention(cfg, 0)
         with torch.no_grad():
             for p in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2) if cfg.diff_version == 1 else ():
@@ -538,6 +576,10 @@ def _decode_setup(kind: str, past: int, batch: int, dtype: torch.dtype, hidden: 
         cfg = LlamaConfig(**common)
         module = LlamaAttention(cfg, 0)
     cfg._attn_implementation = "sdpa"
+    if kind == "ours_v1_proposed":
+        from benchmarks.proposed_kernel import NAME
+
+        cfg._attn_implementation = NAME
     module = module.to(dtype).eval()
     rotary = LlamaRotaryEmbedding(cfg)
     cache = DynamicCache(config=cfg)
@@ -556,7 +598,7 @@ def decode_op_counts(past: int = 128, batch: int = 1, dtype: torch.dtype = torch
     The cache is cropped back after every call so each sample decodes the same position.
     """
     result = {}
-    for kind in ("llama", "diffllama", "ours_v1", "ours_v2"):
+    for kind in DECODE_KINDS:
         module, cache, step, pos = _decode_setup(kind, past, batch, dtype, hidden, heads, kv_heads)
         with torch.no_grad():
             counter = _OpCounter()
@@ -572,7 +614,7 @@ def time_around_ops(past: int = 128, batch: int = 1, dtype: torch.dtype = torch.
     """Per-call time of the V1 decode-step pieces around the kernel, next to whole attention-module decode steps."""
     from difftransformer.modeling_difftransformer import differential_combine as combine
 
-    mods = {kind: _decode_setup(kind, past, batch, dtype, hidden, heads, kv_heads) for kind in ("llama", "diffllama", "ours_v1", "ours_v2")}
+    mods = {kind: _decode_setup(kind, past, batch, dtype, hidden, heads, kv_heads) for kind in DECODE_KINDS}
     v1 = mods["ours_v1"][0]
     d, n = v1.head_dim, v1.pair_stride
     h = v1.num_heads
@@ -585,9 +627,8 @@ def time_around_ops(past: int = 128, batch: int = 1, dtype: torch.dtype = torch.
         p = torch.eye(2, dtype=query.dtype).view(2, 1, 2, 1)
         return (query.unflatten(2, (-1, 2, n, 1)) * p).reshape(batch, 1, -1, 2 * d)
 
-    def norm():
-        w = v1.subln.weight.float() * (1.0 - v1.lambda_init)
-        return F.rms_norm(combined.float(), (2 * d,), w, v1.subln.eps).to(dtype)
+    def norm():  # the module's own per-head norm call, as DiffTransformerAttention.forward makes it
+        return v1.subln(combined, scale=1.0 - v1.lambda_init)
 
     def step(kind):
         module, cache, x, pos = mods[kind]

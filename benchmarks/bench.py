@@ -46,6 +46,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 MODELS = ("llama", "diffllama", "ours_v1", "ours_v2")
+# Not run by default: ours V1 with the kernel dispatch proposed for the modeling file (benchmarks/proposed_kernel.py).
+EXTRA_MODELS = ("ours_v1_proposed",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUPS = ("prefill", "decode", "decode_static", "decode_compiled", "train", "train_ckpt", "memory")
 MEMORY_WORKLOADS = ("prefill", "decode", "train")
@@ -92,7 +94,7 @@ class Plan:
     reps: int = 7
     warmup: int = 1
     threads: int = 2
-    attn_v1: str = "sdpa"  # attn_implementation of ours_v1 (another registered name measures an alternative kernel)
+    clock: str = "wall"
 
 
 def smoke_plan_and_shape() -> tuple[Plan, Shape]:
@@ -122,15 +124,22 @@ def build_config(kind: str, shape: Shape, attn_implementation: str = "sdpa"):
         cfg = DiffLlamaConfig(**fields)
     elif kind in ("ours_v1", "ours_v2"):
         cfg = DiffTransformerConfig(**fields, diff_version=int(kind[-1]))
+    elif kind == "ours_v1_proposed":
+        from benchmarks.proposed_kernel import NAME  # registers the proposed kernel with transformers
+
+        cfg = DiffTransformerConfig(**fields, diff_version=1)
+        attn_implementation = NAME
     else:
-        raise ValueError(f"model kind must be one of {MODELS}, got {kind!r}")
+        raise ValueError(f"model kind must be one of {MODELS + EXTRA_MODELS}, got {kind!r}")
     cfg._attn_implementation = attn_implementation
     return cfg
 
 
 def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, seed: int = 0,
                 attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A randomly initialised ``*ForCausalLM`` of ``kind`` in ``dtype``, eval mode, greedy generation config."""
+    """A randomly initialised ``*ForCausalLM`` of ``kind`` in ``dtype``, eval mode, greedy generation config.
+
+    ``ours_v1_proposed`` ignores ``attn_implementation``: it is ours V1 with the proposed kernel dispatch."""
     from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
 
     from difftransformer import DiffTransformerForCausalLM
@@ -142,6 +151,18 @@ def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, see
     gen.eos_token_id, gen.bos_token_id, gen.pad_token_id = None, None, 0
     gen.do_sample, gen.temperature, gen.top_p, gen.top_k = False, None, None, None
     return model
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
+def set_clock(name: str) -> None:
+    """Every timing of this module uses ``wall`` (elapsed) or ``cpu`` (process CPU time) seconds."""
+    global _clock
+    if name not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {name!r}")
+    _clock = CLOCKS[name]
 
 
 def _ids(batch: int, seq: int, vocab: int, seed: int = 1) -> torch.Tensor:
@@ -162,9 +183,9 @@ def prefill_workload(model, batch: int, seq: int) -> Callable[[], float]:
     def run() -> float:
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            start = time.perf_counter()
+            start = _clock()
             model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            return time.perf_counter() - start
+            return _clock() - start
     return run
 
 
@@ -175,7 +196,7 @@ class _StepClock:
         self.stamps: list[float] = []
 
     def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(_clock())
         return scores
 
 
@@ -205,7 +226,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
         clock = _StepClock()
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kwargs)
-        end = time.perf_counter()
+        end = _clock()
         if out.shape[1] != prompt_len + new_tokens:
             raise RuntimeError(f"generate stopped early: {out.shape[1] - prompt_len} of {new_tokens} tokens")
         return end - clock.stamps[0]
@@ -222,12 +243,12 @@ def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr:
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         try:
-            start = time.perf_counter()
+            start = _clock()
             loss = model(ids, labels=ids, use_cache=False).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
+            return _clock() - start
         finally:
             if checkpointing:
                 model.activation_checkpointing_disable()
@@ -348,9 +369,8 @@ def memory_worker(kind: str, workload: str, dtype_name: str, shape: Shape, plan:
     resident), then the peak is reset and the measured run's peak growth over the resident set is returned.
     """
     torch.set_num_threads(plan.threads)
-    if plan.attn_v1 != "sdpa":
-        import benchmarks.proposed_kernel  # noqa: F401  (registers the alternative kernels)
-    model = build_model(kind, shape, DTYPES[dtype_name], attn_implementation=plan.attn_v1 if kind == "ours_v1" else "sdpa")
+    set_clock(plan.clock)
+    model = build_model(kind, shape, DTYPES[dtype_name])
     if workload == "prefill":
         run = prefill_workload(model, *plan.memory_prefill)
     elif workload == "decode":
@@ -424,23 +444,27 @@ def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan,
 
 def target_for(family: str, kind: str, length: int | None) -> float | None:
     """Issue 5's ratio target for ``kind`` on a metric of ``family`` (prefill targets depend on the length)."""
-    per_len = TARGETS.get(family, {}).get(kind)
+    per_len = TARGETS.get(family, {}).get("ours_v1" if kind == "ours_v1_proposed" else kind)
     if per_len is None:
         return None
     return per_len.get(length, per_len.get(None))
 
 
+TARGETED = ("ours_v1", "ours_v2", "ours_v1_proposed")
+
+
 def check_targets(result: dict) -> dict:
-    """Per model: ratio ≤ target; plus ``v1_beats_diffllama`` (V1 faster or leaner than DiffLlama)."""
+    """Per model: ratio ≤ target; plus ``beats_diffllama`` per V1 model (faster, or not more memory, than DiffLlama)."""
     out = {}
-    for kind in ("ours_v1", "ours_v2"):
+    dl = result["models"].get("diffllama")
+    for kind in TARGETED:
         row, target = result["models"].get(kind), target_for(result["family"], kind, result.get("length"))
         if row and target is not None and row.get("ratio") is not None:
             out[kind] = {"target": target, "met": row["ratio"] <= target}
-    v1, dl = result["models"].get("ours_v1"), result["models"].get("diffllama")
-    if v1 and dl and v1.get("ratio") is not None and dl.get("ratio") is not None:
-        # Memory: equal counts as not worse; time: strictly faster.
-        out["v1_beats_diffllama"] = v1["median"] <= dl["median"] if result["unit"] == "MiB" else v1["median"] < dl["median"]
+        if kind != "ours_v2" and row and dl and row.get("ratio") is not None and dl.get("ratio") is not None:
+            # Memory: equal counts as not worse; time: strictly faster.
+            beats = row["median"] <= dl["median"] if result["unit"] == "MiB" else row["median"] < dl["median"]
+            out.setdefault("beats_diffllama", {})[kind] = beats
     return out
 
 
@@ -461,7 +485,10 @@ def format_table(report: dict) -> str:
     others = [m for m in models if m != "llama"]
     for dtype_name, results in report["results"].items():
         lines.append(f"\n**{dtype_name}** — ratios are time (or memory) relative to Llama, medians; spread = IQR/median\n")
-        head = "| metric | llama | " + " | ".join(f"{m} ×" for m in others) + " | V1 target | V2 target | V1 < DiffLlama |"
+        targeted = [k for k in TARGETED if k in models]
+        v1s = [k for k in targeted if k != "ours_v2"]
+        head = ("| metric | llama | " + " | ".join(f"{m} ×" for m in others) + " | "
+                + " | ".join(f"{k} target" for k in targeted) + "".join(f" | {k} < DiffLlama" for k in v1s if "diffllama" in models) + " |")
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for res in results:
             rows = res["models"]
@@ -471,11 +498,13 @@ def format_table(report: dict) -> str:
                 cells.append("–" if r is None or r.get("ratio") is None or r.get("ratio") != r.get("ratio")
                              else f"{r['ratio']:.2f} ±{r['spread'] * 100:.0f}%")
             checks = check_targets(res)
-            for kind in ("ours_v1", "ours_v2"):
+            for kind in targeted:
                 c = checks.get(kind)
                 cells.append("–" if c is None else f"≤ {c['target']:.2f} {'✓' if c['met'] else '✗'}")
-            beats = checks.get("v1_beats_diffllama")
-            cells.append("–" if beats is None else ("✓" if beats else "✗"))
+            if "diffllama" in models:
+                for kind in v1s:
+                    beats = checks.get("beats_diffllama", {}).get(kind)
+                    cells.append("–" if beats is None else ("✓" if beats else "✗"))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -492,7 +521,7 @@ def write_chart(report: dict, path: str) -> None:
     n_items = max(len(r) for r in report["results"].values())
     fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 0.55 * n_items * max(1, len(others)) / 2 + 2),
                              squeeze=False)
-    colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green"}
+    colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green", "ours_v1_proposed": "tab:cyan"}
     height = 0.8 / max(1, len(others))
     for ax, dtype_name in zip(axes[0], dtypes):
         results = report["results"][dtype_name]
@@ -539,10 +568,13 @@ def machine_info(threads: int) -> dict:
 
 
 def _pairs(text: str, flag: str) -> list[tuple[int, int]]:
-    try:
-        return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",") if item]  # type: ignore[misc]
-    except ValueError:
-        raise SystemExit(f"{flag}: expected comma-separated BATCHxLENGTH pairs such as 1x512,8x256; got {text!r}")
+    pairs = []
+    for item in (i for i in text.split(",") if i):
+        parts = item.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"{flag}: expected comma-separated BATCHxLENGTH pairs such as 1x512,8x256; got {text!r}")
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
 
 
 def _choices(text: str, allowed, flag: str) -> list[str]:
@@ -558,14 +590,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(GROUPS),
                    help=f"comma-separated measurement groups to run (default: all of {', '.join(GROUPS)})")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models (default: {', '.join(MODELS)}); "
-                   "ratios need llama")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models (default: {', '.join(MODELS)}; "
+                   f"also {', '.join(EXTRA_MODELS)}: ours V1 with the kernel of benchmarks/proposed_kernel.py); ratios need llama")
     p.add_argument("--dtype", default=None, help="comma-separated dtypes: fp32, bf16 (default: both; fp32 with --smoke)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per model and item; medians reported "
                    "(default 7; memory uses at most 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per model and item before timing (default 1; "
                    "the compiled-decode warm-up compiles)")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 2; 1 with --smoke, where "
+                   "speed is not the point and a loaded CI machine makes 2-thread regions crawl)")
     p.add_argument("--hidden-size", type=int, default=None, help="model width (default 512)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
     p.add_argument("--heads", type=int, default=None, help="query heads of width head_dim, as Llama counts them (default 8)")
@@ -578,9 +611,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="decode prompt length (default 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run (default 128)")
     p.add_argument("--train-shape", default=None, help="training BATCHxLENGTH (default 4x512)")
-    p.add_argument("--attn-v1", default="sdpa", help="attn_implementation of ours_v1 (default sdpa); another name "
-                   "registered with transformers' AttentionInterface measures an alternative kernel, e.g. "
-                   "`difftransformer_fast` from benchmarks/proposed_kernel.py")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall: elapsed time (default); cpu: "
+                   "process CPU time — with --threads 1 it leaves out time other processes hold the core (shared machines)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition, no compiled decode: checks that "
                    "every path runs (CI); sizes flags still override")
     p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path ('' to skip)")
@@ -598,7 +630,7 @@ def plan_and_shape(args: argparse.Namespace) -> tuple[Plan, Shape]:
         shape_over["intermediate_size"] = None  # recompute from the ratio
     shape = replace(shape, **shape_over)
     plan_over = {"reps": args.reps, "warmup": args.warmup, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                 "threads": args.threads, "attn_v1": args.attn_v1}
+                 "threads": args.threads, "clock": args.clock}
     if args.prefill_shapes:
         plan_over["prefill_shapes"] = _pairs(args.prefill_shapes, "--prefill-shapes")
     if args.decode_batches:
@@ -616,14 +648,15 @@ def plan_and_shape(args: argparse.Namespace) -> tuple[Plan, Shape]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     groups = _choices(args.only, GROUPS, "--only")
-    models = _choices(args.models, MODELS, "--models")
+    models = _choices(args.models, MODELS + EXTRA_MODELS, "--models")
     dtypes = _choices(args.dtype or ("fp32" if args.smoke else "fp32,bf16"), DTYPES, "--dtype")
     if args.smoke and args.only == ",".join(GROUPS):
         groups = [g for g in groups if g != "decode_compiled"]  # compiling takes ~15 s per model: not in CI smoke
     plan, shape = plan_and_shape(args)
     torch.set_num_threads(plan.threads)
-    if plan.attn_v1 != "sdpa":
-        import benchmarks.proposed_kernel  # noqa: F401  (registers the alternative kernels)
+    set_clock(plan.clock)
+    if plan.clock == "cpu" and plan.threads != 1:
+        raise SystemExit("--clock cpu sums the CPU time of all threads (OpenMP spin-waits included): use --threads 1")
 
     timed = [g for g in groups if g != "memory"]
     total = 0
@@ -637,8 +670,7 @@ def main(argv: list[str] | None = None) -> dict:
         for dtype_name in dtypes:
             results = []
             if timed:
-                built = {m: build_model(m, shape, DTYPES[dtype_name],
-                                        attn_implementation=plan.attn_v1 if m == "ours_v1" else "sdpa") for m in models}
+                built = {m: build_model(m, shape, DTYPES[dtype_name]) for m in models}
                 for g in timed:
                     bar.set_postfix_str(f"{dtype_name} {g}")
                     results += time_group(g, built, plan, bar)

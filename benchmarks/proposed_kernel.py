@@ -10,19 +10,20 @@ is computed by one of three strategies, chosen per call (evidence: ``benchmarks/
 * **decode** (one query token, no autograd): the 2n padded queries of a KV group become the rows of ONE query head
   (transformers' ``pack_gqa`` idea), so one fast SDPA call reads each byte of the packed cache once; the two maps of
   a pair are combined on the (B, G, 2n, 2d) output. No T×S map, no copy of the cache.
-* **prefill** (no autograd): ``A1 − λA2`` materialised per block of ``BLOCK`` query rows against only the keys the
-  block can see, then ONE matmul with the 2d-wide value. This does Llama's attention arithmetic (the zero-padded
-  SDPA call does twice as much: 2d-wide dot products with half zeros, and 2H outputs of width 2d) at the price of
-  writing each block's maps to memory.
-* **autograd** (training): the current design, one SDPA call on zero-padded queries over the packed cache: fast
-  forward and backward kernels that keep no T×S map for backward (a materialising strategy would store every
-  block's maps, far beyond the issue's memory target).
+* **everything else** (prefill, training, decode under autograd): ``A1 − λA2`` materialised per block of ``BLOCK``
+  query rows against only the keys the block can see, then ONE matmul with the 2d-wide value
+  (:class:`BlockedDifferentialAttention`). This does Llama's attention arithmetic — the zero-padded SDPA call does
+  twice as much (2d-wide dot products with half zeros, and 2H outputs of width 2d) — at the price of writing each
+  block's maps to memory. Its backward recomputes a block's maps from the saved row log-sum-exps (as flash
+  attention does), so training keeps no ``T×S`` map.
+
+Additive float masks (not produced by transformers' sdpa mask builder) and V2 go to transformers' sdpa.
 
 Importing this module registers the function with transformers' ``AttentionInterface`` (and sdpa's mask builder)
 under ``"difftransformer_fast"``, so ``DiffTransformerForCausalLM(config)`` with
 ``config._attn_implementation = "difftransformer_fast"`` (or ``attn_implementation=`` in ``from_pretrained``) runs
 it with no change to the modeling file: that file hands every kernel zero-padded queries ``[Q1|0]``, ``[0|Q2]``, and
-:func:`differential_attention_forward` recovers ``Q1``, ``Q2`` as views. V2 models are passed to transformers' sdpa.
+:func:`differential_attention_forward` recovers ``Q1``, ``Q2`` as views.
 """
 
 from __future__ import annotations
@@ -55,50 +56,140 @@ def decode_attention(q1, q2, key, value, lam, scaling, attention_mask=None):
     return out[:, :, 0] - lam * out[:, :, 1]
 
 
-def blocked_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=BLOCK):
-    """Prefill without autograd. ``q1``, ``q2``: ``(B, G, n, T, d)``; ``key``, ``value``: packed ``(B, G, S, 2d)``.
+def _blocks(t: int, s: int, block: int, attention_mask: torch.Tensor | None, device: torch.device):
+    """Query blocks ``[t0, t1)``, the number of keys they can see, and what to hide in their ``(…, Tb, Sv)`` scores.
 
-    Returns ``(B, T, G, n, 2d)``. The queries are the last ``T`` of ``S`` positions when no mask is given (causal,
-    aligned bottom-right, as transformers passes ``None`` only for square or one-token attention); with a mask
-    (boolean, True = visible, or additive float), it decides. Either way a causal model never shows a query the keys
-    after its own position, so a block reads only the first ``t1 + S − T`` keys. Hidden scores are set to the
-    dtype's minimum rather than −inf, so a fully hidden (padding) row stays finite, as in transformers' eager path.
+    Without a mask, transformers means plain causal attention (what SDPA's ``is_causal`` does): square attention, or
+    a prefill into an empty static cache, whose ``t`` queries are then the *first* ``t`` of ``s`` positions (SDPA's
+    top-left alignment; transformers' sdpa path crops the keys to ``t``). With a boolean mask (True = visible) the
+    mask decides; the queries are then taken to be the last ``t`` positions, which only bounds the keys read: a
+    causal model never shows a query the keys after its own position, so a block reads ``t1 + s − t`` keys at most.
     """
-    b, g, n, t, d = q1.shape
-    s = key.shape[2]
-    offset = s - t
-    q1, q2 = q1 * scaling, q2 * scaling
-    k1, k2 = key[..., :d], key[..., d:]  # (B, G, S, d) views of the packed cache: no copy
-    hide = None
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        hide = attention_mask.logical_not()[:, :, None]  # (B|1, 1, 1, T, S) over (B, G, n, T, S)
-    out = value.new_empty(b, t, g, n, 2 * d)
+    offset = 0 if attention_mask is None else s - t
+    hide_all = None if attention_mask is None else attention_mask.logical_not()[:, :, None]  # (B|1, 1, 1, T, S)
     for t0 in range(0, t, block):
         t1 = min(t, t0 + block)
         visible = min(s, t1 + offset)
-        rows = n * (t1 - t0)
-        s1 = torch.matmul(q1[:, :, :, t0:t1].reshape(b, g, rows, d), k1[:, :, :visible].transpose(-1, -2))
-        s2 = torch.matmul(q2[:, :, :, t0:t1].reshape(b, g, rows, d), k2[:, :, :visible].transpose(-1, -2))
-        s1, s2 = s1.view(b, g, n, t1 - t0, visible), s2.view(b, g, n, t1 - t0, visible)
-        if attention_mask is None:
-            if visible > t0 + offset + 1:  # the block reaches the diagonal
-                causal = torch.arange(visible, device=key.device) > torch.arange(t0, t1, device=key.device)[:, None] + offset
-                s1.masked_fill_(causal, torch.finfo(s1.dtype).min)
-                s2.masked_fill_(causal, torch.finfo(s2.dtype).min)
-        elif hide is not None:
-            h = hide[..., t0:t1, :visible]
-            s1.masked_fill_(h, torch.finfo(s1.dtype).min)
-            s2.masked_fill_(h, torch.finfo(s2.dtype).min)
+        if hide_all is not None:
+            hide = hide_all[..., t0:t1, :visible]
+        elif visible > t0 + 1:  # the block reaches the diagonal
+            hide = torch.arange(visible, device=device) > torch.arange(t0, t1, device=device)[:, None]
         else:
-            m = attention_mask[:, :, None, t0:t1, :visible]
-            s1.add_(m)
-            s2.add_(m)
-        p1 = torch.softmax(s1, -1, dtype=torch.float32)
-        p2 = torch.softmax(s2, -1, dtype=torch.float32)
-        diff = p1.sub_(p2.mul_(lam)).to(value.dtype).view(b, g, rows, visible)  # A1 − λA2, in place
-        res = torch.matmul(diff, value[:, :, :visible])  # (B, G, n·Tb, 2d): the one 2d-wide multiplication
-        out[:, t0:t1] = res.view(b, g, n, t1 - t0, 2 * d).permute(0, 3, 1, 2, 4)
+            hide = None
+        yield t0, t1, visible, hide
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Softmax and gradient sums run in float32 (float64 stays float64, for gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _block_scores(q, k, hide, scaling):
+    """Scores ``q kᵀ·scaling`` of one block and map in float32, hidden ones at float32's minimum.
+
+    ``q`` ``(B, G, n, Tb, d)`` (the n heads of a group become rows of one matmul), ``k`` ``(B, G, Sv, d)`` (a view of
+    the packed cache). The minimum rather than −inf keeps a fully hidden (padding) row finite, as in transformers'
+    eager path.
+    """
+    b, g, n, tb, d = q.shape
+    scores = torch.matmul((q * scaling).reshape(b, g, n * tb, d), k.transpose(-1, -2)).view(b, g, n, tb, -1)
+    scores = scores.to(_acc(q.dtype))
+    if hide is not None:
+        scores.masked_fill_(hide, torch.finfo(scores.dtype).min)
+    return scores
+
+
+def _softmax_stats(scores):
+    """In-place softmax of ``scores`` and the row statistics that recompute it: ``(max, log Σ exp(s − max))``.
+
+    Cheaper than ``torch.softmax`` + ``torch.logsumexp`` (which reads the scores twice more). The two parts are kept
+    apart because their sum loses the log term on a fully hidden row (max = float32's minimum absorbs it).
+    """
+    top = scores.amax(-1, keepdim=True)
+    total = scores.sub_(top).exp_().sum(-1, keepdim=True)
+    return scores.div_(total), torch.stack((top, total.log_()))
+
+
+def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats=None):
+    """The forward loop; fills ``stats`` ``(2 maps, 2, B, G, n, T, 1)`` for backward when given."""
+    b, g, n, t, d = q1.shape
+    k1, k2 = key[..., :d], key[..., d:]  # (B, G, S, d) views of the packed cache: no copy
+    out = value.new_empty(b, g, n, t, 2 * d)
+    for t0, t1, visible, hide in _blocks(t, key.shape[2], block, attention_mask, q1.device):
+        s1 = _block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], hide, scaling)
+        s2 = _block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], hide, scaling)
+        if stats is None:
+            p1, p2 = torch.softmax(s1, -1), torch.softmax(s2, -1)
+        else:
+            (p1, stats[0, ..., t0:t1, :]), (p2, stats[1, ..., t0:t1, :]) = _softmax_stats(s1), _softmax_stats(s2)
+        diff = p1.addcmul_(p2, lam, value=-1).to(value.dtype)  # A1 − λA2, in place: (B, G, n, Tb, Sv)
+        rows = n * (t1 - t0)
+        out[:, :, :, t0:t1] = torch.matmul(diff.view(b, g, rows, visible), value[:, :, :visible]).view(b, g, n, t1 - t0, 2 * d)
     return out
+
+
+class BlockedDifferentialAttention(torch.autograd.Function):
+    """``O = (A1 − λA2)·V`` block by block, with a recomputing backward (flash-attention style).
+
+    Forward keeps only each row's softmax statistics per map (``O(T)``), not the ``T×S`` maps; backward recomputes a block's
+    maps from it. Arithmetic per direction equals a same-config Llama's: two d-wide score products and one 2d-wide
+    value product forward; score recompute, ``dO·Vᵀ``, ``dV``, ``dQ`` and ``dK`` backward. Gradients flow to
+    ``q1, q2`` ``(B, G, n, T, d)``, the packed ``key``/``value`` ``(B, G, S, 2d)`` and the float32 scalar ``lam``.
+    Output ``(B, G, n, T, 2d)``.
+    """
+
+    @staticmethod
+    def forward(ctx, q1, q2, key, value, lam, scaling, attention_mask, block):
+        b, g, n, t, d = q1.shape
+        stats = torch.empty(2, 2, b, g, n, t, 1, dtype=_acc(q1.dtype), device=q1.device)
+        out = _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats)
+        ctx.save_for_backward(q1, q2, key, value, lam, stats, attention_mask)
+        ctx.scaling, ctx.block = scaling, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q1, q2, key, value, lam, stats, attention_mask = ctx.saved_tensors
+        scaling = ctx.scaling
+        b, g, n, t, d = q1.shape
+        k1, k2 = key[..., :d], key[..., d:]
+        dq1 = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
+        dq2 = torch.empty(q2.shape, dtype=q2.dtype, device=q2.device)
+        acc = _acc(key.dtype)  # key/value gradients are sums over blocks: float32, bf16-safe
+        dkey = torch.zeros(key.shape, dtype=acc, device=key.device)
+        dvalue = torch.zeros(value.shape, dtype=acc, device=value.device)
+        dlam = torch.zeros((), dtype=_acc(lam.dtype), device=lam.device)
+        # dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)) and dS2 = −λ·P2 ∘ (dD − rowsum(dD ∘ P2)), with dD = dO·Vᵀ the gradient of
+        # D = A1 − λA2. The factors −λ and the 1/√d of the scores are applied to the small (rows × d) products.
+        factors = (scaling, -lam * scaling)
+        for t0, t1, visible, hide in _blocks(t, key.shape[2], ctx.block, attention_mask, q1.device):
+            rows = n * (t1 - t0)
+            qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
+            kb = (k1[:, :, :visible], k2[:, :, :visible])
+            p = [_block_scores(qb[c], kb[c], hide, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
+                 for c in (0, 1)]
+            grad_b = grad_out[:, :, :, t0:t1].reshape(b, g, rows, 2 * d)
+            diff = torch.addcmul(p[0], p[1], lam, value=-1).to(value.dtype).view(b, g, rows, visible)
+            dvalue[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_b)  # sums the n heads of a group
+            ddiff = torch.matmul(grad_b, value[:, :, :visible].transpose(-1, -2)).to(acc).view_as(p[0])
+            r1, r2 = (torch.einsum("...s,...s->...", ddiff, p[c]).unsqueeze(-1) for c in (0, 1))
+            dlam -= r2.sum()
+            ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff.sub_(r2).mul_(p[1]))  # dS1 and dS2 / (−λ), unscaled
+            for c, dq, dk in ((0, dq1, dkey[..., :d]), (1, dq2, dkey[..., d:])):
+                if hide is not None and attention_mask is not None:  # a fully hidden row has uniform P, not 0
+                    ds[c].masked_fill_(hide, 0.0)
+                dsc = ds[c].to(q1.dtype).view(b, g, rows, visible)
+                dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, n, t1 - t0, d)
+                dk[:, :, :visible] += torch.matmul(dsc.transpose(-1, -2), qb[c].reshape(b, g, rows, d)) * factors[c]
+        return dq1, dq2, dkey.to(key.dtype), dvalue.to(value.dtype), dlam, None, None, None
+
+
+def blocked_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=BLOCK):
+    """``(B, G, n, T, d)`` queries, packed ``(B, G, S, 2d)`` cache → ``(B, G, n, T, 2d)``; see
+    :class:`BlockedDifferentialAttention` (with autograd) and :func:`_blocks` (masking)."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q1, q2, key, value, lam)):
+        return BlockedDifferentialAttention.apply(q1, q2, key, value, lam, scaling, attention_mask, block)
+    return _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block)
 
 
 def differential_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -106,21 +197,21 @@ def differential_attention_forward(module, query, key, value, attention_mask, sc
     """AttentionInterface function: the modeling file's kernel contract (padded V1 queries, packed V1 cache).
 
     ``query`` ``(B, 2H, T, 2d)`` rows ``(g, c, r)`` zero-padded ``[Q1|0]`` / ``[0|Q2]``; ``key``, ``value``
-    ``(B, G, S, 2d)``. Returns ``(B, T, H, 2d)`` already combined (the module then skips its own combine), or, for the
-    autograd path and for V2, transformers' sdpa output ``(B, T, 2H, w)`` for the module to combine.
+    ``(B, G, S, 2d)``. Returns ``(B, T, H, 2d)`` already combined (the module then skips its own combine), or, for V2
+    and for additive float masks, transformers' sdpa output ``(B, T, 2H, w)`` for the module to combine.
     """
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, diff_lambda))
-    if module.diff_version != 1 or grad:
+    if module.diff_version != 1 or (attention_mask is not None and attention_mask.dtype != torch.bool):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     b, _, t, width = query.shape
     d, n, g = width // 2, module.pair_stride, key.shape[1]
     halves = query.view(b, g, 2, n, t, width)
     q1, q2 = halves[:, :, 0, :, :, :d], halves[:, :, 1, :, :, d:]  # (B, G, n, T, d) views: the padding is skipped
-    if t == 1:
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, diff_lambda))
+    if t == 1 and not grad:
         out = decode_attention(q1[:, :, :, 0], q2[:, :, :, 0], key, value, diff_lambda, scaling, attention_mask)
         return out.reshape(b, 1, g * n, width), None
-    out = blocked_attention(q1, q2, key, value, diff_lambda, scaling, attention_mask)
-    return out.view(b, t, g * n, width), None
+    out = blocked_attention(q1, q2, key, value, diff_lambda, scaling, attention_mask)  # (B, G, n, T, 2d)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, g * n, width), None
 
 
 def register(name: str = NAME) -> str:

@@ -1,0 +1,270 @@
+"""The benchmarks cannot rot, and what they report can be trusted.
+
+* ``benchmarks/bench.py --smoke`` and ``benchmarks/attention_micro.py --smoke`` run (the commands of
+  docs/performance.md), producing every table row, the JSON and the PNG;
+* every attention strategy of the micro-benchmark equals the float64 evaluation of SPEC §1, whose own correctness is
+  checked against the modeling file's eager path, and a wrong strategy is flagged;
+* the proposed kernel (``benchmarks/proposed_kernel.py``) has exact gradients (float64 gradcheck) and, inside a model,
+  gives eager's logits, greedy generations (dynamic and static cache) and parameter gradients.
+
+No timing is asserted anywhere: timings are the benchmarks' output, not a property of the code.
+"""
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import attention_micro as am  # noqa: E402
+from benchmarks import bench  # noqa: E402
+from benchmarks import proposed_kernel as pk  # noqa: E402
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
+from difftransformer.modeling_difftransformer import eager_attention_forward  # noqa: E402
+
+DOC = ROOT / "docs" / "performance.md"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _doc_commands(script: str) -> list[list[str]]:
+    """Every ``python benchmarks/<script> ...`` command line of docs/performance.md, split like a shell would."""
+    text = DOC.read_text()
+    lines = re.findall(rf"^(?:\$ )?(python benchmarks/{re.escape(script)}[^\n]*)$", text, flags=re.M)
+    return [shlex.split(line, comments=True)[2:] for line in lines]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- smoke runs of the scripts (as documented)
+
+
+def test_bench_smoke_runs_every_row_and_writes_json_and_png(tmp_path):
+    smoke = [args for args in _doc_commands("bench.py") if "--smoke" in args]
+    assert smoke, "docs/performance.md must show the smoke command"
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run([sys.executable, "benchmarks/bench.py", *smoke[0], "--json", str(out_json), "--png", str(out_png)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| metric | llama |" in proc.stdout
+    report = json.loads(out_json.read_text())
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = {r["item"]: r for r in report["results"]["fp32"]}
+    plan, _ = bench.smoke_plan_and_shape()
+    expected = {f"prefill {b}x{t}" for b, t in plan.prefill_shapes}
+    expected |= {f"decode b{b} {c}" for b in plan.decode_batches for c in ("dynamic", "static")}
+    expected |= {"train {}x{}".format(*plan.train_shape), "train {}x{} ckpt".format(*plan.train_shape)}
+    expected |= {"peak MiB prefill {}x{}".format(*plan.memory_prefill), f"peak MiB decode b{plan.memory_decode_batch}",
+                 "peak MiB train {}x{}".format(*plan.train_shape)}
+    assert set(rows) == expected
+    for item, row in rows.items():
+        assert set(row["models"]) == set(bench.MODELS), item
+        for kind, stats in row["models"].items():
+            assert "error" not in stats, (item, kind, stats.get("error"))
+            if row["unit"] == "s":
+                assert stats["median"] > 0 and math.isfinite(stats["median"]), (item, kind)
+                assert len(stats["samples"]) == plan.reps
+            else:
+                assert stats["resident_mib"] > 0 and stats["median"] >= 0, (item, kind)
+        if row["unit"] == "s":
+            assert row["models"]["llama"]["ratio"] == pytest.approx(1.0)
+            if row.get("tokens"):
+                assert row["models"]["llama"]["tokens_per_s"] == pytest.approx(row["tokens"] / row["models"]["llama"]["median"])
+
+
+def test_attention_micro_smoke_checks_and_times_every_strategy(tmp_path):
+    smoke = [args for args in _doc_commands("attention_micro.py") if "--smoke" in args]
+    assert smoke, "docs/performance.md must show the micro-benchmark's smoke command"
+    out = am.main([*smoke[0], "--threads", "1", "--json", str(tmp_path / "micro.json")])
+    saved = json.loads((tmp_path / "micro.json").read_text())
+    assert len(saved["results"]) == len(out["results"]) == 3
+    for res in out["results"]:
+        for name, row in res["rows"].items():
+            assert row.get("median_s", 0) > 0, (res["case"]["label"], name, row)
+            if name != "llama_sdpa":
+                assert row["ok"], (res["case"]["label"], name, row)
+    counts = out["around"]["fp32"]["op_counts"]
+    assert set(counts) == set(am.DECODE_KINDS) and all(c > 0 for c in counts.values())
+
+
+def test_documented_full_commands_parse():
+    """The long (not smoke) commands shown in the docs use flags and values the scripts accept."""
+    for args in _doc_commands("bench.py"):
+        ns = bench.parse_args(args)
+        bench._choices(ns.only, bench.GROUPS, "--only")
+        bench._choices(ns.models, bench.MODELS + bench.EXTRA_MODELS, "--models")
+        bench.plan_and_shape(ns)
+    for args in _doc_commands("attention_micro.py"):
+        ns = am.parse_args(args)
+        assert set(ns.strategies.split(",")) <= set(am.STRATEGIES)
+
+
+def test_bad_flags_name_the_allowed_values(capsys):
+    with pytest.raises(SystemExit, match="allowed values: prefill"):
+        bench.main(["--only", "prefil", "--json", "", "--png", ""])
+    with pytest.raises(SystemExit, match="BATCHxLENGTH"):
+        bench.main(["--prefill-shapes", "512", "--json", "", "--png", ""])
+    with pytest.raises(SystemExit, match="allowed: padded_sdpa"):
+        am.main(["--strategies", "fastest"])
+    for main in (bench.main, am.main):
+        with pytest.raises(SystemExit) as exc:
+            main(["--help"])
+        assert exc.value.code == 0
+    assert "--smoke" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the micro-benchmark's correctness gate
+
+
+def test_reference_is_the_model_eager_attention():
+    """The float64 reference used to judge strategies computes what the modeling file's eager path computes."""
+    x = am.make_inputs(batch=2, q_len=5, kv_len=9, num_heads=4, num_groups=2, head_dim=8, dtype=torch.float64)
+    b, t, s, h, g, d = x.shape
+    pad = torch.eye(2, dtype=x.query.dtype).view(2, 1, 2, 1)
+    query = (x.query.unflatten(2, (-1, 2, x.n, 1)) * pad).reshape(b, t, -1, 2 * d).transpose(1, 2)
+    visible = torch.arange(s)[None, :] <= torch.arange(t)[:, None] + (s - t)
+    mask = torch.zeros(t, s, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)
+
+    class Module:
+        num_key_value_groups, pair_stride = 2 * x.n, x.n
+
+    out, _ = eager_attention_forward(Module(), query, x.key_packed, x.value_packed, mask, x.scaling, diff_lambda=x.lam.double())
+    # eager takes its softmax in float32 (by design); everything else here is float64
+    torch.testing.assert_close(out, am.reference_attention(x), rtol=1e-6, atol=1e-6)
+
+
+CASES = [(1, 9), (7, 7), (5, 12)]  # decode, square prefill, prefill after a cached prefix
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("q_len,kv_len", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_strategy_equals_the_float64_reference(n, q_len, kv_len, dtype):
+    x = am.make_inputs(batch=2, q_len=q_len, kv_len=kv_len, num_heads=4, num_groups=4 // n, head_dim=8, dtype=dtype)
+    reference = am.reference_attention(x)
+    for name in am.STRATEGIES:
+        if name == "flex":
+            continue  # compiling takes ~15 s; the CLI checks it in full runs (`--strategies flex`)
+        fn = am.STRATEGIES[name]
+        if name.startswith("blocked"):
+            fn = lambda inp: am.blocked(inp, block=3)  # noqa: E731  (several blocks, one reaching the diagonal)
+        check = am.check_strategy(fn, x, reference)
+        assert check["ok"], (name, check)
+
+
+def test_checker_flags_a_wrong_strategy():
+    """Swapping the maps' roles (λ on the first map) is exactly the kind of fast-but-wrong kernel the gate catches."""
+    x = am.make_inputs(batch=1, q_len=6, kv_len=6, num_heads=4, num_groups=2, head_dim=8)
+
+    def swapped(inp):
+        b, t, s, h, g, d = inp.shape
+        q = inp.query.view(b, t, g, 2, inp.n, d).flip(3).reshape(b, t, 2 * h, d)  # Q2 where Q1 belongs
+        k = inp.key_packed.view(b, g, s, 2, d).flip(3).reshape(b, g, s, 2 * d)
+        swapped_inp = am.AttentionInputs(q, k, inp.value_packed, inp.key_std, inp.value_std, inp.lam, inp.n)
+        return am.padded_sdpa(swapped_inp)
+
+    assert am.check_strategy("padded_sdpa", x)["ok"]
+    assert not am.check_strategy(swapped, x)["ok"]
+
+
+# ---------------------------------------------------------------- the proposed kernel
+
+
+@pytest.mark.parametrize("q_len,kv_len,masked", [(5, 5, False), (3, 8, False), (6, 6, True), (1, 6, False)])
+def test_blocked_kernel_gradients_are_exact(q_len, kv_len, masked):
+    torch.manual_seed(0)
+    b, g, n, d = 2, 2, 2, 4
+    args = [torch.randn(b, g, n, q_len, d, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    args += [torch.randn(b, g, kv_len, 2 * d, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    args.append(torch.tensor(0.4, dtype=torch.float64, requires_grad=True))
+    mask = None
+    if masked:  # left padding: the first two positions of sequence 0 are hidden; its first two rows see nothing
+        mask = torch.ones(b, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        mask[0, :, :, :2] = False
+    fn = lambda *a: pk.BlockedDifferentialAttention.apply(*a, d**-0.5, mask, 2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(args))
+
+
+def _tiny_model(kv_heads: int, version: int = 1) -> DiffTransformerForCausalLM:
+    cfg = DiffTransformerConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=kv_heads, diff_version=version)
+    torch.manual_seed(0)
+    return DiffTransformerForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 8])  # n = 2 and n = 1 differential heads per KV group
+def test_proposed_kernel_matches_eager_in_a_model(kv_heads, monkeypatch):
+    monkeypatch.setattr(pk, "BLOCK", 16)  # several blocks at these lengths
+    monkeypatch.setattr(pk.blocked_attention, "__defaults__", (None, 16))
+    model = _tiny_model(kv_heads).eval()
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    results = {}
+    for impl in ("eager", pk.NAME):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits
+            gen_dynamic = model.generate(ids[:, :12], attention_mask=mask[:, :12], max_new_tokens=6, do_sample=False)
+            gen_static = model.generate(ids[:, :12], attention_mask=mask[:, :12], max_new_tokens=6, do_sample=False,
+                                        cache_implementation="static")
+        model.zero_grad()
+        model.train()
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[0, 3] = -100  # predicted from a padding row, whose output is arbitrary (each kernel fills it differently)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        model.eval()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        results[impl] = logits, gen_dynamic, gen_static, grads
+    ref, fast = results["eager"], results[pk.NAME]
+    valid = mask.bool()
+    torch.testing.assert_close(fast[0][valid], ref[0][valid], rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast[1], ref[1]) and torch.equal(fast[2], ref[2])
+    for name, grad in ref[3].items():
+        torch.testing.assert_close(fast[3][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_proposed_kernel_passes_v2_to_sdpa():
+    model = _tiny_model(4, version=2).eval()
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids).logits
+        model.set_attn_implementation(pk.NAME)
+        torch.testing.assert_close(model(ids).logits, ref)
+
+
+# ---------------------------------------------------------------- bench.py's bookkeeping
+
+
+def test_targets_and_ratios():
+    assert bench.target_for("prefill", "ours_v1", 2048) == 1.25
+    assert bench.target_for("prefill", "ours_v1", 256) == 1.10
+    assert bench.target_for("prefill", "ours_v1_proposed", 512) == 1.10
+    assert bench.target_for("decode", "ours_v2", None) == 1.03
+    assert bench.target_for("train", "diffllama", None) is None
+    stats = {"llama": {"median": 2.0}, "diffllama": {"median": 2.6}, "ours_v1": {"median": 2.4}, "ours_v2": {"median": 2.04}}
+    result = bench._with_ratios({"item": "prefill 1x512", "family": "prefill", "length": 512, "tokens": 512}, stats, unit="s")
+    assert result["models"]["ours_v1"]["ratio"] == pytest.approx(1.2)
+    assert result["models"]["llama"]["tokens_per_s"] == pytest.approx(256)
+    checks = bench.check_targets(result)
+    assert checks["ours_v1"] == {"target": 1.10, "met": False}
+    assert checks["ours_v2"]["met"] and checks["beats_diffllama"]["ours_v1"]
+    zero = bench._with_ratios({"item": "m", "family": "memory", "length": None}, {"llama": {"median": 0.0}, "ours_v1": {"median": 3.0}}, unit="MiB")
+    assert zero["models"]["ours_v1"]["ratio"] is None  # no ratio against a zero baseline
+    assert bench.summarize([1.0, 2.0, 3.0, 4.0, 100.0])["median"] == 3.0
