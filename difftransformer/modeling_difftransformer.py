@@ -29,12 +29,14 @@ interleaved, group-major query rows (convert_scripts handle both), no attention 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.masking_utils import create_causal_mask
@@ -353,19 +355,41 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
                 f"{', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}. Refusing to initialise them randomly: "
                 "check that the checkpoint matches its config.json, or convert it with convert_scripts/convert.py."
             )
+        tp_size = model.tp_size or 1
+        if model.config.num_kv_groups % tp_size:
+            raise ValueError(
+                f"tp_size={tp_size} must divide the number of KV groups ({model.config.num_kv_groups} = "
+                f"num_key_value_heads{' / 2' if model.config.diff_version == 1 else ''}): a tensor-parallel shard holds "
+                "whole groups, since both maps of a differential head read the same group."
+            )
         return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """As transformers', but the folder's ``auto_map`` names every Auto class (SPEC §7b).
 
         transformers records only the class being saved (plus ``AutoConfig``); with all of them, the folder
-        loads as remote code through ``AutoModel``, ``AutoModelForCausalLM`` and the other heads.
+        loads as remote code through ``AutoModel``, ``AutoModelForCausalLM`` and the other heads. Wrappers that
+        subclass the model dynamically (FSDP2's ``fully_shard`` makes ``FSDPDiffTransformerForCausalLM`` in a torch
+        module) would make transformers copy *their* module and record their class: the code of the model class
+        itself is saved instead.
         """
-        if self._auto_class is not None:  # set by `import difftransformer` or by remote-code loading
-            module = self.__class__.__module__.rsplit(".", 1)[-1]
-            auto_map = {auto: f"{module}.{cls}" for auto, cls in _AUTO_MAP.items()}
-            self.config.auto_map = {**auto_map, **(getattr(self.config, "auto_map", None) or {})}
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        if self._auto_class is None:  # neither `import difftransformer` nor remote-code loading asked for code
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        code_class = next(c for c in type(self).__mro__ if c.__module__ == DiffTransformerPreTrainedModel.__module__)
+        module = code_class.__module__.rsplit(".", 1)[-1]
+        auto_map = {auto: f"{module}.{name}" for auto, name in _AUTO_MAP.items()}
+        self.config.auto_map = {**auto_map, **(getattr(self.config, "auto_map", None) or {})}
+        if code_class is type(self):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        wrapper = type(self)
+        wrapper._auto_class = None  # on the wrapper class only: keeps transformers from saving the wrapper's code
+        try:
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            del wrapper._auto_class
+        if kwargs.get("is_main_process", True):
+            custom_object_save(SimpleNamespace(__module__=code_class.__module__), save_directory)  # copies the files
+        return result
 
     def layer_lambdas(self) -> torch.Tensor:
         """V1: the current λ of every layer, float32 tensor of shape ``(num_hidden_layers,)``.

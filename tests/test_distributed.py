@@ -36,15 +36,6 @@ pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with the gloo backend is unavailable"
 )
 
-FSDP_SAVE_AUTO_MAP_BUG = (
-    "Under FSDP2 the model's class is torch's dynamic subclass FSDPDiffTransformerForCausalLM, defined in "
-    "torch/distributed/fsdp/_fully_shard/_fsdp_init.py: transformers' custom_object_save (called by save_pretrained) "
-    "copies torch's _fsdp_*.py files instead of modeling_difftransformer.py and records "
-    "'_fsdp_init.FSDPDiffTransformerForCausalLM' in auto_map, so the folder does not load as remote code. Needs the "
-    "lead's fix in DiffTransformerPreTrainedModel.save_pretrained (see the distributed report)."
-)
-
-
 def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
     """Run examples/distributed/<script> on `nproc` CPU processes; fail with the processes' output if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -121,7 +112,6 @@ def test_fsdp2_shards_and_matches_one_process(fsdp_run):
     assert reloaded.config.diff_version == 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=FSDP_SAVE_AUTO_MAP_BUG)
 def test_fsdp2_saved_folder_is_remote_code_ready(fsdp_run):
     # The gathered folder must be the folder a single process writes: same files, same auto_map and architectures.
     tmp, _ = fsdp_run
@@ -173,14 +163,6 @@ def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_ve
         assert shards["lambda_proj.weight"]["local"] == [config.num_attention_heads // 4, config.hidden_size]
 
 
-TP_GROUP_SPLIT_ERROR = (
-    "tp_size must divide the number of KV groups (V1: num_key_value_heads / 2); today a V1 model with one group on "
-    "2 processes fails deep in the attention with \"shape '[1, 7, -1, 16]' is invalid\". Needs the lead's check (e.g. "
-    "DiffTransformerPreTrainedModel.maybe_distribute_model, see the distributed report)."
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TP_GROUP_SPLIT_ERROR)
 def test_tensor_parallel_refuses_to_split_a_kv_group(tmp_path):
     # V1 with num_key_value_heads=2 has a single KV group (K1, K2 and both value halves): it cannot be split in two.
     dist_common.tiny_model(diff_version=1, num_key_value_heads=2).save_pretrained(tmp_path / "model")
