@@ -5,9 +5,11 @@ it with the same script's function run in this single process:
 
 * DDP through the transformers `Trainer`: same loss at every step as one process with the same global batch;
 * FSDP2 (transformers' `DistributedConfig(fsdp_size=2)`, i.e. `fully_shard` per decoder layer): each process
-  holds half the parameters, the loss trajectory and the saved (gathered) weights equal the single-process run;
+  holds half the parameters, the loss trajectory and the saved (gathered) weights equal the single-process run, and
+  the saved folder is the folder a single process writes;
 * tensor parallelism with the model's `base_model_tp_plan` (`DistributedConfig(tp_plan="auto")`): the shards hold
-  whole KV groups, logits and greedy tokens equal the unsharded model's, for V1 and V2.
+  whole KV groups, logits and greedy tokens equal the unsharded model's, for V1 and V2; a `tp_size` that would
+  split a KV group is refused with a clear error.
 """
 
 import json
