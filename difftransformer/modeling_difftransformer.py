@@ -415,6 +415,8 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
+        if config.diff_version == 1:  # V1 has no lambda_proj (its λ vectors and subln are replicated under TP)
+            self._tp_plan.pop("layers.*.self_attn.lambda_proj", None)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -466,6 +468,7 @@ class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: DiffTransformerConfig):
         super().__init__(config)
