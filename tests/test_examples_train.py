@@ -26,6 +26,15 @@ def _load_script():
 train_script = _load_script()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is as fast, and immune to the 2-thread OpenMP stalls of a busy shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tokenizer-cache"))
@@ -100,18 +109,14 @@ class _SigintAt:
 def test_interrupted_run_resumes_to_the_same_model(cli_run, tmp_path, tokenizer_cache):
     reference, _ = cli_run
     argv = ["--smoke", "--output-dir", str(tmp_path / "run"), "--tokenizer-cache", tokenizer_cache]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # the reference ran with --threads 1: same reduction order, same numbers
-        first = train_script.run(train_script.parse_args(argv), callbacks=[_SigintAt(step=3).callback])
-        assert first["interrupted"] and first["global_step"] == 4
-        # The signal handler saved a checkpoint at a step that is not a --save-steps multiple.
-        assert (tmp_path / "run" / "checkpoint-4").is_dir() and not (tmp_path / "run" / "model").exists()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert torch.get_num_threads() == 1  # as the reference's --threads 1: same reduction order, same numbers
+    first = train_script.run(train_script.parse_args(argv), callbacks=[_SigintAt(step=3).callback])
+    assert first["interrupted"] and first["global_step"] == 4
+    # The signal handler saved a checkpoint at a step that is not a --save-steps multiple.
+    assert (tmp_path / "run" / "checkpoint-4").is_dir() and not (tmp_path / "run" / "model").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
 
-        second = train_script.run(train_script.parse_args(argv))
-    finally:
-        torch.set_num_threads(threads)
+    second = train_script.run(train_script.parse_args(argv))
     assert not second["interrupted"] and second["global_step"] == train_script.SMOKE["max_steps"]
     resumed = load_file(tmp_path / "run" / "model" / "model.safetensors")
     expected = load_file(reference / "model" / "model.safetensors")
@@ -170,12 +175,8 @@ def test_docs_ecosystem_examples_run(cli_run, tmp_path, monkeypatch):
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id))
     monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: uploaded.update(
         {repo_id: sorted(op.path_in_repo for op in operations)}))
-    threads = torch.get_num_threads()
-    try:
-        for i, code in enumerate(blocks):
-            exec(compile(code, f"docs/ecosystem.md[python block {i}]", "exec"), {"__name__": "__main__"})
-    finally:
-        torch.set_num_threads(threads)
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/ecosystem.md[python block {i}]", "exec"), {"__name__": "__main__"})
     # What the blocks promise exists.
     assert (Path("runs/finetune/final") / "model.safetensors").is_file()
     assert (Path("runs/lora/adapter") / "adapter_model.safetensors").is_file()

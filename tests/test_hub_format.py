@@ -21,6 +21,15 @@ from difftransformer.hub import check_hub_folder, model_card, push_to_hub, save_
 IDS = [[1, 40, 41, 42, 43, 44, 45, 46]]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is as fast, and immune to the 2-thread OpenMP stalls of a busy shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return get_tokenizer(vocab_size=512, cache_dir=tmp_path_factory.mktemp("tokenizer-cache"))
@@ -150,7 +159,7 @@ def test_pushed_folders_load_elsewhere_without_the_package(tokenizer, fake_hub, 
     folders = [fake_hub.root / "user" / "diff-v1", fake_hub.root / "user" / "diff-v2"]
     _expected(v1, folders[0], True)
     _expected(v2, folders[1], True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", REMOTE_LOAD, *map(str, folders)], capture_output=True, text=True,
                          timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]

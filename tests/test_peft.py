@@ -21,6 +21,15 @@ from difftransformer.integrations import enable_lambda_training, lambda_modules_
 IDS = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is as fast, and immune to the 2-thread OpenMP stalls of a busy shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def base_model(version, seed=0):
     config = DiffTransformerConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, diff_version=version)
@@ -157,7 +166,7 @@ def test_merge_and_unload_gives_a_normal_folder_with_and_without_the_package(tmp
         (folder.parent / "expected.json").write_text(json.dumps({"ids": IDS.tolist(), "logits": expected.tolist()}))
         folders.append(str(folder))
     # Without the package: remote code from the folder itself, in a fresh process.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", REMOTE_LOAD, *folders], capture_output=True, text=True, timeout=300,
                          env=env, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
