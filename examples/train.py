@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a small Differential Transformer on the Python standard library's sources, on CPU, in a few minutes.
 
-    python examples/train.py                       # DIFF V1, ~4 minutes on 2 idle CPU cores (300 steps)
+    python examples/train.py                       # DIFF V1, 300 steps: ~3-5 minutes on 2 idle CPU cores
     python examples/train.py --diff-version 2      # DIFF V2
     python examples/train.py --smoke               # a few seconds: tiny model, few steps (what the tests run)
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -182,3 +183,12 @@ def test_docs_ecosystem_examples_run(cli_run, tmp_path, monkeypatch):
     assert (Path("runs/lora/adapter") / "adapter_model.safetensors").is_file()
     assert (Path("runs/lora/merged") / "modeling_difftransformer.py").is_file()
     assert sorted(p.name for p in Path("runs/hub-upload").iterdir()) == uploaded["your-name/difftransformer-stdlib"]
+
+
+def test_smoke_run_of_diff_v2(tmp_path, tokenizer_cache):
+    metrics = train_script.run(train_script.parse_args(
+        ["--smoke", "--diff-version", "2", "--output-dir", str(tmp_path / "v2"), "--tokenizer-cache", tokenizer_cache]))
+    assert not metrics["interrupted"] and metrics["diff_version"] == 2 and math.isfinite(metrics["validation_loss"])
+    config = json.loads((tmp_path / "v2" / "model" / "config.json").read_text())
+    assert config["diff_version"] == 2
+    assert "DIFF V2" in (tmp_path / "v2" / "model" / "README.md").read_text()
