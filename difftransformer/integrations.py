@@ -8,11 +8,10 @@ is missing from:
   raises. :func:`register_peft` adds ``"difftransformer"`` with Llama's entries: our module names are Llama's
   (``q_proj``, ``v_proj``, ``down_proj``, ...), so every PEFT method's Llama default applies unchanged.
 * ``Trainer`` with ``label_smoothing_factor > 0`` shifts labels by one (next-token targets) only when the model's
-  class name is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; otherwise it silently scores each position against its
-  *own* token. :func:`register_trainer` adds our causal-LM class there. (Pipelines read the same table but also
-  the Auto classes' registrations, so they already accept the model.)
+  class name is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; the modeling file itself adds our causal-LM class there,
+  so that this also holds when the model is loaded as remote code without the package.
 
-:func:`register_integrations` does both. The differential λ parameters can be trained next to an adapter:
+:func:`register_integrations` runs at ``import difftransformer``. The differential λ parameters can be trained next to an adapter:
 
 * V2: ``lambda_proj`` is an ``nn.Linear``; PEFT's own ``modules_to_save=["lambda_proj"]`` trains it and stores it in
   the adapter (see :func:`lambda_modules_to_save`).
@@ -30,7 +29,6 @@ import re
 from pathlib import Path
 
 MODEL_TYPE = "difftransformer"
-CAUSAL_LM_CLASS = "DiffTransformerForCausalLM"
 # Names of the V1 λ vectors inside an attention module (SPEC §3).
 V1_LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 _V1_LAMBDA_RE = re.compile(r"(^|\.)self_attn\.(" + "|".join(V1_LAMBDA_NAMES) + r")$")
@@ -54,21 +52,9 @@ def register_peft() -> bool:
     return True
 
 
-def register_trainer() -> None:
-    """Make ``Trainer`` (label smoothing) and pipelines treat ``DiffTransformerForCausalLM`` as a causal LM. Idempotent.
-
-    The entry is added only to the *names* table; transformers' lazy Auto mappings skip model types absent from
-    ``CONFIG_MAPPING_NAMES``, so nothing tries to import ``transformers.models.difftransformer``.
-    """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MODEL_TYPE, CAUSAL_LM_CLASS)
-
-
 def register_integrations() -> None:
-    """:func:`register_peft` and :func:`register_trainer`; meant to run at ``import difftransformer``."""
+    """:func:`register_peft`; meant to run at ``import difftransformer``."""
     register_peft()
-    register_trainer()
 
 
 def _config_of(model):
@@ -149,6 +135,5 @@ __all__ = [
     "lambda_modules_to_save",
     "register_integrations",
     "register_peft",
-    "register_trainer",
     "save_adapter",
 ]

@@ -48,6 +48,7 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -522,6 +523,10 @@ class DiffTransformerForQuestionAnswering(GenericForQuestionAnswering, DiffTrans
 
 class DiffTransformerForTokenClassification(GenericForTokenClassification, DiffTransformerPreTrainedModel): ...
 
+
+# Trainer shifts labels for label smoothing only for class names in this table (transformers/trainer.py); registered
+# here, not in the package, so that it also holds for remote-code loading.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("difftransformer", "DiffTransformerForCausalLM")
 
 _AUTO_MAP = {
     "AutoModel": "DiffTransformerModel",

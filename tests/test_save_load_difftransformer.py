@@ -73,6 +73,9 @@ REMOTE_CODE_CHECK = textwrap.dedent(
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-5)  # other thread count: float rounding
     base = AutoModel.from_pretrained(folder, trust_remote_code=True)
     assert type(base).__name__ == "DiffTransformerModel"
+    # Trainer's label smoothing shifts labels only for causal LMs named in this table: the remote code registers itself.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get("difftransformer") == "DiffTransformerForCausalLM"
     print("REMOTE_CODE_OK")
     """
 )

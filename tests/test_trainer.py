@@ -137,7 +137,7 @@ def test_bf16_mixed_precision_training(tokenizer, datasets, tmp_path):
 
 def test_label_smoothing_scores_next_tokens(tokenizer, datasets, tmp_path):
     """With label_smoothing_factor, Trainer computes the loss itself and shifts labels only for class names in its
-    causal-LM table; `import difftransformer` adds ours (difftransformer.integrations.register_trainer)."""
+    causal-LM table; `import difftransformer` adds ours (the modeling file registers it, so remote code gets it too)."""
     train, _ = datasets
     model = make_model(tokenizer).eval()
     eps = 0.1
