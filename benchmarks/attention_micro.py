@@ -321,11 +321,11 @@ def proposed(x: AttentionInputs) -> torch.Tensor:
     from benchmarks import proposed_kernel as pk
 
     b, t, s, h, g, d = x.shape
-    q = x.query.view(b, t, g, 2, x.n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d) view
     grad = torch.is_grad_enabled() and x.query.requires_grad
     if t == 1 and not grad:
-        return pk.decode_attention(q[:, :, 0, :, 0], q[:, :, 1, :, 0], x.key_packed, x.value_packed, x.lam,
-                                   x.scaling).reshape(b, 1, h, 2 * d)
+        query = x.query.view(b, g, 2, x.n, d)  # (B, G, 2, n, d): a free view of the one token's heads
+        return pk.decode_attention(query, x.key_packed, x.value_packed, x.lam, x.scaling).reshape(b, 1, h, 2 * d)
+    q = x.query.view(b, t, g, 2, x.n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d) view
     mask = _mask(x)
     out = pk.blocked_attention(q[:, :, 0], q[:, :, 1], x.key_packed, x.value_packed, x.lam, x.scaling, mask)
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, 2 * d)
@@ -670,6 +670,21 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pivot_table(results: list[dict]) -> str:
+    """Markdown: one line per case, one column per strategy, each cell the median time relative to ``llama_sdpa``
+    (the case's Llama time in ms in the second column); ``✗`` marks a strategy that failed its float64 check."""
+    names = [n for n in results[0]["rows"] if n != "llama_sdpa"] if results else []
+    lines = ["| case | llama ms | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for res in results:
+        rows = res["rows"]
+        cells = [res["case"]["label"], f"{rows['llama_sdpa']['median_s'] * 1e3:.3g}"]
+        for name in names:
+            row = rows.get(name, {})
+            cells.append(f"{row['ratio']:.2f}" if "ratio" in row else ("✗" if row.get("ok") is False else "–"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -735,6 +750,8 @@ def main(argv: list[str] | None = None) -> dict:
             names = [s for s in strategies if not (case.phase == "train" and s == "flex")]  # flex backward: not compiled here
             results.append(run_case(case, names, reps, args.block, min_time, bar))
     print(format_table(results))
+    print("\nTime relative to a same-config Llama's SDPA call (medians):\n")
+    print(pivot_table(results))
     out = {"machine": machine_info(), "args": vars(args), "results": results}
     if args.around:
         around = {}

@@ -40,43 +40,48 @@ NAME = "difftransformer_fast"
 BLOCK = 128
 
 
-def decode_attention(q1, q2, key, value, lam, scaling, attention_mask=None):
-    """One query token. ``q1``, ``q2``: ``(B, G, n, d)``; ``key``, ``value``: packed ``(B, G, S, 2d)``.
+def decode_attention(query, key, value, lam, scaling, attention_mask=None):
+    """One query token. ``query``: ``(B, G, 2, n, w)``, the rows ``(c, r)`` of each KV group, either unpadded
+    (``w = d``) or already padded (``w = 2d``, ``[Q1|0]`` and ``[0|Q2]``); ``key``, ``value``: packed ``(B, G, S, 2d)``.
 
-    Returns ``(B, G, n, 2d)``. The padded rows ``[Q1|0]``, ``[0|Q2]`` of a group form one ``2n``-row query head, so
-    the SDPA call needs no GQA expansion and no causal mask (one token sees the whole cache; a padding or static-cache
-    mask ``(B, 1, 1, S)`` broadcasts over the rows).
+    Returns ``(B, G, n, 2d)``. The padded rows of a group form one ``2n``-row query head, so the SDPA call needs no
+    GQA expansion and no causal mask (one token sees the whole cache; a padding or static-cache mask ``(B, 1, 1, S)``
+    broadcasts over the rows). The padding is one broadcast multiply: at decode sizes every op costs about as much
+    as its arithmetic, so fewest ops wins.
     """
-    b, g, n, d = q1.shape
-    query = q1.new_zeros(b, g, 2, n, 2 * d)
-    query[:, :, 0, :, :d] = q1
-    query[:, :, 1, :, d:] = q2
-    out = F.scaled_dot_product_attention(query.view(b, g, 2 * n, 2 * d), key, value, attn_mask=attention_mask, scale=scaling)
+    b, g, _, n, width = query.shape
+    d = key.shape[-1] // 2
+    if width == d:
+        pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)  # (c, r, c', d)
+        query = query.unsqueeze(-2) * pad  # (B, G, 2, n, 2, d)
+    out = F.scaled_dot_product_attention(query.reshape(b, g, 2 * n, 2 * d), key, value, attn_mask=attention_mask, scale=scaling)
     out = out.view(b, g, 2, n, 2 * d)
     return out[:, :, 0] - lam * out[:, :, 1]
 
 
 def _blocks(t: int, s: int, block: int, attention_mask: torch.Tensor | None, device: torch.device):
-    """Query blocks ``[t0, t1)``, the number of keys they can see, and what to hide in their ``(…, Tb, Sv)`` scores.
+    """Query blocks ``[t0, t1)``, the number of keys they can see, and an additive float32 mask for their scores.
 
     Without a mask, transformers means plain causal attention (what SDPA's ``is_causal`` does): square attention, or
     a prefill into an empty static cache, whose ``t`` queries are then the *first* ``t`` of ``s`` positions (SDPA's
     top-left alignment; transformers' sdpa path crops the keys to ``t``). With a boolean mask (True = visible) the
     mask decides; the queries are then taken to be the last ``t`` positions, which only bounds the keys read: a
     causal model never shows a query the keys after its own position, so a block reads ``t1 + s − t`` keys at most.
+    The mask is ``(Tb, Sv)`` or ``(B|1, 1, 1, Tb, Sv)`` (over the scores' ``(B, G, n, Tb, Sv)``), 0 or −inf: adding it
+    is cheaper than ``masked_fill``, and ``exp`` is fast on −inf (far slower on large finite negatives).
     """
     offset = 0 if attention_mask is None else s - t
-    hide_all = None if attention_mask is None else attention_mask.logical_not()[:, :, None]  # (B|1, 1, 1, T, S)
     for t0 in range(0, t, block):
         t1 = min(t, t0 + block)
         visible = min(s, t1 + offset)
-        if hide_all is not None:
-            hide = hide_all[..., t0:t1, :visible]
+        if attention_mask is not None:
+            hide = attention_mask[:, :, None, t0:t1, :visible].logical_not()
         elif visible > t0 + 1:  # the block reaches the diagonal
             hide = torch.arange(visible, device=device) > torch.arange(t0, t1, device=device)[:, None]
         else:
-            hide = None
-        yield t0, t1, visible, hide
+            yield t0, t1, visible, None
+            continue
+        yield t0, t1, visible, torch.zeros(hide.shape, device=device).masked_fill_(hide, float("-inf"))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -84,29 +89,28 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _block_scores(q, k, hide, scaling):
-    """Scores ``q kᵀ·scaling`` of one block and map in float32, hidden ones at float32's minimum.
+def _block_scores(q, k, mask, scaling):
+    """Scores ``q kᵀ·scaling`` of one block and map, in float32, plus the block's additive mask.
 
     ``q`` ``(B, G, n, Tb, d)`` (the n heads of a group become rows of one matmul), ``k`` ``(B, G, Sv, d)`` (a view of
-    the packed cache). The minimum rather than −inf keeps a fully hidden (padding) row finite, as in transformers'
-    eager path.
+    the packed cache).
     """
     b, g, n, tb, d = q.shape
     scores = torch.matmul((q * scaling).reshape(b, g, n * tb, d), k.transpose(-1, -2)).view(b, g, n, tb, -1)
-    scores = scores.to(_acc(q.dtype))
-    if hide is not None:
-        scores.masked_fill_(hide, torch.finfo(scores.dtype).min)
-    return scores
+    acc = _acc(q.dtype)
+    if mask is None:
+        return scores.to(acc)
+    return scores.add_(mask) if scores.dtype == acc else torch.add(scores, mask.to(acc))  # bf16 + f32 → f32
 
 
 def _softmax_stats(scores):
     """In-place softmax of ``scores`` and the row statistics that recompute it: ``(max, log Σ exp(s − max))``.
 
-    Cheaper than ``torch.softmax`` + ``torch.logsumexp`` (which reads the scores twice more). The two parts are kept
-    apart because their sum loses the log term on a fully hidden row (max = float32's minimum absorbs it).
+    Cheaper than ``torch.softmax`` + ``torch.logsumexp`` (which reads the scores twice more). A fully hidden row
+    (all −inf: a padding query) gets probabilities 0, hence output 0, as SDPA gives; its statistics stay finite.
     """
-    top = scores.amax(-1, keepdim=True)
-    total = scores.sub_(top).exp_().sum(-1, keepdim=True)
+    top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+    total = scores.sub_(top).exp_().sum(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny)
     return scores.div_(total), torch.stack((top, total.log_()))
 
 
@@ -115,13 +119,11 @@ def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, st
     b, g, n, t, d = q1.shape
     k1, k2 = key[..., :d], key[..., d:]  # (B, G, S, d) views of the packed cache: no copy
     out = value.new_empty(b, g, n, t, 2 * d)
-    for t0, t1, visible, hide in _blocks(t, key.shape[2], block, attention_mask, q1.device):
-        s1 = _block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], hide, scaling)
-        s2 = _block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], hide, scaling)
-        if stats is None:
-            p1, p2 = torch.softmax(s1, -1), torch.softmax(s2, -1)
-        else:
-            (p1, stats[0, ..., t0:t1, :]), (p2, stats[1, ..., t0:t1, :]) = _softmax_stats(s1), _softmax_stats(s2)
+    for t0, t1, visible, mask in _blocks(t, key.shape[2], block, attention_mask, q1.device):
+        p1, st1 = _softmax_stats(_block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], mask, scaling))
+        p2, st2 = _softmax_stats(_block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], mask, scaling))
+        if stats is not None:
+            stats[0, ..., t0:t1, :], stats[1, ..., t0:t1, :] = st1, st2
         diff = p1.addcmul_(p2, lam, value=-1).to(value.dtype)  # A1 − λA2, in place: (B, G, n, Tb, Sv)
         rows = n * (t1 - t0)
         out[:, :, :, t0:t1] = torch.matmul(diff.view(b, g, rows, visible), value[:, :, :visible]).view(b, g, n, t1 - t0, 2 * d)
@@ -162,11 +164,12 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         # dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)) and dS2 = −λ·P2 ∘ (dD − rowsum(dD ∘ P2)), with dD = dO·Vᵀ the gradient of
         # D = A1 − λA2. The factors −λ and the 1/√d of the scores are applied to the small (rows × d) products.
         factors = (scaling, -lam * scaling)
-        for t0, t1, visible, hide in _blocks(t, key.shape[2], ctx.block, attention_mask, q1.device):
+        for t0, t1, visible, mask in _blocks(t, key.shape[2], ctx.block, attention_mask, q1.device):
             rows = n * (t1 - t0)
             qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
             kb = (k1[:, :, :visible], k2[:, :, :visible])
-            p = [_block_scores(qb[c], kb[c], hide, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
+            # P recomputed from the saved row statistics; hidden scores are −inf, so their P is exactly 0
+            p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
                  for c in (0, 1)]
             grad_b = grad_out[:, :, :, t0:t1].reshape(b, g, rows, 2 * d)
             diff = torch.addcmul(p[0], p[1], lam, value=-1).to(value.dtype).view(b, g, rows, visible)
@@ -176,8 +179,6 @@ class BlockedDifferentialAttention(torch.autograd.Function):
             dlam -= r2.sum()
             ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff.sub_(r2).mul_(p[1]))  # dS1 and dS2 / (−λ), unscaled
             for c, dq, dk in ((0, dq1, dkey[..., :d]), (1, dq2, dkey[..., d:])):
-                if hide is not None and attention_mask is not None:  # a fully hidden row has uniform P, not 0
-                    ds[c].masked_fill_(hide, 0.0)
                 dsc = ds[c].to(q1.dtype).view(b, g, rows, visible)
                 dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, n, t1 - t0, d)
                 dk[:, :, :visible] += torch.matmul(dsc.transpose(-1, -2), qb[c].reshape(b, g, rows, d)) * factors[c]
@@ -205,11 +206,11 @@ def differential_attention_forward(module, query, key, value, attention_mask, sc
     b, _, t, width = query.shape
     d, n, g = width // 2, module.pair_stride, key.shape[1]
     halves = query.view(b, g, 2, n, t, width)
-    q1, q2 = halves[:, :, 0, :, :, :d], halves[:, :, 1, :, :, d:]  # (B, G, n, T, d) views: the padding is skipped
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, diff_lambda))
-    if t == 1 and not grad:
-        out = decode_attention(q1[:, :, :, 0], q2[:, :, :, 0], key, value, diff_lambda, scaling, attention_mask)
+    if t == 1 and not grad:  # the module's padded queries serve as they are
+        out = decode_attention(halves[:, :, :, :, 0], key, value, diff_lambda, scaling, attention_mask)
         return out.reshape(b, 1, g * n, width), None
+    q1, q2 = halves[:, :, 0, :, :, :d], halves[:, :, 1, :, :, d:]  # (B, G, n, T, d) views: the padding is skipped
     out = blocked_attention(q1, q2, key, value, diff_lambda, scaling, attention_mask)  # (B, G, n, T, 2d)
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, g * n, width), None
 
