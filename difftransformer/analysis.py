@@ -328,7 +328,7 @@ class LensReport:
 def lambda_statistics(lam: torch.Tensor) -> torch.Tensor:
     """V2 λ ``(B, T, H)`` → per-head statistics over tokens ``(H, 4)``: mean, std, min, max."""
     flat = lam.reshape(-1, lam.shape[-1]).float()
-    std = flat.std(0) if flat.shape[0] > 1 else torch.zeros(flat.shape[1])
+    std = flat.std(0) if flat.shape[0] > 1 else torch.zeros_like(flat[0])
     return torch.stack([flat.mean(0), std, flat.min(0).values, flat.max(0).values], -1)
 
 
@@ -530,7 +530,7 @@ def plot_shares(reports: Sequence[LensReport], path: str) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for report in reports:
         for kind in report.kinds:
-            s = report.shares[kind].mean(1)  # (L, 3)
+            s = report.shares[kind].mean(1).cpu()  # (L, 3)
             style = "-" if kind in ("diff", "softmax") else ":"
             for ax, idx in zip(axes, (0, 1)):
                 ax.plot(range(len(s)), s[:, idx].numpy(), style, marker="o", label=f"{report.model_name} {kind}")

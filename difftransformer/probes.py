@@ -409,8 +409,8 @@ def candidate_logprobs(model, tokenizer, prompt: str, candidates: Sequence[str])
     if not cand_ids or any(not ids for ids in cand_ids):
         raise ValueError(f"every candidate must tokenise to at least one token, got {list(candidates)!r}.")
     out = model(input_ids=prompt_ids, use_cache=True)
-    first = torch.log_softmax(out.logits[0, -1].float(), -1)
-    scores = torch.tensor([first[ids[0]] for ids in cand_ids])
+    first = torch.log_softmax(out.logits[0, -1].float(), -1).cpu()
+    scores = torch.stack([first[ids[0]] for ids in cand_ids])
     longest = max(len(ids) for ids in cand_ids)
     if longest == 1:
         return scores
@@ -420,11 +420,15 @@ def candidate_logprobs(model, tokenizer, prompt: str, candidates: Sequence[str])
     for i, ids in enumerate(cand_ids):
         rest[i, : len(ids) - 1] = torch.tensor(ids[:-1], device=device)
         valid[i, : len(ids) - 1] = True
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(num)
     mask = torch.cat([torch.ones(num, prompt_ids.shape[1], dtype=torch.long, device=device), valid.long()], 1)
-    logits = model(input_ids=rest, attention_mask=mask, past_key_values=cache, use_cache=True).logits.float()
-    logp = torch.log_softmax(logits, -1)  # position j predicts candidate token j + 1
+    cache = out.past_key_values
+    if hasattr(cache, "batch_repeat_interleave"):
+        cache.batch_repeat_interleave(num)
+        logits = model(input_ids=rest, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    else:  # a model without a transformers Cache: run the full sequences (same numbers, more compute)
+        full = torch.cat([prompt_ids.expand(num, -1), rest], 1)
+        logits = model(input_ids=full, attention_mask=mask, use_cache=False).logits[:, prompt_ids.shape[1] :]
+    logp = torch.log_softmax(logits.float(), -1)  # position j predicts candidate token j + 1
     for i, ids in enumerate(cand_ids):
         if len(ids) > 1:
             targets = torch.tensor(ids[1:], device=device)

@@ -59,23 +59,30 @@ def test_training_data_is_deterministic_and_mixed(cs, tok):
     assert torch.equal(a["val_corpus"], b["val_corpus"])
 
 
-def _docs_command():
-    """The comparison command of docs/analysis.md (the one that produced its numbers)."""
+def _docs_commands():
+    """The comparison commands of docs/analysis.md (the ones that produced its numbers), as argument lists."""
     import re
     import shlex
 
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "analysis.md").read_text(), flags=re.S)
-    (command,) = [b for b in blocks if "compare_small.py" in b]
-    argv = shlex.split(command.strip())
-    assert argv[:2] == ["python", "benchmarks/compare_small.py"]
-    return argv[2:]
+    lines = [line for b in blocks for line in b.strip().splitlines() if "compare_small.py" in line]
+    assert lines
+    commands = [shlex.split(line) for line in lines]
+    for argv in commands:
+        assert argv[:2] == ["python", "benchmarks/compare_small.py"]
+    return [argv[2:] for argv in commands]
 
 
 def test_smoke_run_end_to_end(cs, tmp_path):
     """The docs' command, at the smoke size (same code path, seconds instead of minutes)."""
     out = tmp_path / "cmp"
-    argv = _docs_command()
+    commands = _docs_commands()
+    for argv in commands[1:]:
+        cs.resolve_args(argv)  # every documented command parses
+    argv = commands[0]
     argv[argv.index("--size") + 1] = "smoke"
+    if "--save-models" in argv:
+        argv[argv.index("--save-models") + 1] = str(tmp_path / "models")
     result = cs.main(argv + ["--out", str(out)])
     files = {p.name for p in out.iterdir()}
     assert {"results.json", "results.md", "loss_curves.png", "shares.png"} <= files
@@ -103,6 +110,11 @@ def test_smoke_run_end_to_end(cs, tmp_path):
     md = (out / "results.md").read_text()
     assert "| v1 |" in md and "| llama |" in md and saved["meta"]["command"] in md
     assert result["results"]["v1"]["params"] == runs["v1"]["params"]
+    if "--save-models" in argv:  # the saved models load back through the Auto classes
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "v2")
+        assert loaded.config.diff_version == 2 and cs._count(loaded) == runs["v2"]["params"]
 
 
 def test_cli_rejects_unknown_models(cs):

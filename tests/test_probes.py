@@ -129,6 +129,19 @@ def test_candidate_logprobs_match_full_sequence_scoring(tok, kind):
         torch.testing.assert_close(score, expected, atol=1e-4, rtol=1e-4)
     assert any(len(tok(c, add_special_tokens=False)["input_ids"]) > 2 for c in candidates)  # multi-token path used
 
+    class NoCache(torch.nn.Module):  # a causal LM that returns no transformers Cache: the full-sequence fallback
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.device = inner, inner.device
+
+        def forward(self, **kwargs):
+            kwargs.pop("past_key_values", None)
+            out = self.inner(**{**kwargs, "use_cache": False})
+            out.past_key_values = None
+            return out
+
+    torch.testing.assert_close(probes.candidate_logprobs(NoCache(model), tok, prompt, candidates), got, atol=1e-4, rtol=1e-4)
+
 
 def _bigram_model(vocab, table):
     """Hand-set 1-layer Llama that predicts ``table[current token]`` (and nothing in particular elsewhere):
