@@ -328,7 +328,7 @@ def proposed(x: AttentionInputs) -> torch.Tensor:
     q = x.query.view(b, t, g, 2, x.n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d) view
     mask = _mask(x)
     out = pk.blocked_attention(q[:, :, 0], q[:, :, 1], x.key_packed, x.value_packed, x.lam, x.scaling, mask)
-    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, 2 * d)
+    return out.view(b, t, h, 2 * d)  # (B, T, G, n, 2d) → heads h = g·n + r
 
 
 _FLEX_CACHE: dict = {}

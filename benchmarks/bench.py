@@ -462,8 +462,8 @@ def check_targets(result: dict) -> dict:
         if row and target is not None and row.get("ratio") is not None:
             out[kind] = {"target": target, "met": row["ratio"] <= target}
         if kind != "ours_v2" and row and dl and row.get("ratio") is not None and dl.get("ratio") is not None:
-            # Memory: equal counts as not worse; time: strictly faster.
-            beats = row["median"] <= dl["median"] if result["unit"] == "MiB" else row["median"] < dl["median"]
+            # Time: strictly faster. Memory: not more, within 1% (peak RSS moves by a few pages between processes).
+            beats = row["median"] <= dl["median"] * 1.01 if result["unit"] == "MiB" else row["median"] < dl["median"]
             out.setdefault("beats_diffllama", {})[kind] = beats
     return out
 
@@ -519,7 +519,7 @@ def write_chart(report: dict, path: str) -> None:
     dtypes = list(report["results"])
     others = [m for m in report["models"] if m != "llama"]
     n_items = max(len(r) for r in report["results"].values())
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 0.55 * n_items * max(1, len(others)) / 2 + 2),
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 0.32 * n_items * max(1, len(others)) + 1.5),
                              squeeze=False)
     colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green", "ours_v1_proposed": "tab:cyan"}
     height = 0.8 / max(1, len(others))
@@ -540,7 +540,7 @@ def write_chart(report: dict, path: str) -> None:
         ax.axvline(1.0, color="red", lw=1, ls="--")
         ax.set_yticks(range(len(results)), [r["item"] for r in results])
         ax.invert_yaxis()
-        ax.set_xlabel("time (memory) relative to same-config Llama — lower is better; black tick: V1 target")
+        ax.set_xlabel("time (memory) / same-config Llama; lower is better; tick: V1 target")
         ax.set_title(f"{dtype_name}, {report['machine']['threads']} threads, {report['machine']['cpu'][:40]}")
         ax.legend(loc="lower right")
     fig.tight_layout()

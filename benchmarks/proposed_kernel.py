@@ -17,7 +17,8 @@ is computed by one of three strategies, chosen per call (evidence: ``benchmarks/
   block's maps to memory. Its backward recomputes a block's maps from the saved row log-sum-exps (as flash
   attention does), so training keeps no ``T×S`` map.
 
-Additive float masks (not produced by transformers' sdpa mask builder) and V2 go to transformers' sdpa.
+Additive float masks (not produced by transformers' sdpa mask builder), continuous batching (its paged cache is
+written inside transformers' sdpa function) and V2 go to transformers' sdpa.
 
 Importing this module registers the function with transformers' ``AttentionInterface`` (and sdpa's mask builder)
 under ``"difftransformer_fast"``, so ``DiffTransformerForCausalLM(config)`` with
@@ -35,9 +36,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "difftransformer_fast"
-# Query rows per materialised block: 64–128 keep a block's maps near the L2 cache; 128 measured best or near-best
-# in fp32 and bf16 at 512 and 2048 tokens (docs/performance.md), 256 was slower at 2048.
+# Query rows per materialised block: at most BLOCK, and few enough that the n heads of a group × rows × keys stay
+# ≤ BLOCK_SCORES (1 MiB of float32 scores per map and KV group), which bounds a block's memory and keeps it near the
+# L2 cache. Measured (docs/performance.md): 128 rows best at 512 keys; at 2048 keys 64 rows with n = 2 and 128 with
+# n = 1 (the matmuls want ≥ 128 rows); 256 was slower everywhere.
 BLOCK = 128
+BLOCK_SCORES = 1 << 18
 
 
 def decode_attention(query, key, value, lam, scaling, attention_mask=None):
@@ -59,7 +63,7 @@ def decode_attention(query, key, value, lam, scaling, attention_mask=None):
     return out[:, :, 0] - lam * out[:, :, 1]
 
 
-def _blocks(t: int, s: int, block: int, attention_mask: torch.Tensor | None, device: torch.device):
+def _blocks(t: int, s: int, block: int | None, attention_mask: torch.Tensor | None, device: torch.device, n: int = 1):
     """Query blocks ``[t0, t1)``, the number of keys they can see, and an additive float32 mask for their scores.
 
     Without a mask, transformers means plain causal attention (what SDPA's ``is_causal`` does): square attention, or
@@ -71,6 +75,7 @@ def _blocks(t: int, s: int, block: int, attention_mask: torch.Tensor | None, dev
     is cheaper than ``masked_fill``, and ``exp`` is fast on −inf (far slower on large finite negatives).
     """
     offset = 0 if attention_mask is None else s - t
+    block = block or max(16, min(BLOCK, BLOCK_SCORES // (n * s)))
     for t0 in range(0, t, block):
         t1 = min(t, t0 + block)
         visible = min(s, t1 + offset)
@@ -115,18 +120,20 @@ def _softmax_stats(scores):
 
 
 def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats=None):
-    """The forward loop; fills ``stats`` ``(2 maps, 2, B, G, n, T, 1)`` for backward when given."""
+    """The forward loop; fills ``stats`` ``(2 maps, 2, B, G, n, T, 1)`` for backward when given. Returns
+    ``(B, T, G, n, 2d)``: the module's ``(B, T, H, 2d)`` layout, so no copy follows (nor is kept for backward)."""
     b, g, n, t, d = q1.shape
     k1, k2 = key[..., :d], key[..., d:]  # (B, G, S, d) views of the packed cache: no copy
-    out = value.new_empty(b, g, n, t, 2 * d)
-    for t0, t1, visible, mask in _blocks(t, key.shape[2], block, attention_mask, q1.device):
+    out = value.new_empty(b, t, g, n, 2 * d)
+    for t0, t1, visible, mask in _blocks(t, key.shape[2], block, attention_mask, q1.device, n):
         p1, st1 = _softmax_stats(_block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], mask, scaling))
         p2, st2 = _softmax_stats(_block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], mask, scaling))
         if stats is not None:
             stats[0, ..., t0:t1, :], stats[1, ..., t0:t1, :] = st1, st2
         diff = p1.addcmul_(p2, lam, value=-1).to(value.dtype)  # A1 − λA2, in place: (B, G, n, Tb, Sv)
         rows = n * (t1 - t0)
-        out[:, :, :, t0:t1] = torch.matmul(diff.view(b, g, rows, visible), value[:, :, :visible]).view(b, g, n, t1 - t0, 2 * d)
+        res = torch.matmul(diff.view(b, g, rows, visible), value[:, :, :visible])  # (B, G, n·Tb, 2d)
+        out[:, t0:t1] = res.view(b, g, n, t1 - t0, 2 * d).permute(0, 3, 1, 2, 4)
     return out
 
 
@@ -137,7 +144,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
     maps from it. Arithmetic per direction equals a same-config Llama's: two d-wide score products and one 2d-wide
     value product forward; score recompute, ``dO·Vᵀ``, ``dV``, ``dQ`` and ``dK`` backward. Gradients flow to
     ``q1, q2`` ``(B, G, n, T, d)``, the packed ``key``/``value`` ``(B, G, S, 2d)`` and the float32 scalar ``lam``.
-    Output ``(B, G, n, T, 2d)``.
+    Output ``(B, T, G, n, 2d)``.
     """
 
     @staticmethod
@@ -164,14 +171,14 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         # dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)) and dS2 = −λ·P2 ∘ (dD − rowsum(dD ∘ P2)), with dD = dO·Vᵀ the gradient of
         # D = A1 − λA2. The factors −λ and the 1/√d of the scores are applied to the small (rows × d) products.
         factors = (scaling, -lam * scaling)
-        for t0, t1, visible, mask in _blocks(t, key.shape[2], ctx.block, attention_mask, q1.device):
+        for t0, t1, visible, mask in _blocks(t, key.shape[2], ctx.block, attention_mask, q1.device, n):
             rows = n * (t1 - t0)
             qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
             kb = (k1[:, :, :visible], k2[:, :, :visible])
             # P recomputed from the saved row statistics; hidden scores are −inf, so their P is exactly 0
             p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
                  for c in (0, 1)]
-            grad_b = grad_out[:, :, :, t0:t1].reshape(b, g, rows, 2 * d)
+            grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, rows, 2 * d)
             diff = torch.addcmul(p[0], p[1], lam, value=-1).to(value.dtype).view(b, g, rows, visible)
             dvalue[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_b)  # sums the n heads of a group
             ddiff = torch.matmul(grad_b, value[:, :, :visible].transpose(-1, -2)).to(acc).view_as(p[0])
@@ -185,9 +192,10 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         return dq1, dq2, dkey.to(key.dtype), dvalue.to(value.dtype), dlam, None, None, None
 
 
-def blocked_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=BLOCK):
-    """``(B, G, n, T, d)`` queries, packed ``(B, G, S, 2d)`` cache → ``(B, G, n, T, 2d)``; see
-    :class:`BlockedDifferentialAttention` (with autograd) and :func:`_blocks` (masking)."""
+def blocked_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=None):
+    """``(B, G, n, T, d)`` queries, packed ``(B, G, S, 2d)`` cache → ``(B, T, G, n, 2d)``; see
+    :class:`BlockedDifferentialAttention` (with autograd) and :func:`_blocks` (masking; ``block=None``: rows per block
+    chosen from the key length)."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q1, q2, key, value, lam)):
         return BlockedDifferentialAttention.apply(q1, q2, key, value, lam, scaling, attention_mask, block)
     return _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block)
@@ -201,7 +209,8 @@ def differential_attention_forward(module, query, key, value, attention_mask, sc
     ``(B, G, S, 2d)``. Returns ``(B, T, H, 2d)`` already combined (the module then skips its own combine), or, for V2
     and for additive float masks, transformers' sdpa output ``(B, T, 2H, w)`` for the module to combine.
     """
-    if module.diff_version != 1 or (attention_mask is not None and attention_mask.dtype != torch.bool):
+    standard = attention_mask is not None and attention_mask.dtype != torch.bool
+    if module.diff_version != 1 or standard or kwargs.get("cache") is not None:  # a paged cache is written by sdpa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     b, _, t, width = query.shape
     d, n, g = width // 2, module.pair_stride, key.shape[1]
@@ -211,8 +220,8 @@ def differential_attention_forward(module, query, key, value, attention_mask, sc
         out = decode_attention(halves[:, :, :, :, 0], key, value, diff_lambda, scaling, attention_mask)
         return out.reshape(b, 1, g * n, width), None
     q1, q2 = halves[:, :, 0, :, :, :d], halves[:, :, 1, :, :, d:]  # (B, G, n, T, d) views: the padding is skipped
-    out = blocked_attention(q1, q2, key, value, diff_lambda, scaling, attention_mask)  # (B, G, n, T, 2d)
-    return out.permute(0, 3, 1, 2, 4).reshape(b, t, g * n, width), None
+    out = blocked_attention(q1, q2, key, value, diff_lambda, scaling, attention_mask)  # (B, T, G, n, 2d)
+    return out.view(b, t, g * n, width), None
 
 
 def register(name: str = NAME) -> str:

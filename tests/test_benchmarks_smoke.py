@@ -210,7 +210,6 @@ def _tiny_model(kv_heads: int, version: int = 1) -> DiffTransformerForCausalLM:
 @pytest.mark.parametrize("kv_heads", [4, 8])  # n = 2 and n = 1 differential heads per KV group
 def test_proposed_kernel_matches_eager_in_a_model(kv_heads, monkeypatch):
     monkeypatch.setattr(pk, "BLOCK", 16)  # several blocks at these lengths
-    monkeypatch.setattr(pk.blocked_attention, "__defaults__", (None, 16))
     model = _tiny_model(kv_heads).eval()
     ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
