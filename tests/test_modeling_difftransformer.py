@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
+from torch._inductor.exc import InductorError
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -53,6 +54,28 @@ def test_backends_match_float64_reference_with_left_padding(layout, attn):
     torch.testing.assert_close(logits[valid].double(), ref[valid], atol=TOL[torch.float32], rtol=0)
 
 
+def _skip_if_llama_flex_fails_too(model, ids, mask, err):
+    """Skip (with torch's error) when inductor cannot compile bf16 flex attention on this CPU for a plain Llama whose
+    kernel calls have the same shapes as ours (query heads, KV heads, head width); otherwise return, and the caller
+    re-raises: then the failure is ours. (Seen on CI CPUs: a C++ codegen error, `cur_qSplitSize4` undeclared.)"""
+    cfg = model.config
+    attn = next(m for m in model.modules() if isinstance(m, DiffTransformerAttention))
+    width = 2 * cfg.head_dim if cfg.diff_version == 1 else cfg.head_dim
+    kv_heads = cfg.num_kv_groups if cfg.diff_version == 1 else cfg.num_key_value_heads
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                    num_hidden_layers=1, num_attention_heads=attn.num_key_value_groups * kv_heads,
+                    num_key_value_heads=kv_heads, head_dim=width)
+    ).to(torch.bfloat16).eval()
+    llama.set_attn_implementation("flex_attention")
+    try:
+        with torch.no_grad():
+            llama(ids, attention_mask=mask)
+    except InductorError as llama_err:
+        pytest.skip(f"torch {torch.__version__} cannot compile bf16 flex attention on this CPU, for Llama too: "
+                    f"{str(llama_err)[:200]} (ours: {str(err)[:100]})")
+
+
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
 @pytest.mark.parametrize("attn", BACKENDS)
 def test_backends_bfloat16_close_to_reference(layout, attn):
@@ -60,7 +83,13 @@ def test_backends_bfloat16_close_to_reference(layout, attn):
     ids, mask = left_padded_batch(model.config.vocab_size, [8, 5], seed=2)
     ref, _ = reference_forward(model, ids, mask)  # the bf16 weights, computed in float64
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
+        try:
+            logits = model(ids, attention_mask=mask).logits
+        except InductorError as err:
+            if attn != "flex_attention":
+                raise
+            _skip_if_llama_flex_fails_too(model, ids, mask, err)
+            raise
     valid = mask.bool()
     err = (logits[valid].double() - ref[valid]).abs().max().item()
     assert err < TOL[torch.bfloat16] * ref[valid].abs().max().item() + TOL[torch.bfloat16], err
