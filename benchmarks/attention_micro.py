@@ -20,8 +20,9 @@ The yardstick row ``llama_sdpa`` is what a same-config Llama runs: one SDPA call
 
 Strategies (see ``STRATEGIES``):
 
-* ``padded_sdpa``    (a) the modeling file's current design: zero-padded 2d-wide queries, one SDPA call over the
-  packed cache, through transformers' ``sdpa_attention_forward``, then ``differential_combine``.
+* ``padded_sdpa``    (a) the modeling file's previous sdpa path (still what any non-``"sdpa"`` attention function
+  receives): zero-padded 2d-wide queries, one SDPA call over the packed cache, through transformers'
+  ``sdpa_attention_forward``, then ``differential_combine``.
 * ``two_sdpa``       (b) DiffLlama's: two d-wide SDPA calls sharing Q and K over the two value halves (values
   repeated to the key heads, i.e. a copy of the V cache per call, as ``DiffLlamaAttention`` does).
 * ``four_sdpa``      (c) four d-wide SDPA calls (map c × value half j) on views of a standard-layout cache.
@@ -33,8 +34,10 @@ Strategies (see ``STRATEGIES``):
 * ``direct_padded``  (f') as ``direct`` but one matmul with zero-padded queries against the whole packed key.
 * ``packed_sdpa``    (g) decode: the 2n padded queries of a group as the rows of one SDPA query head (one fast call,
   no mask, each packed cache byte read once); other phases fall back to ``padded_sdpa``.
-* ``proposed``       (h) ``benchmarks/proposed_kernel.py``: ``packed_sdpa`` for decode, else blocks of 128 rows with
-  a recomputing backward (keeps no T×S map for training).
+* ``ours``           (h) the current modeling file's V1 kernel under ``"sdpa"`` (``differential_sdpa_attention``):
+  ``packed_decode_attention`` (``packed_sdpa``) for one token without autograd, else
+  ``blocked_differential_attention`` (blocks of rows chosen from the key length, recomputing backward: keeps no
+  T×S map for training).
 
 Run ``python benchmarks/attention_micro.py --help``. Timings are per call, median over ``--reps`` repetitions with
 the strategies interleaved (order rotated every repetition), so that load from other processes hits all of them.
@@ -62,7 +65,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from difftransformer.modeling_difftransformer import differential_combine
 
-# Run as a script, the repository root is not on sys.path; the `proposed` strategy imports `benchmarks.*`.
+# Run as a script, the repository root is not on sys.path; the `ours_v1_padded` decode kind imports `benchmarks.*`.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -195,7 +198,8 @@ def llama_sdpa(x: AttentionInputs) -> torch.Tensor:
 
 
 def padded_sdpa(x: AttentionInputs) -> torch.Tensor:
-    """(a) The modeling file's current kernel path, line for line (``DiffTransformerAttention.forward``)."""
+    """(a) The modeling file's previous sdpa path, line for line (``DiffTransformerAttention.forward`` for any
+    attention function other than ``"sdpa"``): zero-padded queries, one SDPA call, ``differential_combine``."""
     b, t, s, h, g, d = x.shape
     pad = torch.eye(2, dtype=x.query.dtype, device=x.query.device).view(2, 1, 2, 1)
     query = (x.query.unflatten(2, (-1, 2, x.n, 1)) * pad).reshape(b, t, -1, 2 * d).transpose(1, 2)
@@ -315,19 +319,19 @@ def packed_sdpa(x: AttentionInputs) -> torch.Tensor:
     return (out[:, :, 0] - x.lam * out[:, :, 1]).view(b, 1, h, 2 * d)
 
 
-def proposed(x: AttentionInputs) -> torch.Tensor:
-    """(h) ``benchmarks/proposed_kernel.py``: packed decode for one token without autograd, else the blocked kernel
-    with its recomputing backward (the dispatch PROPOSED_KERNEL.md puts into the modeling file)."""
-    from benchmarks import proposed_kernel as pk
+def ours(x: AttentionInputs) -> torch.Tensor:
+    """(h) The current modeling file's V1 kernel under ``"sdpa"``, as ``differential_sdpa_attention`` dispatches it:
+    ``packed_decode_attention`` for one token without autograd, else ``blocked_differential_attention`` (blocked
+    ``A1 − λA2`` with a recomputing backward)."""
+    from difftransformer.modeling_difftransformer import blocked_differential_attention, packed_decode_attention
 
     b, t, s, h, g, d = x.shape
-    grad = torch.is_grad_enabled() and x.query.requires_grad
+    grad = torch.is_grad_enabled() and any(v.requires_grad for v in (x.query, x.key_packed, x.value_packed, x.lam))
     if t == 1 and not grad:
         query = x.query.view(b, g, 2, x.n, d)  # (B, G, 2, n, d): a free view of the one token's heads
-        return pk.decode_attention(query, x.key_packed, x.value_packed, x.lam, x.scaling).reshape(b, 1, h, 2 * d)
+        return packed_decode_attention(query, x.key_packed, x.value_packed, x.lam, x.scaling).reshape(b, 1, h, 2 * d)
     q = x.query.view(b, t, g, 2, x.n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d) view
-    mask = _mask(x)
-    out = pk.blocked_attention(q[:, :, 0], q[:, :, 1], x.key_packed, x.value_packed, x.lam, x.scaling, mask)
+    out = blocked_differential_attention(q[:, :, 0], q[:, :, 1], x.key_packed, x.value_packed, x.lam, x.scaling, _mask(x))
     return out.view(b, t, h, 2 * d)  # (B, T, G, n, 2d) → heads h = g·n + r
 
 
@@ -363,7 +367,7 @@ STRATEGIES: dict[str, Callable[[AttentionInputs], torch.Tensor]] = {
     "direct": direct,
     "direct_padded": direct_padded,
     "packed_sdpa": packed_sdpa,
-    "proposed": proposed,
+    "ours": ours,
     "blocked64": functools.partial(blocked, block=64),
     "blocked128": functools.partial(blocked, block=128),
 }
@@ -548,7 +552,8 @@ class _OpCounter(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-DECODE_KINDS = ("llama", "diffllama", "ours_v1", "ours_v2", "ours_v1_proposed")
+# ours_v1: the modeling file's V1 kernel under "sdpa"; ours_v1_padded: its previous one-padded-SDPA-call path.
+DECODE_KINDS = ("llama", "diffllama", "ours_v1", "ours_v2", "ours_v1_padded")
 
 
 def _decode_setup(kind: str, past: int, batch: int, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int):
@@ -576,10 +581,10 @@ def _decode_setup(kind: str, past: int, batch: int, dtype: torch.dtype, hidden: 
         cfg = LlamaConfig(**common)
         module = LlamaAttention(cfg, 0)
     cfg._attn_implementation = "sdpa"
-    if kind == "ours_v1_proposed":
-        from benchmarks.proposed_kernel import NAME
+    if kind == "ours_v1_padded":
+        from benchmarks.padded_sdpa import PADDED_SDPA
 
-        cfg._attn_implementation = NAME
+        cfg._attn_implementation = PADDED_SDPA
     module = module.to(dtype).eval()
     rotary = LlamaRotaryEmbedding(cfg)
     cache = DynamicCache(config=cfg)
@@ -611,7 +616,10 @@ def decode_op_counts(past: int = 128, batch: int = 1, dtype: torch.dtype = torch
 
 def time_around_ops(past: int = 128, batch: int = 1, dtype: torch.dtype = torch.float32, reps: int = 15,
                     hidden: int = 512, heads: int = 8, kv_heads: int = 4, min_seconds: float = 0.02) -> dict[str, dict]:
-    """Per-call time of the V1 decode-step pieces around the kernel, next to whole attention-module decode steps."""
+    """Per-call time of the V1 decode-step pieces around the kernel, next to whole attention-module decode steps.
+
+    "query padding" and "combine" are separate ops of the padded path (``ours_v1_padded``); ``ours_v1``'s
+    ``packed_decode_attention`` pads inside the kernel call and combines on its ``(B, G, 2, n, 2d)`` output."""
     from difftransformer.modeling_difftransformer import differential_combine as combine
 
     mods = {kind: _decode_setup(kind, past, batch, dtype, hidden, heads, kv_heads) for kind in DECODE_KINDS}

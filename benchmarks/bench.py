@@ -2,8 +2,9 @@
 
 Builds four causal LMs with identical shapes and random weights — ``llama`` (transformers' ``LlamaForCausalLM``),
 ``diffllama`` (transformers' ``DiffLlamaForCausalLM``), ``ours_v1`` and ``ours_v2`` (``DiffTransformerForCausalLM``
-with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, SPEC §0) — all with ``attn_implementation="sdpa"``,
-and measures in one process, models interleaved (order rotated every repetition), after warm-up:
+with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, SPEC §0) — all with ``attn_implementation="sdpa"``
+(for ours V1 that is the modeling file's blocked/packed differential kernel) — and optionally ``ours_v1_padded``
+(ours V1 with the previous path: one zero-padded SDPA call per layer, ``benchmarks/padded_sdpa.py``), and measures in one process, models interleaved (order rotated every repetition), after warm-up:
 
 * prefill tokens/s: one forward with a fresh ``DynamicCache`` and ``logits_to_keep=1``, exactly what ``generate``
   runs for a prompt (default shapes 1×512, 1×2048, 8×256);
@@ -46,8 +47,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 MODELS = ("llama", "diffllama", "ours_v1", "ours_v2")
-# Not run by default: ours V1 with the kernel dispatch proposed for the modeling file (benchmarks/proposed_kernel.py).
-EXTRA_MODELS = ("ours_v1_proposed",)
+# Not run by default: ours V1 with its previous sdpa path, one zero-padded SDPA call per layer (benchmarks/padded_sdpa.py).
+EXTRA_MODELS = ("ours_v1_padded",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUPS = ("prefill", "decode", "decode_static", "decode_compiled", "train", "train_ckpt", "memory")
 MEMORY_WORKLOADS = ("prefill", "decode", "train")
@@ -124,11 +125,11 @@ def build_config(kind: str, shape: Shape, attn_implementation: str = "sdpa"):
         cfg = DiffLlamaConfig(**fields)
     elif kind in ("ours_v1", "ours_v2"):
         cfg = DiffTransformerConfig(**fields, diff_version=int(kind[-1]))
-    elif kind == "ours_v1_proposed":
-        from benchmarks.proposed_kernel import NAME  # registers the proposed kernel with transformers
+    elif kind == "ours_v1_padded":
+        from benchmarks.padded_sdpa import PADDED_SDPA  # registers transformers' sdpa function under this name
 
         cfg = DiffTransformerConfig(**fields, diff_version=1)
-        attn_implementation = NAME
+        attn_implementation = PADDED_SDPA
     else:
         raise ValueError(f"model kind must be one of {MODELS + EXTRA_MODELS}, got {kind!r}")
     cfg._attn_implementation = attn_implementation
@@ -139,7 +140,7 @@ def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, see
                 attn_implementation: str = "sdpa") -> torch.nn.Module:
     """A randomly initialised ``*ForCausalLM`` of ``kind`` in ``dtype``, eval mode, greedy generation config.
 
-    ``ours_v1_proposed`` ignores ``attn_implementation``: it is ours V1 with the proposed kernel dispatch."""
+    ``ours_v1_padded`` ignores ``attn_implementation``: it is ours V1 with the previous one-padded-SDPA-call path."""
     from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
 
     from difftransformer import DiffTransformerForCausalLM
@@ -444,13 +445,13 @@ def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan,
 
 def target_for(family: str, kind: str, length: int | None) -> float | None:
     """Issue 5's ratio target for ``kind`` on a metric of ``family`` (prefill targets depend on the length)."""
-    per_len = TARGETS.get(family, {}).get("ours_v1" if kind == "ours_v1_proposed" else kind)
+    per_len = TARGETS.get(family, {}).get("ours_v1" if kind == "ours_v1_padded" else kind)
     if per_len is None:
         return None
     return per_len.get(length, per_len.get(None))
 
 
-TARGETED = ("ours_v1", "ours_v2", "ours_v1_proposed")
+TARGETED = ("ours_v1", "ours_v2", "ours_v1_padded")
 
 
 def check_targets(result: dict) -> dict:
@@ -521,7 +522,7 @@ def write_chart(report: dict, path: str) -> None:
     n_items = max(len(r) for r in report["results"].values())
     fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 0.32 * n_items * max(1, len(others)) + 1.5),
                              squeeze=False)
-    colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green", "ours_v1_proposed": "tab:cyan"}
+    colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green", "ours_v1_padded": "tab:cyan"}
     height = 0.8 / max(1, len(others))
     for ax, dtype_name in zip(axes[0], dtypes):
         results = report["results"][dtype_name]
@@ -591,7 +592,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(GROUPS),
                    help=f"comma-separated measurement groups to run (default: all of {', '.join(GROUPS)})")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models (default: {', '.join(MODELS)}; "
-                   f"also {', '.join(EXTRA_MODELS)}: ours V1 with the kernel of benchmarks/proposed_kernel.py); ratios need llama")
+                   f"also {', '.join(EXTRA_MODELS)}: ours V1 with the previous one-padded-SDPA-call path); ratios need llama")
     p.add_argument("--dtype", default=None, help="comma-separated dtypes: fp32, bf16 (default: both; fp32 with --smoke)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per model and item; medians reported "
                    "(default 7; memory uses at most 3)")

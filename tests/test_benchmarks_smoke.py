@@ -2,10 +2,13 @@
 
 * ``benchmarks/bench.py --smoke`` and ``benchmarks/attention_micro.py --smoke`` run (the commands of
   docs/performance.md), producing every table row, the JSON and the PNG;
-* every attention strategy of the micro-benchmark equals the float64 evaluation of SPEC §1, whose own correctness is
-  checked against the modeling file's eager path, and a wrong strategy is flagged;
-* the proposed kernel (``benchmarks/proposed_kernel.py``) has exact gradients (float64 gradcheck) and, inside a model,
-  gives eager's logits, greedy generations (dynamic and static cache) and parameter gradients.
+* every attention strategy of the micro-benchmark (among them ``ours``, the modeling file's blocked/packed V1 kernel,
+  and ``padded_sdpa``, its previous path) equals the float64 evaluation of SPEC §1, whose own correctness is checked
+  against the modeling file's eager path, and a wrong strategy is flagged;
+* ``ours_v1_padded`` (``benchmarks/padded_sdpa.py``) really runs the previous one-padded-SDPA-call path, and gives
+  the logits of ``ours_v1``.
+
+The kernel's own tests (gradients, agreement with eager inside a model) are in tests/test_kernels_difftransformer.py.
 
 No timing is asserted anywhere: timings are the benchmarks' output, not a property of the code.
 """
@@ -28,8 +31,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import attention_micro as am  # noqa: E402
 from benchmarks import bench  # noqa: E402
-from benchmarks import proposed_kernel as pk  # noqa: E402
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
+from benchmarks.padded_sdpa import PADDED_SDPA  # noqa: E402
 from difftransformer.modeling_difftransformer import eager_attention_forward  # noqa: E402
 
 DOC = ROOT / "docs" / "performance.md"
@@ -182,70 +184,28 @@ def test_checker_flags_a_wrong_strategy():
     assert not am.check_strategy(swapped, x)["ok"]
 
 
-# ---------------------------------------------------------------- the proposed kernel
+# ---------------------------------------------------------------- ours_v1_padded: the previous V1 path
 
 
-@pytest.mark.parametrize("q_len,kv_len,masked", [(5, 5, False), (3, 8, False), (6, 6, True), (1, 6, False)])
-def test_blocked_kernel_gradients_are_exact(q_len, kv_len, masked):
-    torch.manual_seed(0)
-    b, g, n, d = 2, 2, 2, 4
-    args = [torch.randn(b, g, n, q_len, d, dtype=torch.float64, requires_grad=True) for _ in range(2)]
-    args += [torch.randn(b, g, kv_len, 2 * d, dtype=torch.float64, requires_grad=True) for _ in range(2)]
-    args.append(torch.tensor(0.4, dtype=torch.float64, requires_grad=True))
-    mask = None
-    if masked:  # left padding: the first two positions of sequence 0 are hidden; its first two rows see nothing
-        mask = torch.ones(b, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
-        mask[0, :, :, :2] = False
-    fn = lambda *a: pk.BlockedDifferentialAttention.apply(*a, d**-0.5, mask, 2)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, tuple(args))
+def test_ours_v1_padded_runs_the_previous_path_and_matches_ours_v1(monkeypatch):
+    """``ours_v1`` runs the modeling file's differential kernel once per layer; ``ours_v1_padded`` (same weights)
+    never does (it gets the zero-padded queries through transformers' sdpa function) and gives the same logits."""
+    import difftransformer.modeling_difftransformer as mdt
 
-
-def _tiny_model(kv_heads: int, version: int = 1) -> DiffTransformerForCausalLM:
-    cfg = DiffTransformerConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                num_attention_heads=8, num_key_value_heads=kv_heads, diff_version=version)
-    torch.manual_seed(0)
-    return DiffTransformerForCausalLM(cfg)
-
-
-@pytest.mark.parametrize("kv_heads", [4, 8])  # n = 2 and n = 1 differential heads per KV group
-def test_proposed_kernel_matches_eager_in_a_model(kv_heads, monkeypatch):
-    monkeypatch.setattr(pk, "BLOCK", 16)  # several blocks at these lengths
-    model = _tiny_model(kv_heads).eval()
-    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    results = {}
-    for impl in ("eager", pk.NAME):
-        model.set_attn_implementation(impl)
+    calls = []
+    kernel = mdt.differential_sdpa_attention
+    monkeypatch.setattr(mdt, "differential_sdpa_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    _, shape = bench.smoke_plan_and_shape()
+    ids = torch.randint(0, shape.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kind in ("ours_v1", "ours_v1_padded"):
+        model = bench.build_model(kind, shape)
+        assert model.config._attn_implementation == ("sdpa" if kind == "ours_v1" else PADDED_SDPA)
+        calls.clear()
         with torch.no_grad():
-            logits = model(ids, attention_mask=mask).logits
-            gen_dynamic = model.generate(ids[:, :12], attention_mask=mask[:, :12], max_new_tokens=6, do_sample=False)
-            gen_static = model.generate(ids[:, :12], attention_mask=mask[:, :12], max_new_tokens=6, do_sample=False,
-                                        cache_implementation="static")
-        model.zero_grad()
-        model.train()
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[0, 3] = -100  # predicted from a padding row, whose output is arbitrary (each kernel fills it differently)
-        model(ids, attention_mask=mask, labels=labels).loss.backward()
-        model.eval()
-        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        results[impl] = logits, gen_dynamic, gen_static, grads
-    ref, fast = results["eager"], results[pk.NAME]
-    valid = mask.bool()
-    torch.testing.assert_close(fast[0][valid], ref[0][valid], rtol=1e-5, atol=1e-5)
-    assert torch.equal(fast[1], ref[1]) and torch.equal(fast[2], ref[2])
-    for name, grad in ref[3].items():
-        torch.testing.assert_close(fast[3][name], grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_proposed_kernel_passes_v2_to_sdpa():
-    model = _tiny_model(4, version=2).eval()
-    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        model.set_attn_implementation("sdpa")
-        ref = model(ids).logits
-        model.set_attn_implementation(pk.NAME)
-        torch.testing.assert_close(model(ids).logits, ref)
+            logits[kind] = model(ids).logits
+        assert len(calls) == (shape.num_hidden_layers if kind == "ours_v1" else 0), kind
+    torch.testing.assert_close(logits["ours_v1_padded"], logits["ours_v1"], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- bench.py's bookkeeping
@@ -254,7 +214,7 @@ def test_proposed_kernel_passes_v2_to_sdpa():
 def test_targets_and_ratios():
     assert bench.target_for("prefill", "ours_v1", 2048) == 1.25
     assert bench.target_for("prefill", "ours_v1", 256) == 1.10
-    assert bench.target_for("prefill", "ours_v1_proposed", 512) == 1.10
+    assert bench.target_for("prefill", "ours_v1_padded", 512) == 1.10
     assert bench.target_for("decode", "ours_v2", None) == 1.03
     assert bench.target_for("train", "diffllama", None) is None
     stats = {"llama": {"median": 2.0}, "diffllama": {"median": 2.6}, "ours_v1": {"median": 2.4}, "ours_v2": {"median": 2.04}}
