@@ -17,7 +17,10 @@ own key head, and the cache holds a Llama's bytes. This implementation views K a
 ``2d``-wide head, ``[K1 | K2]`` and ``[V_g,0 | V_g,1]`` (a free view of the projections), and zero-pads each
 query to ``2d`` on the side of its own key (``[Q1 | 0]``, ``[0 | Q2]``): one standard attention call per layer
 with equal q/k/v head sizes (what fast SDPA, flash and flex kernels need) then returns ``A_c·[V1;V2]`` for every
-map, and the two maps of a head are combined afterwards. The eager path materialises ``A1 − λ·A2`` instead.
+map, and the two maps of a head are combined afterwards. That call does twice a Llama's attention arithmetic, so
+under ``attn_implementation="sdpa"`` V1 runs its own kernel instead (``differential_sdpa_attention``: one packed
+SDPA call per group when decoding, ``A1 − λ·A2`` materialised block by block otherwise, with a recomputing
+backward). The eager path materialises ``A1 − λ·A2`` whole and returns the differential maps.
 
 V2 is standard GQA attention over all 2H query heads, adjacent query heads (2h, 2h+1) forming a pair over one
 shared KV head; ``λ`` is computed per token and head by ``lambda_proj``.
@@ -111,6 +114,180 @@ def eager_attention_forward(
     return attn_output, diff_maps
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# V1 with attn_implementation="sdpa": a kernel that does a Llama's attention arithmetic
+# ---------------------------------------------------------------------------------------------------------------------
+# One zero-padded SDPA call (what every other backend receives) computes 2H maps over 2d-wide dot products, half of
+# them zeros, and 2H outputs 2d wide: twice a Llama's attention arithmetic, because SDPA cannot combine two maps before
+# multiplying by the value. For V1 under "sdpa" the module instead calls `differential_sdpa_attention`:
+#   * one query token without autograd (decode): the 2n padded query rows of a KV group become the rows of ONE query
+#     head, so one fast SDPA call reads every byte of the packed cache once (transformers' `pack_gqa` idea);
+#   * otherwise: `A1 − λ·A2` is materialised per block of query rows against only the keys the block can see, then
+#     multiplied once by the 2d-wide value (`BlockedDifferentialAttention`); its backward recomputes each block's maps
+#     from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
+# benchmarks/attention_micro.py measures both against every alternative (docs/performance.md).
+
+# At most this many query rows per block, and few enough that a block's scores (n heads × rows × keys) stay within
+# _BLOCK_SCORES float32 elements (1 MiB) per map and KV group, near the L2 cache.
+_BLOCK_ROWS = 128
+_BLOCK_SCORES = 1 << 18
+
+
+def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None):
+    """V1 attention of one query token. ``query`` ``(B, G, 2, n, d)`` (rows ``(c, r)`` of each KV group), ``key`` and
+    ``value`` the packed cache ``(B, G, S, 2d)``, ``lam`` the layer's λ. Returns ``(B, G, n, 2d)``.
+
+    The queries are zero-padded to ``[Q1|0]``, ``[0|Q2]`` (one broadcast multiply) and the group's 2n rows form one
+    query head: one SDPA call, no GQA expansion, no causal mask (one token sees the whole cache; a padding or
+    static-cache mask ``(B, 1, 1, S)`` broadcasts over the rows).
+    """
+    b, g, _, n, d = query.shape
+    pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)  # (c, r, c', d)
+    rows = (query.unsqueeze(-2) * pad).reshape(b, g, 2 * n, 2 * d)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling).view(b, g, 2, n, 2 * d)
+    return out[:, :, 0] - lam * out[:, :, 1]
+
+
+def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: torch.device, n: int, block: int | None):
+    """Blocks ``[t0, t1)`` of query rows, how many keys each can see, and its additive float32 mask (or None).
+
+    Without a mask, transformers' sdpa convention applies: one query sees every key; ``t > 1`` queries are causal and
+    top-left aligned (square attention, or a prefill into an empty static cache). With a boolean mask (True = visible)
+    the mask decides and the queries are taken to be the last ``t`` of ``s`` positions, which only bounds the keys a
+    block reads (a causal model never lets a query see keys after its own position). Masks are 0 / −inf: adding them
+    is cheaper than ``masked_fill``, and ``exp(−inf)`` is fast where large finite negatives are slow.
+    """
+    if attention_mask is None and t == 1:
+        yield 0, 1, s, None
+        return
+    offset = 0 if attention_mask is None else s - t
+    block = block or max(16, min(_BLOCK_ROWS, _BLOCK_SCORES // (n * s)))
+    for t0 in range(0, t, block):
+        t1 = min(t, t0 + block)
+        visible = min(s, t1 + offset)
+        if attention_mask is not None:
+            hide = attention_mask[:, :, None, t0:t1, :visible].logical_not()  # over scores (B, G, n, Tb, Sv)
+        elif visible > t0 + 1:  # the block reaches the diagonal
+            hide = torch.arange(visible, device=device) > torch.arange(t0, t1, device=device)[:, None]
+        else:
+            yield t0, t1, visible, None
+            continue
+        yield t0, t1, visible, torch.zeros(hide.shape, device=device).masked_fill_(hide, float("-inf"))
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # softmax and sums in float32 (float64 stays float64)
+
+
+def _block_scores(q, k, mask, scaling):
+    """Float32 scores of one block and map: ``q`` ``(B, G, n, Tb, d)`` (the n heads of a group are rows of one matmul),
+    ``k`` ``(B, G, Sv, d)`` (a view of the packed cache), plus the block's additive mask."""
+    b, g, n, tb, d = q.shape
+    scores = torch.matmul((q * scaling).reshape(b, g, n * tb, d), k.transpose(-1, -2)).view(b, g, n, tb, -1)
+    acc = _accumulation_dtype(q.dtype)
+    if mask is None:
+        return scores.to(acc)
+    return scores.add_(mask) if scores.dtype == acc else torch.add(scores, mask.to(acc))
+
+
+def _softmax_with_stats(scores):
+    """In-place softmax plus the row statistics that recompute it, ``(max, log Σ exp(s − max))``. A fully hidden row
+    (a padding query) gets probabilities 0, hence output 0 as SDPA gives, with finite statistics."""
+    top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+    total = scores.sub_(top).exp_().sum(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny)
+    return scores.div_(total), torch.stack((top, total.log_()))
+
+
+def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats=None):
+    """``(A1 − λA2)·V`` block by block → ``(B, T, G, n, 2d)`` (the module's head layout: no copy follows). Fills
+    ``stats`` ``(2 maps, 2, B, G, n, T, 1)`` for the backward when given."""
+    b, g, n, t, d = q1.shape
+    k1, k2 = key[..., :d], key[..., d:]  # views of the packed cache
+    out = value.new_empty(b, t, g, n, 2 * d)
+    for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, block):
+        p1, st1 = _softmax_with_stats(_block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], mask, scaling))
+        p2, st2 = _softmax_with_stats(_block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], mask, scaling))
+        if stats is not None:
+            stats[0, ..., t0:t1, :], stats[1, ..., t0:t1, :] = st1, st2
+        diff = p1.addcmul_(p2, lam, value=-1).to(value.dtype)  # A1 − λ·A2: (B, G, n, Tb, Sv)
+        res = torch.matmul(diff.view(b, g, n * (t1 - t0), visible), value[:, :, :visible])
+        out[:, t0:t1] = res.view(b, g, n, t1 - t0, 2 * d).permute(0, 3, 1, 2, 4)
+    return out
+
+
+class BlockedDifferentialAttention(torch.autograd.Function):
+    """``O = (A1 − λA2)·V`` block by block, with a backward that recomputes each block's maps (flash-attention style).
+
+    Inputs: ``q1``, ``q2`` ``(B, G, n, T, d)``, the packed ``key``/``value`` ``(B, G, S, 2d)``, the scalar ``lam``;
+    output ``(B, T, G, n, 2d)``. Saved for backward: the inputs and ``O(T)`` row statistics, never a ``T×S`` map.
+    """
+
+    @staticmethod
+    def forward(ctx, q1, q2, key, value, lam, scaling, attention_mask, block):
+        b, g, n, t, _ = q1.shape
+        stats = torch.empty(2, 2, b, g, n, t, 1, dtype=_accumulation_dtype(q1.dtype), device=q1.device)
+        out = _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats)
+        ctx.save_for_backward(q1, q2, key, value, lam, stats, attention_mask)
+        ctx.scaling, ctx.block = scaling, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q1, q2, key, value, lam, stats, attention_mask = ctx.saved_tensors
+        scaling = ctx.scaling
+        b, g, n, t, d = q1.shape
+        k1, k2 = key[..., :d], key[..., d:]
+        dq1, dq2 = torch.empty_like(q1, memory_format=torch.contiguous_format), torch.empty_like(q2, memory_format=torch.contiguous_format)
+        acc = _accumulation_dtype(key.dtype)  # key/value gradients sum over blocks: float32 even for bf16
+        dkey = torch.zeros(key.shape, dtype=acc, device=key.device)
+        dvalue = torch.zeros(value.shape, dtype=acc, device=value.device)
+        dlam = torch.zeros((), dtype=_accumulation_dtype(lam.dtype), device=lam.device)
+        # With D = A1 − λA2 and dD = dO·Vᵀ: dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)), dS2 = −λ·P2 ∘ (dD − rowsum(dD ∘ P2)),
+        # dλ = −Σ dD ∘ P2. The factors −λ and 1/√d are applied to the small (rows × d) products.
+        factors = (scaling, -lam * scaling)
+        for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, ctx.block):
+            rows = n * (t1 - t0)
+            qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
+            kb = (k1[:, :, :visible], k2[:, :, :visible])
+            p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
+                 for c in (0, 1)]  # hidden scores are −inf: their P is exactly 0
+            grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, rows, 2 * d)
+            diff = torch.addcmul(p[0], p[1], lam, value=-1).to(value.dtype).view(b, g, rows, visible)
+            dvalue[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_b)  # sums the group's n heads
+            ddiff = torch.matmul(grad_b, value[:, :, :visible].transpose(-1, -2)).to(acc).view_as(p[0])
+            r1, r2 = (torch.einsum("...s,...s->...", ddiff, p[c]).unsqueeze(-1) for c in (0, 1))
+            dlam -= r2.sum()
+            ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff.sub_(r2).mul_(p[1]))
+            for c, dq, dk in ((0, dq1, dkey[..., :d]), (1, dq2, dkey[..., d:])):
+                dsc = ds[c].to(q1.dtype).view(b, g, rows, visible)
+                dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, n, t1 - t0, d)
+                dk[:, :, :visible] += torch.matmul(dsc.transpose(-1, -2), qb[c].reshape(b, g, rows, d)) * factors[c]
+        return dq1, dq2, dkey.to(key.dtype), dvalue.to(value.dtype), dlam.to(lam.dtype), None, None, None
+
+
+def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=None):
+    """``(B, G, n, T, d)`` queries of both maps over the packed ``(B, G, S, 2d)`` cache → ``(B, T, G, n, 2d)``.
+    ``attention_mask``: None (transformers' sdpa convention) or boolean, broadcastable to ``(B, 1, T, S)``;
+    ``block``: query rows per block (None: chosen from the key length)."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q1, q2, key, value, lam)):
+        return BlockedDifferentialAttention.apply(q1, q2, key, value, lam, scaling, attention_mask, block)
+    return _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block)
+
+
+def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling, pair_stride):
+    """V1's kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, 2H, d)`` in the q_proj row order
+    ``(g, c, r)`` (unpadded), packed ``key``/``value`` ``(B, G, S, 2d)``, a boolean or no mask. Returns the combined
+    differential heads ``(B, T, H, 2d)``, equal to the padded-query path and to the eager formula."""
+    b, t, _, d = query.shape
+    g, n = key.shape[1], pair_stride
+    if t == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam))):
+        out = packed_decode_attention(query.view(b, g, 2, n, d), key, value, lam, scaling, attention_mask)
+        return out.view(b, 1, g * n, 2 * d)
+    heads = query.view(b, t, g, 2, n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d): a view
+    out = blocked_differential_attention(heads[:, :, 0], heads[:, :, 1], key, value, lam, scaling, attention_mask)
+    return out.view(b, t, g * n, 2 * d)
+
+
 class PackedGroupsPagedCache(PagedAttentionCache):
     """V1's view of transformers' paged cache (continuous batching), handed to the kernel in place of the cache.
 
@@ -201,6 +378,19 @@ class DiffTransformerAttention(nn.Module):
         q1, k1, q2, k2 = (p.float() for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
         return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
 
+    def _uses_differential_sdpa(self, query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+        """V1 under ``"sdpa"`` runs :func:`differential_sdpa_attention` unless the call needs transformers' own sdpa
+        function: an additive float mask (a user's 4-D mask) or continuous batching (its kernel writes the cache).
+
+        Off the CPU only decoding (one token, no autograd) takes it: there, prefill and training keep the padded
+        call, which CUDA's flash / memory-efficient SDPA kernels run without writing any map (the blocked kernel was
+        measured on CPUs only, docs/performance.md)."""
+        if self.config._attn_implementation != "sdpa" or kwargs.get("cache") is not None:
+            return False
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            return False
+        return query.device.type == "cpu" or (query.shape[1] == 1 and not torch.is_grad_enabled())
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -220,36 +410,41 @@ class DiffTransformerAttention(nn.Module):
             lam = self.lambda_full()
             width = 2 * d
             key = key.view(*input_shape, -1, width)  # (B, T, G, 2d) = [K1 | K2] per group
-            # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, c, r) → (g, c, r, c', d).
-            pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)
-            query = (query.unflatten(2, (-1, 2, self.pair_stride, 1)) * pad).reshape(*input_shape, -1, width)
         else:
             lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
             width = d
         value = self.v_proj(hidden_states).view(*input_shape, -1, width)  # V1: (B, T, G, 2d) = [V_g,0 | V_g,1]
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        key, value = key.transpose(1, 2), value.transpose(1, 2)
 
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         if self.diff_version == 1 and isinstance(kwargs.get("cache"), PagedAttentionCache):
             kwargs["cache"] = PackedGroupsPagedCache(kwargs["cache"])  # continuous batching: kernel writes the cache
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0,
-            scaling=self.scaling,
-            diff_lambda=lam,
-            **kwargs,
-        )
-        if attn_output.shape[2] == query.shape[1]:  # a standard kernel: one output A_c·V per softmax map
-            attn_output = differential_combine(attn_output, lam if lam.dim() == 0 else lam[..., None, None], self.pair_stride, dim=2)
+        if self.diff_version == 1 and self._uses_differential_sdpa(query, attention_mask, kwargs):
+            attn_output = differential_sdpa_attention(query, key, value, attention_mask, lam, self.scaling, self.pair_stride)
+            attn_weights = None
+        else:
+            if self.diff_version == 1:
+                # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, c, r) → (g, c, r, c', d).
+                pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)
+                query = (query.unflatten(2, (-1, 2, self.pair_stride, 1)) * pad).reshape(*input_shape, -1, width)
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                query.transpose(1, 2),
+                key,
+                value,
+                attention_mask,
+                dropout=0.0,
+                scaling=self.scaling,
+                diff_lambda=lam,
+                **kwargs,
+            )
+            if attn_output.shape[2] == query.shape[2]:  # a standard kernel: one output A_c·V per softmax map
+                attn_output = differential_combine(attn_output, lam if lam.dim() == 0 else lam[..., None, None], self.pair_stride, dim=2)
 
         if self.diff_version == 1:
             attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
@@ -543,7 +738,10 @@ __all__ = [
     "DiffTransformerForSequenceClassification",
     "DiffTransformerForQuestionAnswering",
     "DiffTransformerForTokenClassification",
+    "blocked_differential_attention",
     "differential_combine",
+    "differential_sdpa_attention",
     "eager_attention_forward",
+    "packed_decode_attention",
     "lambda_init_fn",
 ]

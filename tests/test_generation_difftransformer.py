@@ -157,6 +157,7 @@ def test_flex_attention_generate_or_skip_with_the_upstream_reason():
     try:
         llama.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
     except InductorError as err:
+        torch._dynamo.reset()  # a failed compile leaves inductor state that breaks later flex compiles in this process
         pytest.skip(f"torch {torch.__version__} cannot compile flex-attention decoding on this CPU, for Llama too: {str(err)[:200]}")
     for layout in ("v1_gqa", "v2_gqa"):
         model = _model(layout, "flex_attention")
