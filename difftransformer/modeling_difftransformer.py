@@ -513,7 +513,7 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
     _supports_flex_attn = True
-    # Every kernel call has equal q/k/v head sizes and the standard GQA mapping (tests/test_attention_backends.py
+    # Every kernel call has equal q/k/v head sizes and the standard GQA mapping (tests/test_modeling_difftransformer.py
     # checks that contract through a custom AttentionInterface function).
     _supports_flash_attn = True
     _supports_attention_backend = True
