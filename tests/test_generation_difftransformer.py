@@ -5,7 +5,7 @@ import torch
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from difftransformer import DiffTransformerForCausalLM
-from utils_difftransformer import left_padded_batch, tiny_config
+from utils_difftransformer import CONTRACT_CALLS, left_padded_batch, tiny_config
 
 LAYOUTS = ["v1_gqa", "v1_mha", "v2_gqa", "v2_mha"]
 
@@ -27,15 +27,21 @@ def _greedy(model, ids, mask=None, **kwargs):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "contract_sdpa"])
 def test_dynamic_and_static_cache_equal_uncached_greedy(layout, attn):
+    """contract_sdpa: the single standard call that flash/flex kernels receive, with a cache (its checks assert the
+    flash contract on every call, prefill and decode)."""
     model = _model(layout, attn)
     ids, _ = left_padded_batch(model.config.vocab_size, [7], seed=5)
     ref_seq, ref_scores = _greedy(model, ids, use_cache=False)
     for kwargs in ({}, {"cache_implementation": "static"}):
+        CONTRACT_CALLS.clear()
         seq, scores = _greedy(model, ids, **kwargs)
         assert torch.equal(seq, ref_seq), kwargs
         torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
+        if attn == "contract_sdpa":  # one call per layer per step; decode calls see one query token
+            assert len(CONTRACT_CALLS) == 10 * model.config.num_hidden_layers
+            assert sum(q[2] == 1 for q, _ in CONTRACT_CALLS) == 9 * model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])

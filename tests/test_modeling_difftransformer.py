@@ -5,29 +5,23 @@ import math
 import pytest
 import torch
 from torch._inductor.exc import InductorError
-from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.modeling_difftransformer import DiffTransformerAttention
-from utils_difftransformer import LAYOUTS, left_padded_batch, randomize_norms, reference_forward, tiny_config
+from utils_difftransformer import CONTRACT_CALLS, LAYOUTS, left_padded_batch, randomize_norms, reference_forward, tiny_config
 
 BACKENDS = ["eager", "sdpa", "flex_attention", "contract_sdpa"]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
 
 
-def _contract_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """The flash-attention contract, asserted on every call: equal q/k/v head sizes, whole GQA groups, k/v alike."""
-    assert query.shape[-1] == key.shape[-1] == value.shape[-1], (query.shape, key.shape, value.shape)
-    assert key.shape == value.shape, (key.shape, value.shape)
-    assert query.shape[1] % key.shape[1] == 0 and query.shape[1] // key.shape[1] == module.num_key_value_groups
-    assert query.shape[-1] <= 256  # flash kernels' largest head size
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-AttentionInterface.register("contract_sdpa", _contract_sdpa)
-AttentionMaskInterface.register("contract_sdpa", sdpa_mask)
+@pytest.fixture(autouse=True)
+def _contract_sdpa_must_run(request):
+    """Tests run with attn_implementation="contract_sdpa" must have called it (its assertions hold on every call)."""
+    CONTRACT_CALLS.clear()
+    yield
+    if "contract_sdpa" in request.node.name:
+        assert CONTRACT_CALLS, "the model never called the contract-checking attention function"
 
 
 def _model(layout, attn, dtype=torch.float32, seed=0, **overrides):
@@ -52,6 +46,17 @@ def test_backends_match_float64_reference_with_left_padding(layout, attn):
         logits = model(ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(logits[valid].double(), ref[valid], atol=TOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("layout,attn", FAST_PAIRS + FLEX_PAIRS[-1:])
+def test_backends_match_float64_reference_without_a_mask(layout, attn):
+    """No attention_mask at all: every kernel must apply causality itself (sdpa's is_causal, V1's own kernel)."""
+    model = _model(layout, attn)
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(11))
+    ref, _ = reference_forward(model, ids)
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.testing.assert_close(logits.double(), ref, atol=TOL[torch.float32], rtol=0)
 
 
 def _skip_if_llama_flex_fails_too(model, ids, mask, err):
@@ -216,11 +221,15 @@ def _pairing_case(version, hq, hkv, seed=0):
 
 
 @pytest.mark.parametrize("version,hq,hkv", [(1, 8, 4), (1, 8, 2), (1, 8, 8), (2, 8, 2), (2, 8, 4)])
-@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
-def test_hand_set_weights_pair_maps_keys_and_values_as_the_paper(version, hq, hkv, attn_impl):
+@pytest.mark.parametrize("attn_impl,mask_kind", [("eager", "additive"), ("sdpa", "additive"), ("sdpa", "bool"),
+                                                 ("sdpa", "none"), ("contract_sdpa", "bool")])
+def test_hand_set_weights_pair_maps_keys_and_values_as_the_paper(version, hq, hkv, attn_impl, mask_kind):
+    """Every kernel path: an additive float mask (transformers' sdpa call), a boolean mask and no mask (V1's own
+    kernel under "sdpa"), and the padded single call that flash/flex receive (through the contract checker)."""
     attn, x, pos, expected, width = _pairing_case(version, hq, hkv)
     attn.config._attn_implementation = attn_impl
-    mask = torch.full((1, 1, x.shape[1], x.shape[1]), float("-inf")).triu(1)
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None, None]
+    mask = {"additive": torch.zeros(causal.shape).masked_fill(~causal, float("-inf")), "bool": causal, "none": None}[mask_kind]
     with torch.no_grad():
         out, _, _ = attn(x, pos, attention_mask=mask)
     torch.testing.assert_close(out[0, -1, :width], expected, atol=1e-4, rtol=1e-4)

@@ -35,3 +35,20 @@ def test_readme_python_example_runs():
     finally:
         os.chdir(cwd)
     assert namespace["out"].attentions[0].shape == (1, 4, 12, 12)
+
+
+def test_readme_documents_every_config_field():
+    """Each config field is a checkpoint-compatibility promise: the README's configuration table names all of them,
+    with the default the class really has."""
+    from difftransformer import DiffTransformerConfig
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    documented = {name: row for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    fields = [f for f in DiffTransformerConfig.__annotations__ if not f.startswith("_")]
+    assert fields and not [f for f in fields if f not in documented]
+    defaults = DiffTransformerConfig()
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "diff_version", "lambda_std", "max_position_embeddings", "initializer_range"):
+        assert f"| {getattr(defaults, name)} |" in documented[name], name

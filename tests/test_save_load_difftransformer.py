@@ -98,21 +98,35 @@ def test_loads_with_trust_remote_code_in_a_process_without_the_package(tmp_path,
     assert "REMOTE_CODE_OK" in result.stdout, result.stdout + result.stderr
 
 
-def test_meta_device_init_covers_lambda_and_subln():
-    cfg = tiny_config("v1_gqa", num_hidden_layers=4, head_dim=64, hidden_size=64)
+def _meta_then_init(cfg):
+    """Build on the meta device, materialise with NaN everywhere, then run the model's own initialisation: any
+    parameter or buffer that _init_weights misses stays NaN."""
     with torch.device("meta"):
         model = DiffTransformerForCausalLM(cfg)
     model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]:
+            t.fill_(float("nan"))
     model.init_weights()
+    uninitialised = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.isnan().any()]
+    assert not uninitialised, uninitialised
+    return model
+
+
+def test_meta_device_init_covers_lambda_and_subln():
+    cfg = tiny_config("v1_gqa", num_hidden_layers=4, head_dim=64, hidden_size=64)
+    model = _meta_then_init(cfg)
+    ids = torch.randint(3, cfg.vocab_size, (1, 6))
+    torch.manual_seed(0)
+    fresh = DiffTransformerForCausalLM(cfg)
+    fresh.load_state_dict(model.state_dict())  # the rotary buffers were re-initialised too: same function
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, fresh(ids).logits)
     for attn in (m for m in model.modules() if isinstance(m, DiffTransformerAttention)):
         lam = torch.cat([attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2])
         assert torch.isfinite(lam).all() and 0.06 < lam.std() < 0.14  # N(0, lambda_std=0.1)
         assert torch.equal(attn.subln.weight, torch.ones_like(attn.subln.weight))
-    v2 = tiny_config("v2_gqa", hidden_size=256)
-    with torch.device("meta"):
-        model = DiffTransformerForCausalLM(v2)
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = _meta_then_init(tiny_config("v2_gqa", hidden_size=256))
     w = model.model.layers[0].self_attn.lambda_proj.weight
     assert torch.isfinite(w).all() and 0.015 < w.std() < 0.025  # N(0, initializer_range=0.02)
 

@@ -8,8 +8,30 @@ zero-padded queries), straight from the state dict.
 import math
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from difftransformer import DiffTransformerConfig
+
+# Shapes of every call the "contract_sdpa" attention function received: a test that selects it asserts that the
+# model really went through it (so the contract checks below cannot pass by not running).
+CONTRACT_CALLS: list[tuple] = []
+
+
+def _contract_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """The flash-attention contract, asserted on every call: equal q/k/v head sizes, whole GQA groups, k/v alike;
+    then transformers' sdpa does the work. Registered as ``attn_implementation="contract_sdpa"``."""
+    assert query.shape[-1] == key.shape[-1] == value.shape[-1], (query.shape, key.shape, value.shape)
+    assert key.shape == value.shape, (key.shape, value.shape)
+    assert query.shape[1] % key.shape[1] == 0 and query.shape[1] // key.shape[1] == module.num_key_value_groups
+    assert query.shape[-1] <= 256  # flash kernels' largest head size
+    CONTRACT_CALLS.append((tuple(query.shape), tuple(key.shape)))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("contract_sdpa", _contract_sdpa)
+AttentionMaskInterface.register("contract_sdpa", sdpa_mask)
 
 # (diff_version, num_attention_heads, num_key_value_heads): MHA and GQA (n > 1) for both versions.
 LAYOUTS = {
