@@ -783,10 +783,12 @@ def check_source(plan: Plan, ckpt: Checkpoint, source_name: str) -> None:
             + "; ".join(problems)
             + ". Check --from, the config (head counts, sizes) and, for Microsoft sources, --key-map."
         )
-    used = {s for step in plan.steps for s in step.sources}
-    unused = set(plan.source_shapes) - used
-    assert not unused, f"internal: plan never reads {sorted(unused)}"
-    assert set(plan.target_shapes) == {s.target for s in plan.steps}, "internal: plan and model keys differ"
+    # Invariants of the plan itself (a bug here, not in the checkpoint); real checks, not asserts that -O removes.
+    unused = set(plan.source_shapes) - {s for step in plan.steps for s in step.sources}
+    if unused:
+        raise ConversionError(f"internal: the conversion plan never reads {_listing(unused)}")
+    if set(plan.target_shapes) != {s.target for s in plan.steps}:
+        raise ConversionError("internal: the conversion plan and the target model's keys differ")
 
 
 def _resolve_dtype(dtype, plan: Plan, ckpt: Checkpoint) -> torch.dtype:
@@ -798,8 +800,13 @@ def _resolve_dtype(dtype, plan: Plan, ckpt: Checkpoint) -> torch.dtype:
             cfg_dtype = getattr(torch, cfg_dtype, None)
         if isinstance(cfg_dtype, torch.dtype) and cfg_dtype.is_floating_point:
             return cfg_dtype
-        floats = [t for t in ckpt.dtypes.values() if t is not None and t.is_floating_point]
-        return floats[0] if floats else torch.float32
+        # No dtype in the config (Microsoft sources): the dtype that holds most of the weights. λ vectors are float32
+        # in every format and never decide it.
+        counts: dict[torch.dtype, int] = {}
+        for key, t in ckpt.dtypes.items():
+            if t is not None and t.is_floating_point and not _is_lambda_vector(key):
+                counts[t] = counts.get(t, 0) + math.prod(ckpt.shapes[key])
+        return max(counts, key=counts.get) if counts else torch.float32
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}.")
     return DTYPES[dtype]
@@ -811,6 +818,11 @@ def _prepare_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
         inp = inp.resolve()
         if out == inp or out in inp.parents:
             raise ConversionError(f"--output {str(output)!r} would overwrite the input {str(inp)!r}; choose another folder.")
+        if inp.is_dir() and inp in out.parents:
+            raise ConversionError(
+                f"--output {str(output)!r} lies inside the input folder {str(inp)!r}: a conversion never writes into its "
+                "input; choose a folder outside it."
+            )
     if out.exists():
         if not out.is_dir():
             raise ConversionError(f"--output {str(output)!r} exists and is not a folder.")

@@ -104,7 +104,7 @@ def test_wrong_source_format_or_architecture(tmp_path, llama_dir):
     with pytest.raises(ConversionError, match="is not a folder"):
         convert("llama", tmp_path / "nowhere", tmp_path / "o", diff_version=2, progress=False)
     with pytest.raises(ConversionError, match="has no config.json"):
-        convert("llama", tmp_path / "gpt2" / "..", tmp_path / "o", diff_version=2, progress=False)
+        convert("llama", empty / "..", tmp_path.parent / f"{tmp_path.name}-o", diff_version=2, progress=False)
     with pytest.raises(ConversionError, match="--key-map applies to Microsoft sources only"):
         convert("llama", llama_dir, tmp_path / "o", diff_version=2, key_map={"a.": "b."}, progress=False)
     with pytest.raises(ConversionError, match=r"--dtype 'float8'; allowed: auto, float32, float16, bfloat16"):
@@ -174,6 +174,8 @@ def test_input_is_never_overwritten_and_non_empty_output_needs_overwrite(tmp_pat
     for out in (llama_dir, llama_dir.parent, llama_dir / "."):
         with pytest.raises(ConversionError, match="would overwrite the input"):
             convert("llama", llama_dir, out, diff_version=2, overwrite=True, progress=False)
+    with pytest.raises(ConversionError, match="lies inside the input folder"):
+        convert("llama", llama_dir, llama_dir / "converted", diff_version=2, progress=False)
     assert {p.name: p.read_bytes() for p in llama_dir.iterdir()} == before
 
     out = tmp_path / "out"
@@ -264,6 +266,33 @@ def test_cli_help_explains_every_option():
     # The file runs as a script too (python convert_scripts/convert.py), without installing the package.
     proc = subprocess.run([sys.executable, str(REPO / "convert_scripts" / "convert.py"), "--help"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "--allow-pickle" in proc.stdout
+
+
+def test_installed_console_command_converts_with_a_progress_bar(tmp_path, llama_dir):
+    """`difftransformer-convert` (setup.py's console script) runs the same CLI; tqdm reports progress over tensors."""
+    command = Path(sys.executable).parent / "difftransformer-convert"
+    if not command.exists():
+        pytest.skip(f"difftransformer-convert is not installed beside {sys.executable} (package not pip-installed)")
+    out = tmp_path / "v2"
+    proc = subprocess.run([str(command), "--from", "llama", "--diff-version", "2", "--input", str(llama_dir), "--output",
+                           str(out)], capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    n_tensors = len(load_file(out / "model.safetensors"))
+    assert re.search(rf"Converting tensors: 100%.*{n_tensors}/{n_tensors}", proc.stderr), proc.stderr
+    torch.testing.assert_close(logits_of(out), logits_of(llama_dir), atol=1e-5, rtol=0)
+
+
+def test_auto_dtype_follows_the_weights_not_the_float32_lambdas(tmp_path):
+    """A Microsoft checkpoint has no dtype in its config: `--dtype auto` takes the dtype holding most weights, even when
+    the (always float32) λ vectors come first; λ stays float32 in the output."""
+    sd = ms_state_dict(1, 4, 2, seed=3)
+    sd = {k: v if re.search(r"lambda_[qk][12]$", k) else v.to(torch.bfloat16) for k, v in sd.items()}
+    sd = dict(sorted(sd.items(), key=lambda kv: "lambda" not in kv[0]))  # λ first
+    src = write_source(tmp_path / "ms", sd, ms_config(4, 2, module="MultiheadFlashDiff1"))
+    convert("microsoft-v1", src, tmp_path / "out", progress=False)
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert weights["model.layers.0.self_attn.lambda_q1"].dtype == torch.float32
 
 
 def test_cli_converts_verifies_and_reports_errors(tmp_path, llama_dir, capsys):
