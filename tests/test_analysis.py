@@ -282,5 +282,7 @@ def test_docs_examples_run(tmp_path, monkeypatch):
         assert done.returncode == 0, done.stderr[-3000:]
         assert "| diff | 1 |" in done.stdout
     saved = json.loads((tmp_path / "lens_out" / "lens.json").read_text())
+    assert len(saved) == 2  # side by side: our V1 and a standard Llama, one report each
     assert saved[0]["diff_version"] == 1 and len(saved[0]["shares"]) == 3 * 2 * 2
-    assert (tmp_path / "lens_out" / "heatmap_m0.png").exists()
+    assert len(saved[1]["shares"]) == 1 * 2 * 4  # a standard model: one softmax map per layer and head
+    assert (tmp_path / "lens_out" / "heatmap_m0.png").exists() and (tmp_path / "lens_out" / "heatmap_m1.png").exists()
