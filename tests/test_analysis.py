@@ -247,6 +247,8 @@ def test_lens_is_deterministic():
     for kind in a:
         assert torch.equal(a[kind], b[kind])
     assert all(math.isfinite(x) for x in a["diff"].flatten().tolist())
+    other = lens(diff_model("v2_mha", seed=4), ids, (1, 3)).shares  # the seed is what decides: another one differs
+    assert not torch.equal(a["diff"], other["diff"])
 
 
 def _doc_blocks(lang):
