@@ -43,7 +43,7 @@ def test_every_parameter_gets_a_gradient_and_checkpointing_gives_the_same_ones(l
     assert any("lambda_q1" in n for n in grads) or any("lambda_proj" in n for n in grads)
 
     model.zero_grad()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert model.is_gradient_checkpointing
     model(ids, labels=ids).loss.backward()
     for name, p in model.named_parameters():
