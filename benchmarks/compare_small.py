@@ -18,9 +18,10 @@ tasks of :mod:`difftransformer.probes`, so that the claims can be checked end to
    softmax maps for the Llama; positive-mass shares, see :mod:`difftransformer.analysis`).
 
 Writes ``results.json``, ``results.md`` (tables, the exact command), ``loss_curves.png``, ``shares.png`` and one
-accuracy heatmap per model and probe into ``--out``. Presets (``--size``): ``default`` (~30 min per model on 2
-idle cores), ``reduced`` (~5–8 min per model with one thread on a busy machine; what docs/analysis.md reports) and
-``smoke`` (seconds; used by the tests). Every flag overrides its preset value.
+accuracy heatmap per model and probe into ``--out``. Presets (``--size``): ``default`` (about 17 min of training
+per model with one thread, about an hour for all three: measured, docs/analysis.md), ``reduced`` (~5–8 min per model
+with one thread on a busy machine; two seeds in docs/analysis.md) and ``smoke`` (seconds; used by the tests). Every
+flag overrides its preset value.
 """
 
 from __future__ import annotations
@@ -405,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         "embedded corpus plus synthetic retrieval, on CPU; report validation loss curves, probe accuracy and "
         "attention-noise shares with plots. Flags left unset take the --size preset's value.",
     )
-    p.add_argument("--size", choices=sorted(SIZES), default="default", help="Preset: default (~30 min/model on 2 idle cores), reduced (~5-8 min/model, 1 thread), smoke (seconds, for tests). Default: default.")
+    p.add_argument("--size", choices=sorted(SIZES), default="default", help="Preset: default (~17 min of training per model, 1 thread), reduced (~5-8 min/model, 1 thread), smoke (seconds, for tests). Default: default.")
     p.add_argument("--models", default=",".join(MODELS), help=f"Comma-separated subset of {MODELS}. Default: all three.")
     p.add_argument("--out", default=None, help="Output folder. Default: benchmarks/results/compare_small_<size>.")
     p.add_argument("--hidden-size", type=int, help="Model width E.")

@@ -122,3 +122,21 @@ def test_cli_rejects_unknown_models(cs):
         cs.resolve_args(["--models", "v1,gpt"])
     with pytest.raises(SystemExit, match="--steps"):
         cs.resolve_args(["--steps", "0"])
+
+
+def test_docs_default_table_is_the_committed_run():
+    """The default-size table of docs/analysis.md is copied from the run's own results.md (same numbers, our model
+    names), and that run used the preset the docs describe."""
+    results = ROOT / "benchmarks" / "results" / "compare_small_default"
+    saved = json.loads((results / "results.json").read_text())
+    assert saved["meta"]["command"] == "python benchmarks/compare_small.py --size default --no-progress"
+    run_rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in (results / "results.md").read_text().splitlines()
+                if line.startswith(("| v1 |", "| v2 |", "| llama |"))}  # fmt: skip
+    docs = (ROOT / "docs" / "analysis.md").read_text().split("**Default size**", 1)[1].split("**Reduced size", 1)[0]
+    names = {"DIFF V1": "v1", "DIFF V2": "v2", "Llama": "llama"}
+    doc_rows = {names[line.split("|")[1].strip()]: line.replace("**", "").split("|")[2:]
+                for line in docs.splitlines() if line.startswith(tuple(f"| {n} |" for n in names))}  # fmt: skip
+    assert set(doc_rows) == set(run_rows) == {"v1", "v2", "llama"}
+    for model, row in run_rows.items():
+        assert [c.strip() for c in doc_rows[model]] == [c.strip() for c in row], model
+        assert int(row[0].strip().replace(",", "")) == saved["results"][model]["params"]
