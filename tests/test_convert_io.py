@@ -286,8 +286,8 @@ def test_auto_dtype_follows_the_weights_not_the_float32_lambdas(tmp_path):
     """A Microsoft checkpoint has no dtype in its config: `--dtype auto` takes the dtype holding most weights, even when
     the (always float32) λ vectors come first; λ stays float32 in the output."""
     sd = ms_state_dict(1, 4, 2, seed=3)
-    sd = {k: v if re.search(r"lambda_[qk][12]$", k) else v.to(torch.bfloat16) for k, v in sd.items()}
-    sd = dict(sorted(sd.items(), key=lambda kv: "lambda" not in kv[0]))  # λ first
+    sd = {k: v if conv._is_lambda_vector(k) else v.to(torch.bfloat16) for k, v in sd.items()}
+    sd = dict(sorted(sd.items(), key=lambda kv: not conv._is_lambda_vector(kv[0])))  # λ first
     src = write_source(tmp_path / "ms", sd, ms_config(4, 2, module="MultiheadFlashDiff1"))
     convert("microsoft-v1", src, tmp_path / "out", progress=False)
     weights = load_file(tmp_path / "out" / "model.safetensors")
