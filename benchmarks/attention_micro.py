@@ -564,13 +564,13 @@ def _decode_setup(kind: str, past: int, batch: int, dtype: torch.dtype, hidden: 
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
     from difftransformer import DiffTransformerConfig
-    from difftransformer.modeling_difftransformer import DiffTransformerAttention
+    from difftransformer.modeling_difftransformer import DIFF_ATTENTION_CLASSES
 
     common = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=1,
                   intermediate_size=4 * hidden, vocab_size=128)
     if kind.startswith("ours"):
         cfg = DiffTransformerConfig(**common, diff_version=2 if kind == "ours_v2" else 1)
-        module = DiffTransformerAttention(cfg, 0)
+        module = DIFF_ATTENTION_CLASSES[cfg.diff_version](cfg, 0)
         with torch.no_grad():
             for p in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2) if cfg.diff_version == 1 else ():
                 p.normal_(0, 0.1)

@@ -65,7 +65,7 @@ def is_differential(model) -> bool:
 
 def _diff_attention_modules(model) -> list[torch.nn.Module]:
     # By class name, not isinstance: under trust_remote_code the class is a second copy (SPEC §7b).
-    mods = [m for m in model.modules() if type(m).__name__ == "DiffTransformerAttention"]
+    mods = [m for m in model.modules() if any(c.__name__ == "DiffTransformerAttention" for c in type(m).__mro__)]
     return sorted(mods, key=lambda m: m.layer_idx)
 
 

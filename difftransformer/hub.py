@@ -1,11 +1,11 @@
 """Hub readiness: the exact folder a push uploads, a model card that says what the model is, and the push itself.
 
 A Differential Transformer folder must load where this package is not installed, through the Hub's remote-code
-format: ``config.json`` with ``auto_map``, both source files (``configuration_difftransformer.py``,
-``modeling_difftransformer.py``), the weights, ``generation_config.json``, the tokenizer, and a model card
-(``README.md``) stating the DIFF version and citing the paper (arXiv 2410.05258). :func:`save_for_hub` writes that
-folder with transformers' ``save_pretrained`` and ``huggingface_hub.ModelCard``; :func:`check_hub_folder` names
-anything missing; :func:`push_to_hub` uploads the folder in one commit, the way transformers' own ``push_to_hub``
+format: ``config.json`` with ``auto_map``, the source files (``configuration_difftransformer.py``,
+``modeling_difftransformer.py`` and the ``kernels_difftransformer.py`` it imports), the weights,
+``generation_config.json``, the tokenizer, and a model card (``README.md``) stating the DIFF version and citing the
+paper (arXiv 2410.05258). :func:`save_for_hub` writes that folder with transformers' ``save_pretrained`` and
+``huggingface_hub.ModelCard``; :func:`check_hub_folder` names anything missing; :func:`push_to_hub` uploads the folder in one commit, the way transformers' own ``push_to_hub``
 does (save to a temporary folder, ``HfApi.create_commit``), with the tokenizer and our card in the same commit.
 """
 
@@ -24,7 +24,7 @@ CITATION = """@inproceedings{ye2025differential,
   year      = {2025},
   url       = {https://arxiv.org/abs/2410.05258}
 }"""
-SOURCE_FILES = ("configuration_difftransformer.py", "modeling_difftransformer.py")
+SOURCE_FILES = ("configuration_difftransformer.py", "kernels_difftransformer.py", "modeling_difftransformer.py")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _VERSION_TEXT = {

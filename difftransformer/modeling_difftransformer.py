@@ -30,6 +30,7 @@ interleaved, group-major query rows (convert_scripts handle both), no attention 
 """
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -50,7 +52,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -64,6 +66,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_difftransformer import DiffTransformerConfig
+from .kernels_difftransformer import (
+    blocked_differential_attention,
+    differential_sdpa_attention,
+    gqa_decode_attention,
+    packed_decode_attention,
+)
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -114,180 +122,6 @@ def eager_attention_forward(
     return attn_output, diff_maps
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# V1 with attn_implementation="sdpa": a kernel that does a Llama's attention arithmetic
-# ---------------------------------------------------------------------------------------------------------------------
-# One zero-padded SDPA call (what every other backend receives) computes 2H maps over 2d-wide dot products, half of
-# them zeros, and 2H outputs 2d wide: twice a Llama's attention arithmetic, because SDPA cannot combine two maps before
-# multiplying by the value. For V1 under "sdpa" the module instead calls `differential_sdpa_attention`:
-#   * one query token without autograd (decode): the 2n padded query rows of a KV group become the rows of ONE query
-#     head, so one fast SDPA call reads every byte of the packed cache once (transformers' `pack_gqa` idea);
-#   * otherwise: `A1 − λ·A2` is materialised per block of query rows against only the keys the block can see, then
-#     multiplied once by the 2d-wide value (`BlockedDifferentialAttention`); its backward recomputes each block's maps
-#     from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
-# benchmarks/attention_micro.py measures both against every alternative (docs/performance.md).
-
-# At most this many query rows per block, and few enough that a block's scores (n heads × rows × keys) stay within
-# _BLOCK_SCORES float32 elements (1 MiB) per map and KV group, near the L2 cache.
-_BLOCK_ROWS = 128
-_BLOCK_SCORES = 1 << 18
-
-
-def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None):
-    """V1 attention of one query token. ``query`` ``(B, G, 2, n, d)`` (rows ``(c, r)`` of each KV group), ``key`` and
-    ``value`` the packed cache ``(B, G, S, 2d)``, ``lam`` the layer's λ. Returns ``(B, G, n, 2d)``.
-
-    The queries are zero-padded to ``[Q1|0]``, ``[0|Q2]`` (one broadcast multiply) and the group's 2n rows form one
-    query head: one SDPA call, no GQA expansion, no causal mask (one token sees the whole cache; a padding or
-    static-cache mask ``(B, 1, 1, S)`` broadcasts over the rows).
-    """
-    b, g, _, n, d = query.shape
-    pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)  # (c, r, c', d)
-    rows = (query.unsqueeze(-2) * pad).reshape(b, g, 2 * n, 2 * d)
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling).view(b, g, 2, n, 2 * d)
-    return out[:, :, 0] - lam * out[:, :, 1]
-
-
-def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: torch.device, n: int, block: int | None):
-    """Blocks ``[t0, t1)`` of query rows, how many keys each can see, and its additive float32 mask (or None).
-
-    Without a mask, transformers' sdpa convention applies: one query sees every key; ``t > 1`` queries are causal and
-    top-left aligned (square attention, or a prefill into an empty static cache). With a boolean mask (True = visible)
-    the mask decides and the queries are taken to be the last ``t`` of ``s`` positions, which only bounds the keys a
-    block reads (a causal model never lets a query see keys after its own position). Masks are 0 / −inf: adding them
-    is cheaper than ``masked_fill``, and ``exp(−inf)`` is fast where large finite negatives are slow.
-    """
-    if attention_mask is None and t == 1:
-        yield 0, 1, s, None
-        return
-    offset = 0 if attention_mask is None else s - t
-    block = block or max(16, min(_BLOCK_ROWS, _BLOCK_SCORES // (n * s)))
-    for t0 in range(0, t, block):
-        t1 = min(t, t0 + block)
-        visible = min(s, t1 + offset)
-        if attention_mask is not None:
-            hide = attention_mask[:, :, None, t0:t1, :visible].logical_not()  # over scores (B, G, n, Tb, Sv)
-        elif visible > t0 + 1:  # the block reaches the diagonal
-            hide = torch.arange(visible, device=device) > torch.arange(t0, t1, device=device)[:, None]
-        else:
-            yield t0, t1, visible, None
-            continue
-        yield t0, t1, visible, torch.zeros(hide.shape, device=device).masked_fill_(hide, float("-inf"))
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)  # softmax and sums in float32 (float64 stays float64)
-
-
-def _block_scores(q, k, mask, scaling):
-    """Float32 scores of one block and map: ``q`` ``(B, G, n, Tb, d)`` (the n heads of a group are rows of one matmul),
-    ``k`` ``(B, G, Sv, d)`` (a view of the packed cache), plus the block's additive mask."""
-    b, g, n, tb, d = q.shape
-    scores = torch.matmul((q * scaling).reshape(b, g, n * tb, d), k.transpose(-1, -2)).view(b, g, n, tb, -1)
-    acc = _accumulation_dtype(q.dtype)
-    if mask is None:
-        return scores.to(acc)
-    return scores.add_(mask) if scores.dtype == acc else torch.add(scores, mask.to(acc))
-
-
-def _softmax_with_stats(scores):
-    """In-place softmax plus the row statistics that recompute it, ``(max, log Σ exp(s − max))``. A fully hidden row
-    (a padding query) gets probabilities 0, hence output 0 as SDPA gives, with finite statistics."""
-    top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
-    total = scores.sub_(top).exp_().sum(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny)
-    return scores.div_(total), torch.stack((top, total.log_()))
-
-
-def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats=None):
-    """``(A1 − λA2)·V`` block by block → ``(B, T, G, n, 2d)`` (the module's head layout: no copy follows). Fills
-    ``stats`` ``(2 maps, 2, B, G, n, T, 1)`` for the backward when given."""
-    b, g, n, t, d = q1.shape
-    k1, k2 = key[..., :d], key[..., d:]  # views of the packed cache
-    out = value.new_empty(b, t, g, n, 2 * d)
-    for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, block):
-        p1, st1 = _softmax_with_stats(_block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], mask, scaling))
-        p2, st2 = _softmax_with_stats(_block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], mask, scaling))
-        if stats is not None:
-            stats[0, ..., t0:t1, :], stats[1, ..., t0:t1, :] = st1, st2
-        diff = p1.addcmul_(p2, lam, value=-1).to(value.dtype)  # A1 − λ·A2: (B, G, n, Tb, Sv)
-        res = torch.matmul(diff.view(b, g, n * (t1 - t0), visible), value[:, :, :visible])
-        out[:, t0:t1] = res.view(b, g, n, t1 - t0, 2 * d).permute(0, 3, 1, 2, 4)
-    return out
-
-
-class BlockedDifferentialAttention(torch.autograd.Function):
-    """``O = (A1 − λA2)·V`` block by block, with a backward that recomputes each block's maps (flash-attention style).
-
-    Inputs: ``q1``, ``q2`` ``(B, G, n, T, d)``, the packed ``key``/``value`` ``(B, G, S, 2d)``, the scalar ``lam``;
-    output ``(B, T, G, n, 2d)``. Saved for backward: the inputs and ``O(T)`` row statistics, never a ``T×S`` map.
-    """
-
-    @staticmethod
-    def forward(ctx, q1, q2, key, value, lam, scaling, attention_mask, block):
-        b, g, n, t, _ = q1.shape
-        stats = torch.empty(2, 2, b, g, n, t, 1, dtype=_accumulation_dtype(q1.dtype), device=q1.device)
-        out = _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats)
-        ctx.save_for_backward(q1, q2, key, value, lam, stats, attention_mask)
-        ctx.scaling, ctx.block = scaling, block
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q1, q2, key, value, lam, stats, attention_mask = ctx.saved_tensors
-        scaling = ctx.scaling
-        b, g, n, t, d = q1.shape
-        k1, k2 = key[..., :d], key[..., d:]
-        dq1, dq2 = torch.empty_like(q1, memory_format=torch.contiguous_format), torch.empty_like(q2, memory_format=torch.contiguous_format)
-        acc = _accumulation_dtype(key.dtype)  # key/value gradients sum over blocks: float32 even for bf16
-        dkey = torch.zeros(key.shape, dtype=acc, device=key.device)
-        dvalue = torch.zeros(value.shape, dtype=acc, device=value.device)
-        dlam = torch.zeros((), dtype=_accumulation_dtype(lam.dtype), device=lam.device)
-        # With D = A1 − λA2 and dD = dO·Vᵀ: dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)), dS2 = −λ·P2 ∘ (dD − rowsum(dD ∘ P2)),
-        # dλ = −Σ dD ∘ P2. The factors −λ and 1/√d are applied to the small (rows × d) products.
-        factors = (scaling, -lam * scaling)
-        for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, ctx.block):
-            rows = n * (t1 - t0)
-            qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
-            kb = (k1[:, :, :visible], k2[:, :, :visible])
-            p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
-                 for c in (0, 1)]  # hidden scores are −inf: their P is exactly 0
-            grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, rows, 2 * d)
-            diff = torch.addcmul(p[0], p[1], lam, value=-1).to(value.dtype).view(b, g, rows, visible)
-            dvalue[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_b)  # sums the group's n heads
-            ddiff = torch.matmul(grad_b, value[:, :, :visible].transpose(-1, -2)).to(acc).view_as(p[0])
-            r1, r2 = (torch.einsum("...s,...s->...", ddiff, p[c]).unsqueeze(-1) for c in (0, 1))
-            dlam -= r2.sum()
-            ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff.sub_(r2).mul_(p[1]))
-            for c, dq, dk in ((0, dq1, dkey[..., :d]), (1, dq2, dkey[..., d:])):
-                dsc = ds[c].to(q1.dtype).view(b, g, rows, visible)
-                dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, n, t1 - t0, d)
-                dk[:, :, :visible] += torch.matmul(dsc.transpose(-1, -2), qb[c].reshape(b, g, rows, d)) * factors[c]
-        return dq1, dq2, dkey.to(key.dtype), dvalue.to(value.dtype), dlam.to(lam.dtype), None, None, None
-
-
-def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=None):
-    """``(B, G, n, T, d)`` queries of both maps over the packed ``(B, G, S, 2d)`` cache → ``(B, T, G, n, 2d)``.
-    ``attention_mask``: None (transformers' sdpa convention) or boolean, broadcastable to ``(B, 1, T, S)``;
-    ``block``: query rows per block (None: chosen from the key length)."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q1, q2, key, value, lam)):
-        return BlockedDifferentialAttention.apply(q1, q2, key, value, lam, scaling, attention_mask, block)
-    return _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block)
-
-
-def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling, pair_stride):
-    """V1's kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, 2H, d)`` in the q_proj row order
-    ``(g, c, r)`` (unpadded), packed ``key``/``value`` ``(B, G, S, 2d)``, a boolean or no mask. Returns the combined
-    differential heads ``(B, T, H, 2d)``, equal to the padded-query path and to the eager formula."""
-    b, t, _, d = query.shape
-    g, n = key.shape[1], pair_stride
-    if t == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam))):
-        out = packed_decode_attention(query.view(b, g, 2, n, d), key, value, lam, scaling, attention_mask)
-        return out.view(b, 1, g * n, 2 * d)
-    heads = query.view(b, t, g, 2, n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d): a view
-    out = blocked_differential_attention(heads[:, :, 0], heads[:, :, 1], key, value, lam, scaling, attention_mask)
-    return out.view(b, t, g * n, 2 * d)
-
-
 class PackedGroupsPagedCache(PagedAttentionCache):
     """V1's view of transformers' paged cache (continuous batching), handed to the kernel in place of the cache.
 
@@ -322,9 +156,9 @@ class PackedGroupsPagedCache(PagedAttentionCache):
 
 
 class DiffTransformerHeadRMSNorm(nn.Module):
-    """V1's per-head norm, ``scale · RMSNorm_2d(O_h) ⊙ w``, computed in float32 (paper §2.1, "GroupNorm" = RMSNorm
-    per head in the reference code). ``scale`` is ``1 − λinit``. A module (not a bare weight read) so that hooks
-    such as accelerate's offloading see it run."""
+    """V1's per-head norm, ``scale · RMSNorm_2d(O_h) ⊙ w`` (paper §2.1, "GroupNorm" = RMSNorm per head in the
+    reference code). ``scale`` is ``1 − λinit``. Computed in float32, or in the input's dtype where that is wider
+    (float64 stays float64). A module (not a bare weight read) so that hooks such as accelerate's offloading see it run."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -332,64 +166,132 @@ class DiffTransformerHeadRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, heads: torch.Tensor, scale: float) -> torch.Tensor:
-        weight = self.weight.float() * scale
-        return F.rms_norm(heads.float(), (heads.shape[-1],), weight, self.eps).to(heads.dtype)
+        dtype = torch.promote_types(heads.dtype, torch.float32)
+        weight = self.weight.to(dtype) * scale
+        return F.rms_norm(heads.to(dtype), (heads.shape[-1],), weight, self.eps).to(heads.dtype)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 class DiffTransformerAttention(nn.Module):
-    """Differential attention (V1 or V2, ``config.diff_version``); see the module docstring for the layout."""
+    """What V1 and V2 share: the q/k/v/o projections, rotary embeddings, the KV cache and the call of the configured
+    attention kernel. The subclasses add λ and say how the two maps of a differential head are formed and combined.
 
-    def __init__(self, config: DiffTransformerConfig, layer_idx: int):
+    ``value_width`` is the width of one differential head's output: ``2d`` for V1 (its value ``[V1; V2]``), ``d`` for V2.
+    Keys and values are passed to every kernel (and cached) as ``Hkv·d / value_width`` heads of that width: V1's packed
+    groups ``[K1 | K2]``, ``[V_g,0 | V_g,1]`` are a free view of the projections (module docstring).
+    """
+
+    diff_version: int
+    pair_stride: int  # distance between the two maps of a head in the kernel's query-head order (differential_combine)
+
+    def __init__(self, config: DiffTransformerConfig, layer_idx: int, value_width: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.diff_version = config.diff_version
-        self.head_dim = d = config.head_dim
-        self.num_heads = config.num_attention_heads // 2  # H, differential heads
-        n = self.num_heads // config.num_kv_groups  # differential heads per KV group
-        # Query heads (one per softmax map) per KV head *as passed to the kernel*: V1 passes packed groups.
-        self.num_key_value_groups = 2 * n
-        self.pair_stride = n if self.diff_version == 1 else 1
-        self.scaling = d**-0.5  # 1/sqrt(d), not 1/sqrt(2d): each map is a d-wide dot product
+        self.head_dim = config.head_dim
+        self.value_width = value_width
+        self.num_heads = config.num_diff_heads  # H, differential heads
+        # Query heads (one per softmax map) per KV head *as passed to the kernel*: 2n for both versions.
+        self.num_key_value_groups = 2 * (self.num_heads // config.num_kv_groups)
+        self.scaling = self.head_dim**-0.5  # 1/sqrt(d), not 1/sqrt(2d): each map is a d-wide dot product
         self.is_causal = True
         self.attention_dropout = 0.0
 
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * d, bias=bias)
-        if self.diff_version == 1:
-            self.o_proj = nn.Linear(self.num_heads * 2 * d, config.hidden_size, bias=bias)
-            self.lambda_init = config.lambda_init if config.lambda_init is not None else lambda_init_fn(layer_idx)
-            self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.subln = DiffTransformerHeadRMSNorm(2 * d, eps=config.subln_eps)
-        else:
-            self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
-            self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * value_width, hidden, bias=bias)
 
-    def lambda_full(self) -> torch.Tensor:
-        """V1: ``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``, a float32 scalar for this layer."""
-        q1, k1, q2, k2 = (p.float() for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
-        return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
+    def project(self, hidden_states, position_embeddings, past_key_values):
+        """→ rotated queries ``(B, T, 2H, d)`` in q_proj row order, and the cached keys and values
+        ``(B, Hkv·d / value_width, S, value_width)`` (this step's, appended to ``past_key_values``)."""
+        input_shape = hidden_states.shape[:-1]
+        query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)  # (B, T, 2H, d)
+        key = self.k_proj(hidden_states).view(*input_shape, -1, self.head_dim)  # (B, T, Hkv, d)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
+        key = key.view(*input_shape, -1, self.value_width).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(*input_shape, -1, self.value_width).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        return query, key, value
 
-    def _uses_differential_sdpa(self, query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
-        """V1 under ``"sdpa"`` runs :func:`differential_sdpa_attention` unless the call needs transformers' own sdpa
-        function: an additive float mask (a user's 4-D mask) or continuous batching (its kernel writes the cache).
+    def attend(self, query, key, value, attention_mask, lam, **kwargs):
+        """One call of the configured kernel with ``query`` ``(B, T, 2H, w)`` (one head per softmax map, the layout
+        every kernel expects), then the differential combination of the per-map outputs. Returns the H differential
+        heads ``(B, T, H, w)`` and the maps (eager only: the differential maps themselves, SPEC §7)."""
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query.transpose(1, 2),
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            diff_lambda=lam,
+            **kwargs,
+        )
+        # (B, T, heads, w); engines that flatten tokens (vLLM's attention function) return (B·T, heads·w).
+        attn_output = attn_output.reshape(*query.shape[:2], -1, query.shape[-1])
+        if attn_output.shape[2] == query.shape[2]:  # a standard kernel: one output A_c·V per softmax map
+            lam_out = lam if lam.dim() == 0 else lam[..., None, None]  # V2's λ (B, T, H) against (B, T, H, 2, 1, w)
+            attn_output = differential_combine(attn_output, lam_out, self.pair_stride, dim=2)
+        return attn_output, attn_weights
 
-        Off the CPU only decoding (one token, no autograd) takes it: there, prefill and training keep the padded
-        call, which CUDA's flash / memory-efficient SDPA kernels run without writing any map (the blocked kernel was
-        measured on CPUs only, docs/performance.md)."""
+    def uses_own_sdpa_kernel(self, query, attention_mask, kwargs) -> bool:
+        """Whether this call runs a kernel of kernels_difftransformer.py instead of transformers' sdpa function:
+        under ``"sdpa"`` only, and never with an additive float mask (a user's 4-D mask) or continuous batching (its
+        kernel writes the cache). Subclasses narrow it further."""
         if self.config._attn_implementation != "sdpa" or kwargs.get("cache") is not None:
             return False
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return attention_mask is None or attention_mask.dtype == torch.bool
+
+    @staticmethod
+    def is_decode_step(query, *tensors) -> bool:
+        """One new token per sequence and no autograd through the attention inputs."""
+        return query.shape[1] == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, *tensors)))
+
+
+class DiffTransformerV1Attention(DiffTransformerAttention):
+    """DIFF V1 (paper §2.1): ``O_h = (softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d))·[V1; V2]`` with one scalar λ per
+    layer, then ``(1 − λinit)·RMSNorm_2d(O_h) ⊙ w``. Reference: microsoft/unilm ``Diff-Transformer/multihead_flashdiff_2.py``.
+
+    Every kernel but V1's own receives one call with zero-padded queries ``[Q1 | 0]``, ``[0 | Q2]`` over the packed
+    ``2d``-wide groups; under ``"sdpa"`` on CPU (and for decoding everywhere) :func:`differential_sdpa_attention` runs.
+    """
+
+    diff_version = 1
+
+    def __init__(self, config: DiffTransformerConfig, layer_idx: int):
+        super().__init__(config, layer_idx, value_width=2 * config.head_dim)
+        d = self.head_dim
+        self.pair_stride = self.num_key_value_groups // 2  # n: q_proj rows are ordered (g, c, r)
+        self.lambda_init = config.lambda_init if config.lambda_init is not None else lambda_init_fn(layer_idx)
+        self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.subln = DiffTransformerHeadRMSNorm(2 * d, eps=config.subln_eps)
+
+    def lambda_full(self) -> torch.Tensor:
+        """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``, a float32 scalar for this layer (float64 under ``.double()``)."""
+        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
+        q1, k1, q2, k2 = (p.to(dtype) for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
+        return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
+
+    def uses_own_sdpa_kernel(self, query, attention_mask, kwargs) -> bool:
+        """Off the CPU only decoding takes V1's kernel: there, prefill and training keep the padded call, which CUDA's
+        flash / memory-efficient SDPA kernels run without writing any map (the blocked kernel is a CPU kernel,
+        docs/performance.md)."""
+        if not super().uses_own_sdpa_kernel(query, attention_mask, kwargs):
             return False
-        return query.device.type == "cpu" or (query.shape[1] == 1 and not torch.is_grad_enabled())
+        return query.device.type == "cpu" or self.is_decode_step(query)
 
     def forward(
         self,
@@ -399,64 +301,63 @@ class DiffTransformerAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        input_shape = hidden_states.shape[:-1]
-        d = self.head_dim
-        query = self.q_proj(hidden_states).view(*input_shape, -1, d)  # (B, T, 2H, d)
-        key = self.k_proj(hidden_states).view(*input_shape, -1, d)  # (B, T, Hkv, d)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
-
-        if self.diff_version == 1:
-            lam = self.lambda_full()
-            width = 2 * d
-            key = key.view(*input_shape, -1, width)  # (B, T, G, 2d) = [K1 | K2] per group
-        else:
-            lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
-            width = d
-        value = self.v_proj(hidden_states).view(*input_shape, -1, width)  # V1: (B, T, G, 2d) = [V_g,0 | V_g,1]
-        key, value = key.transpose(1, 2), value.transpose(1, 2)
-
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        if self.diff_version == 1 and isinstance(kwargs.get("cache"), PagedAttentionCache):
-            kwargs["cache"] = PackedGroupsPagedCache(kwargs["cache"])  # continuous batching: kernel writes the cache
-
-        if self.diff_version == 1 and self._uses_differential_sdpa(query, attention_mask, kwargs):
+        query, key, value = self.project(hidden_states, position_embeddings, past_key_values)  # key/value (B, G, S, 2d)
+        lam = self.lambda_full()
+        if isinstance(kwargs.get("cache"), PagedAttentionCache):
+            kwargs["cache"] = PackedGroupsPagedCache(kwargs["cache"])  # continuous batching: the kernel writes the cache
+        if self.uses_own_sdpa_kernel(query, attention_mask, kwargs):
             attn_output = differential_sdpa_attention(query, key, value, attention_mask, lam, self.scaling, self.pair_stride)
             attn_weights = None
         else:
-            if self.diff_version == 1:
-                # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, c, r) → (g, c, r, c', d).
-                pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)
-                query = (query.unflatten(2, (-1, 2, self.pair_stride, 1)) * pad).reshape(*input_shape, -1, width)
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
-            attn_output, attn_weights = attention_interface(
-                self,
-                query.transpose(1, 2),
-                key,
-                value,
-                attention_mask,
-                dropout=0.0,
-                scaling=self.scaling,
-                diff_lambda=lam,
-                **kwargs,
-            )
-            if attn_output.shape[2] == query.shape[2]:  # a standard kernel: one output A_c·V per softmax map
-                attn_output = differential_combine(attn_output, lam if lam.dim() == 0 else lam[..., None, None], self.pair_stride, dim=2)
-
-        if self.diff_version == 1:
-            attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
+            # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, c, r) → (g, c, r, c', d).
+            pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)
+            padded = (query.unflatten(2, (-1, 2, self.pair_stride, 1)) * pad).reshape(*query.shape[:2], -1, 2 * self.head_dim)
+            attn_output, attn_weights = self.attend(padded, key, value, attention_mask, lam, **kwargs)
+        attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
+        attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
+
+
+class DiffTransformerV2Attention(DiffTransformerAttention):
+    """DIFF V2: standard attention over 2H query heads; adjacent heads ``2h, 2h+1`` share one KV head and combine as
+    ``o_h = a_2h − sigmoid(x W_λᵀ)_h · a_2h+1`` (λ per token and head), no per-head norm. Reference: microsoft/unilm
+    ``Diff-Transformer/Diff-Transformer-V2/``."""
+
+    diff_version = 2
+    pair_stride = 1  # q_proj rows are ordered (h, c)
+
+    def __init__(self, config: DiffTransformerConfig, layer_idx: int):
+        super().__init__(config, layer_idx, value_width=config.head_dim)
+        self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        query, key, value = self.project(hidden_states, position_embeddings, past_key_values)  # key/value (B, G, S, d)
+        lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
+        if self.uses_own_sdpa_kernel(query, attention_mask, kwargs) and self.is_decode_step(query, key, value):
+            # decode: the 2n query heads of a KV head are the rows of one SDPA head (the cache is read once)
+            per_map = gqa_decode_attention(query.transpose(1, 2), key, value, self.scaling, attention_mask)
+            attn_output, attn_weights = differential_combine(per_map, lam[..., None, None], 1, dim=2), None
+        else:
+            attn_output, attn_weights = self.attend(query, key, value, attention_mask, lam, **kwargs)
+        attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
+        return attn_output, attn_weights, lam
+
+
+DIFF_ATTENTION_CLASSES = {1: DiffTransformerV1Attention, 2: DiffTransformerV2Attention}
 
 
 class DiffTransformerDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffTransformerConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
-        self.self_attn = DiffTransformerAttention(config=config, layer_idx=layer_idx)
+        self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -504,6 +405,21 @@ class DiffTransformerCausalLMOutputWithPast(CausalLMOutputWithPast):
     lambdas: tuple[torch.Tensor, ...] | None = None
 
 
+# V1's λ vectors and per-head norm, V2's λ projection: what only a differential checkpoint holds.
+_DIFFERENTIAL_PARAM = re.compile(r"self_attn\.(lambda_[qk][12]|subln\.weight|lambda_proj\.weight)$")
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "gguf_file", "proxies")
+
+
+def _source_model_type(path, kwargs) -> str | None:
+    """``model_type`` of the config that ``from_pretrained(path, **kwargs)`` would read, or None where it cannot be
+    read (transformers then raises its own error)."""
+    try:
+        config_dict, _ = PreTrainedConfig.get_config_dict(path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    except (OSError, ValueError):
+        return None
+    return config_dict.get("model_type")
+
+
 class DiffTransformerPreTrainedModel(PreTrainedModel):
     config: DiffTransformerConfig
     config_class = DiffTransformerConfig
@@ -527,29 +443,43 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear/Embedding: N(0, initializer_range); RMSNorms (incl. subln): ones
-        if isinstance(module, DiffTransformerAttention) and module.diff_version == 1:
+        if isinstance(module, DiffTransformerV1Attention):
             for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """As transformers', but a checkpoint that lacks a tensor of the backbone fails loudly.
+        """As transformers': tensors the checkpoint lacks are initialised by ``_init_weights`` and named in the load
+        report (``output_loading_info=True``). Only the one mistake that would silently change the function is
+        refused, with a pointer to the converter: a checkpoint of another architecture.
 
-        transformers only reports missing keys and initialises them randomly; for a differential model a missing λ,
-        ``subln`` or projection silently changes the function. Only a task head that the checkpoint cannot have
-        (e.g. ``score`` of a sequence classifier built from a causal LM) may be initialised fresh. Mis-shaped tensors
-        already raise in transformers, whose load report names them.
+        * The folder's ``config.json`` (or GGUF metadata) names another ``model_type``, e.g. a Llama folder loaded as
+          a DiffTransformer: V1 has a Llama's shapes, so its weights would load into differently-wired heads.
+        * The weights hold backbone tensors but none of the differential ones (V1's λ vectors and ``subln``, V2's
+          ``lambda_proj``): a non-differential checkpoint beside a difftransformer ``config.json``.
         """
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if path is not None and not isinstance(kwargs.get("config"), PreTrainedConfig):
+            found = _source_model_type(path, kwargs)
+            if found not in (None, cls.config_class.model_type):
+                raise ValueError(
+                    f"{path} holds a {found!r} checkpoint, not a {cls.config_class.model_type!r} one. Convert it first, "
+                    f"e.g. `difftransformer-convert --from llama --diff-version 2 --input {path} --output OUT` (exact for "
+                    "Llama-family models; see docs/convert.md for every source format)."
+                )
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        prefix = model.base_model_prefix + "."
-        is_base = model.base_model is model
-        missing = sorted(k for k in info["missing_keys"] if is_base or k.startswith(prefix))
-        if missing:
+        missing = set(info["missing_keys"])
+        backbone = [k for k, _ in model.base_model.named_parameters()]
+        prefix = "" if model.base_model is model else model.base_model_prefix + "."
+        loaded = [k for k in backbone if prefix + k not in missing]
+        differential = [k for k in backbone if _DIFFERENTIAL_PARAM.search(k)]
+        if loaded and all(prefix + k in missing for k in differential):
             raise ValueError(
-                f"The checkpoint lacks {len(missing)} tensor(s) of the {cls.__name__} backbone: "
-                f"{', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}. Refusing to initialise them randomly: "
-                "check that the checkpoint matches its config.json, or convert it with convert_scripts/convert.py."
+                f"The checkpoint of {path} has {len(loaded)} backbone tensors but none of the differential-attention ones "
+                f"({', '.join(differential[:3])}, ...): it is not a difftransformer checkpoint (a plain Llama's?). "
+                "Convert the source model with `difftransformer-convert` (docs/convert.md) instead of loading its "
+                "weights into this class."
             )
         tp_size = model.tp_size or 1
         if model.config.num_kv_groups % tp_size:
@@ -695,7 +625,9 @@ class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        # Only compute necessary logits (transformers >= 5.20 has this as `slice_logits_to_keep`)
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        hidden_states = outputs.last_hidden_state[:, slice_indices, :]
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:

@@ -149,7 +149,8 @@ def test_pushed_folders_load_elsewhere_without_the_package(tokenizer, fake_hub, 
     pushed = dict(fake_hub.commits)
     assert pushed["user/diff-v1"] == sorted([
         "README.md", "config.json", "configuration_difftransformer.py", "generation_config.json",
-        "model.safetensors", "modeling_difftransformer.py", "tokenizer.json", "tokenizer_config.json",
+        "kernels_difftransformer.py", "model.safetensors", "modeling_difftransformer.py", "tokenizer.json",
+        "tokenizer_config.json",
     ])
     assert {"config.json", "model.safetensors", "generation_config.json", "configuration_difftransformer.py",
             "modeling_difftransformer.py"} <= set(fake_hub.commits[1][1])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
+from difftransformer import kernels_difftransformer as kernels
 from difftransformer import modeling_difftransformer as mdt
 
 
@@ -40,7 +41,7 @@ def test_blocked_kernel_gradients_are_exact(q_len, kv_len, masked):
     if masked:  # causal, queries last; left padding hides sequence 0's first two positions (its first rows see nothing)
         mask = torch.ones(b, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
         mask[0, :, :, :2] = False
-    fn = lambda *a: mdt.BlockedDifferentialAttention.apply(*a, d**-0.5, mask, 2)  # noqa: E731  (2 rows per block)
+    fn = lambda *a: kernels.BlockedDifferentialAttention.apply(*a, d**-0.5, mask, 2)  # noqa: E731  (2 rows per block)
     assert torch.autograd.gradcheck(fn, tuple(args))
 
 
@@ -51,15 +52,15 @@ def test_mask_conventions_match_the_materialised_formula(block):
     b, g, n, d = 2, 2, 3, 4
     # square causal, no mask
     q1, q2, key, value, lam = _inputs(b, g, n, 7, 7, d)
-    out = mdt.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
+    out = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
     torch.testing.assert_close(out, _materialised(q1, q2, key, value, lam, torch.ones(7, 7, dtype=torch.bool).tril()[None, None]))
     # one query, no mask: the whole cache
     q1, q2, key, value, lam = _inputs(b, g, n, 1, 9, d, seed=1)
-    out = mdt.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
+    out = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
     torch.testing.assert_close(out, _materialised(q1, q2, key, value, lam, torch.ones(1, 1, 1, 9, dtype=torch.bool)))
     # prefill of 5 tokens into an empty static cache of 12, no mask: top-left causal
     q1, q2, key, value, lam = _inputs(b, g, n, 5, 12, d, seed=2)
-    out = mdt.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
+    out = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
     allowed = torch.zeros(5, 12, dtype=torch.bool)
     allowed[:, :5] = torch.ones(5, 5, dtype=torch.bool).tril()
     torch.testing.assert_close(out, _materialised(q1, q2, key, value, lam, allowed[None, None]))
@@ -68,7 +69,7 @@ def test_mask_conventions_match_the_materialised_formula(block):
     allowed = torch.zeros(b, 1, 3, 10, dtype=torch.bool)
     allowed[..., :7] = torch.ones(3, 7, dtype=torch.bool).tril(4)
     allowed[1, ..., :2] = False
-    out = mdt.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, allowed, block)
+    out = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, allowed, block)
     torch.testing.assert_close(out, _materialised(q1, q2, key, value, lam, allowed))
     # packed decode agrees with the blocked kernel (no mask and a boolean one)
     q1, q2, key, value, lam = _inputs(b, g, n, 1, 9, d, seed=4)
@@ -76,8 +77,8 @@ def test_mask_conventions_match_the_materialised_formula(block):
     visible = torch.ones(b, 1, 1, 9, dtype=torch.bool)
     visible[0, ..., :3] = False
     for mask in (None, visible):
-        ref = mdt.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, mask, block)[:, 0]
-        torch.testing.assert_close(mdt.packed_decode_attention(query, key, value, lam, d**-0.5, mask), ref)
+        ref = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, mask, block)[:, 0]
+        torch.testing.assert_close(kernels.packed_decode_attention(query, key, value, lam, d**-0.5, mask), ref)
 
 
 def _model(kv_heads: int, version: int = 1, seed: int = 0) -> DiffTransformerForCausalLM:
@@ -114,7 +115,7 @@ def _run(model, impl, ids, mask):
 
 @pytest.mark.parametrize("kv_heads", [4, 8, 2])  # n = 2, 1 and 4 differential heads per KV group
 def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, monkeypatch):
-    monkeypatch.setattr(mdt, "_BLOCK_ROWS", 16)  # several blocks at these lengths (and the minimum of 16 rows)
+    monkeypatch.setattr(kernels, "_BLOCK_ROWS", 16)  # several blocks at these lengths (and the minimum of 16 rows)
     model = _model(kv_heads)
     ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

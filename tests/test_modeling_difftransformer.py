@@ -8,7 +8,7 @@ from torch._inductor.exc import InductorError
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
-from difftransformer.modeling_difftransformer import DiffTransformerAttention
+from difftransformer.modeling_difftransformer import DIFF_ATTENTION_CLASSES, DiffTransformerAttention
 from utils_difftransformer import CONTRACT_CALLS, LAYOUTS, left_padded_batch, randomize_norms, reference_forward, tiny_config
 
 BACKENDS = ["eager", "sdpa", "flex_attention", "contract_sdpa"]
@@ -174,7 +174,7 @@ def _pairing_case(version, hq, hkv, seed=0):
     width = 2 * d if version == 1 else d
     E = max(H * width, 32)
     cfg = tiny_config("v1_gqa", hidden_size=E, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, diff_version=version)
-    attn = DiffTransformerAttention(cfg, layer_idx=2).eval()
+    attn = DIFF_ATTENTION_CLASSES[version](cfg, layer_idx=2).eval()
     big = 60.0
     T = 2 * H + 1  # distinct target position per map, and a final query token
     with torch.no_grad():
