@@ -3,7 +3,7 @@
     python convert_scripts/convert.py --from llama --to difftransformer --diff-version 2 \
         --input ./my-llama --output ./my-llama-diff-v2 --verify
 
-Every option is explained by ``--help``; the conversions themselves live in ``difftransformer/convert.py``.
+Every option is explained by ``--help``; the conversions themselves live in ``difftransformer/convert/``.
 """
 
 import argparse
@@ -13,7 +13,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from difftransformer.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES, MICROSOFT_V1_MODULES, SOURCES, TARGETS, ConversionError, convert  # noqa: E402
+from difftransformer.convert import (  # noqa: E402
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    MICROSOFT_V1_MODULES,
+    SOURCES,
+    TARGETS,
+    V1_CALIBRATIONS,
+    V1_INITS,
+    ConversionError,
+    convert,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "microsoft-v2: full-model state dict whose attention modules are Microsoft's MultiheadDiffAttn / "
         "MultiheadFlashDiff1 / MultiheadFlashDiff2 (V1) or MultiheadFlashDiffV2 (V2), Llama names elsewhere, with a "
         "config.json in Microsoft's head convention (num_heads = differential heads, num_kv_heads). llama: any "
-        "Llama / Mistral / Qwen2 causal LM folder (needs --diff-version). difftransformer: our own format (re-save "
+        "Llama / Mistral / Qwen2 causal LM folder, or a Llama-family .gguf file (needs --diff-version). difftransformer: our own format (re-save "
         "with another dtype or shard size, or export with --to diffllama).",
     )
     parser.add_argument(
@@ -47,7 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         "included). diffllama: transformers' DiffLlama, for V1 models only (subln folded into o_proj; needs "
         "subln_eps == rms_norm_eps).",
     )
-    parser.add_argument("--input", required=True, type=Path, help="Source folder (config.json plus safetensors, sharded or not).")
+    parser.add_argument(
+        "--input",
+        required=True,
+        type=Path,
+        help="Source folder (config.json plus safetensors, sharded or not), or with --from llama a .gguf file (read "
+        "through transformers' GGUF loader, de-quantised to float32; its tokenizer, chat template and end-of-turn "
+        "token come along).",
+    )
     parser.add_argument(
         "--output",
         required=True,
@@ -60,8 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(1, 2),
         default=None,
         help="Only for --from llama (required there): 2 = exact upcycling (query heads duplicated, λ = 0.5, o_proj "
-        "doubled: same logits); 1 = approximate upcycling (needs even num_key_value_heads; the result must be trained "
-        "further). Other sources imply their version.",
+        "doubled: same logits); 1 = approximate upcycling (see --v1-init; continued training is advised). Other sources imply "
+        "their version.",
+    )
+    parser.add_argument(
+        "--v1-init",
+        default="auto",
+        choices=V1_INITS,
+        help="--from llama --diff-version 1 only. pair: adjacent source heads become the two maps of a differential "
+        "head, same head counts (needs even num_key_value_heads). duplicate: every query and KV head is duplicated "
+        "into both maps (any head layout; doubles query and KV heads, so the KV cache doubles), o_proj scaled so the "
+        "output equals the source's wherever a head's output has its calibrated rms. auto: pair when possible.",
+    )
+    parser.add_argument(
+        "--v1-calibration",
+        default="auto",
+        choices=V1_CALIBRATIONS,
+        help="--v1-init duplicate only: the tokens the o_proj scales are calibrated on (the source model runs on "
+        "them). auto: the embedded corpus (train split) through the source's tokenizer, random ids without one; "
+        "corpus: require the tokenizer; random: random ids (--seed); none: no calibration (rms 1 assumed).",
     )
     parser.add_argument(
         "--dtype",
@@ -74,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify",
         action="store_true",
         help="After converting, run the source and the result (float32, CPU) on a fixed 16-token prompt and print the "
-        "max |logit difference|. Loads both models into memory. Microsoft sources cannot be run: only the result is "
+        "max |logit difference|. Loads both models into memory; a .gguf source is compared as transformers' GGUF loader "
+        "gives it. Microsoft sources cannot be run: only the result is "
         "checked (it loads and gives finite logits).",
     )
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --output folder (only once the new one is complete).")
@@ -100,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Required under GQA (num_heads > num_kv_heads), where MultiheadDiffAttn checkpoints are refused (their key "
         "pairing is not DIFF V1).",
     )
-    parser.add_argument("--seed", type=int, default=0, help="--from llama --diff-version 1: seed of the N(0, lambda_std) λ initialisation.")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="--from llama --diff-version 1: seed of the N(0, lambda_std) λ initialisation (and of random calibration ids)."
+    )
     parser.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
@@ -128,11 +165,14 @@ def main(argv=None) -> int:
             key_map=args.key_map,
             microsoft_module=args.microsoft_module,
             seed=args.seed,
+            v1_init=args.v1_init,
+            v1_calibration=args.v1_calibration,
             max_shard_size=max_shard_size,
             progress=not args.no_progress,
         )
     except ConversionError as err:
-        print(f"difftransformer-convert: error: {err}", file=sys.stderr)
+        message = " ".join(str(err).split())  # one line, whatever the message
+        print(f"difftransformer-convert: error: {message}", file=sys.stderr)
         return 2
     for note in result.notes:
         print(f"note: {note}")

@@ -131,13 +131,13 @@ def test_sharded_input_and_sharded_output_with_index(tmp_path, monkeypatch):
     model = tiny_llama(seed=2)
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
     assert (tmp_path / "src" / "model.safetensors.index.json").is_file()
-    real_save, in_memory = conv.save_file, []
+    real_save, in_memory = conv.engine.save_file, []
 
     def recording_save(tensors, *args, **kwargs):
         in_memory.append((sum(t.nbytes for t in tensors.values()), max(t.nbytes for t in tensors.values())))
         return real_save(tensors, *args, **kwargs)
 
-    monkeypatch.setattr(conv, "save_file", recording_save)
+    monkeypatch.setattr(conv.engine, "save_file", recording_save)
     convert("llama", tmp_path / "src", tmp_path / "out", diff_version=2, max_shard_size="20KB", progress=False)
     # Streaming: never more than one shard (20KB, or one larger tensor on its own) held at a time.
     assert len(in_memory) > 1 and all(total <= 20_000 or total == largest for total, largest in in_memory)
@@ -190,7 +190,7 @@ def test_input_is_never_overwritten_and_non_empty_output_needs_overwrite(tmp_pat
 
 
 def test_interrupted_conversion_leaves_no_half_written_model(tmp_path, llama_dir, monkeypatch):
-    real_save, calls = conv.save_file, []
+    real_save, calls = conv.engine.save_file, []
 
     def fail_on_second_shard(*args, **kwargs):
         calls.append(args[1])
@@ -198,7 +198,7 @@ def test_interrupted_conversion_leaves_no_half_written_model(tmp_path, llama_dir
             raise KeyboardInterrupt("simulated interruption")
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(conv, "save_file", fail_on_second_shard)
+    monkeypatch.setattr(conv.engine, "save_file", fail_on_second_shard)
     with pytest.raises(KeyboardInterrupt):
         convert("llama", llama_dir, tmp_path / "out", diff_version=2, max_shard_size="20KB", progress=False)
     assert len(calls) == 2 and Path(calls[0]).parent.parent == tmp_path  # it wrote into a temporary sibling...

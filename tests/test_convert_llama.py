@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from difftransformer import DiffTransformerForCausalLM
-from difftransformer.convert import ConversionError, convert
+from difftransformer.convert import ConversionError, calibrate_v1_output_scales, convert
 from difftransformer.modeling_difftransformer import lambda_init_fn
 
 torch.set_num_threads(1)
@@ -135,10 +135,10 @@ def test_upcycle_to_v1_keeps_kv_and_moves_o_proj_blocks(tmp_path):
                 assert torch.equal(wo[:, (2 * h + c) * d : (2 * h + c + 1) * d], wo_src[:, i * d : (i + 1) * d])
 
 
-def test_v1_needs_even_kv_heads_and_llama_needs_a_version(tmp_path):
+def test_v1_pair_needs_even_kv_heads_and_llama_needs_a_version(tmp_path):
     source = llama_like("qwen2", 6, 3)
-    with pytest.raises(ConversionError, match=r"even num_key_value_heads.*has 3.*--diff-version 2"):
-        convert("llama", source, tmp_path / "v1", diff_version=1, progress=False)
+    with pytest.raises(ConversionError, match=r"--v1-init pair needs an even num_key_value_heads.*has 3.*--v1-init duplicate"):
+        convert("llama", source, tmp_path / "v1", diff_version=1, v1_init="pair", progress=False)
     with pytest.raises(ConversionError, match="--from llama needs --diff-version"):
         convert("llama", source, tmp_path / "v1", progress=False)
     assert not (tmp_path / "v1").exists()
@@ -148,3 +148,154 @@ def test_sliding_window_source_gets_a_note(tmp_path):
     source = llama_like("mistral", 4, 2, sliding_window=16)
     result = convert("llama", source, tmp_path / "v2", diff_version=2, progress=False)
     assert any("sliding_window=16" in note for note in result.notes)
+
+
+# ------------------------------------------------------------------ V1 by duplication (any head layout)
+
+DUPLICATE_CASES = {
+    "odd_3_1": ("llama", 3, 1, 48, 16, {}),
+    "odd_9_3": ("llama", 9, 3, 72, 8, {}),
+    "even_4_2": ("llama", 4, 2, 48, 12, {}),
+    "qwen2_6_3_biases": ("qwen2", 6, 3, 48, 8, {}),
+    "mha_bias_tied": ("llama", 3, 3, 48, 8, dict(attention_bias=True, tie_word_embeddings=True)),
+}  # fmt: skip
+
+
+def duplicate_source(case, seed=0):
+    kind, hq, hkv, hidden, head_dim, overrides = DUPLICATE_CASES[case]
+    return llama_like(kind, hq, hkv, seed=seed, hidden_size=hidden, head_dim=head_dim, **overrides)
+
+
+@pytest.mark.parametrize("case", list(DUPLICATE_CASES))
+def test_v1_duplicate_layout_tensor_by_tensor(tmp_path, case):
+    """Every attention tensor of the result against the duplicate method's definition (module docstring of
+    difftransformer/convert/llama.py); everything else copied."""
+    source = duplicate_source(case)
+    hq, hkv, d = source.config.num_attention_heads, source.config.num_key_value_heads, source.config.head_dim
+    n = hq // hkv
+    result = convert("llama", source, tmp_path / "v1", diff_version=1, v1_init="duplicate", v1_calibration="random", progress=False)
+    cfg = result.config
+    assert (cfg.diff_version, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (1, 2 * hq, 2 * hkv, d)
+    assert (cfg.num_diff_heads, cfg.num_kv_groups) == (hq, hkv)
+    assert not result.exact and result.info["v1_init"] == "duplicate"
+    sd = {k: v.detach() for k, v in source.state_dict().items()}
+    scales = result.info["v1_output_scales"]
+    model = DiffTransformerForCausalLM.from_pretrained(tmp_path / "v1")
+    lambdas = model.layer_lambdas()
+    with safe_open(tmp_path / "v1" / "model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}.self_attn."
+        lam_init = lambda_init_fn(layer)
+        lam = lambdas[layer].item()
+        assert 1 - lam >= 0.5 * (1 - lam_init)  # λ vectors redrawn away from the λ = 1 singularity
+        rho = result.info["v1_output_rms"][layer].double()
+        expected_scale = torch.sqrt(rho**2 + cfg.subln_eps / (1 - lam) ** 2) / (1 - lam_init)
+        torch.testing.assert_close(scales[layer], expected_scale, rtol=1e-6, atol=0)
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            q, k, v = (stored[f"{p}{x}_proj.{kind}"].unflatten(0, (-1, d)) for x in "qkv")
+            q_src, k_src, v_src = (sd[f"{p}{x}_proj.{kind}"].unflatten(0, (-1, d)) for x in "qkv")
+            for g in range(hkv):
+                for c in range(2):
+                    assert torch.equal(k[2 * g + c], k_src[g]) and torch.equal(v[2 * g + c], v_src[g])
+                    for r in range(n):
+                        assert torch.equal(q[(2 * g + c) * n + r], q_src[g * n + r])
+        wo, wo_src = stored[p + "o_proj.weight"], sd[p + "o_proj.weight"]
+        for h in range(hq):
+            block = wo_src[:, h * d : (h + 1) * d].double() * scales[layer][h] / 2
+            for c in range(2):
+                torch.testing.assert_close(wo[:, (2 * h + c) * d : (2 * h + c + 1) * d].double(), block, rtol=1e-6, atol=0)
+        if cfg.attention_bias:
+            expected_bias = sd.get(p + "o_proj.bias", torch.zeros(cfg.hidden_size))
+            assert torch.equal(stored[p + "o_proj.bias"], expected_bias)
+        assert torch.equal(stored[p + "subln.weight"], torch.ones(2 * d))
+    for key, value in sd.items():
+        if ".self_attn." not in key and key in stored:
+            assert torch.equal(stored[key], value), key
+
+
+@pytest.mark.parametrize("case", ["odd_3_1", "odd_9_3", "even_4_2", "qwen2_6_3_biases"])
+def test_v1_duplicate_is_exact_where_the_calibration_is(tmp_path, case):
+    """Calibrated on one token, ρ is that token's own per-head rms: the V1 model's logits for it equal the source's
+    to float32 rounding, under eager and sdpa. A second token (not calibrated on) is only approximated."""
+    source = duplicate_source(case, seed=1)
+    token = torch.tensor([[17]])
+    convert("llama", source, tmp_path / "v1", diff_version=1, v1_init="duplicate", v1_calibration=token, progress=False)
+    model = DiffTransformerForCausalLM.from_pretrained(tmp_path / "v1").eval()
+    reference = logits_of(source, token)
+    for attn in ("eager", "sdpa"):
+        model.set_attn_implementation(attn)
+        # float32: a few ulps per operation through 2 layers; 1e-5 absolute on logits of order 0.1-1.
+        torch.testing.assert_close(logits_of(model, token), reference, rtol=0, atol=1e-5)
+    other = torch.tensor([[17, 60, 5]])
+    assert (logits_of(model, other) - logits_of(source, other)).abs().max() > 1e-3  # elsewhere approximate
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_calibration_is_the_mean_per_token_rms_of_each_heads_o_proj_input():
+    source = duplicate_source("odd_9_3", seed=2)
+    ids = torch.tensor([[3, 9, 27, 81, 50, 11], [4, 8, 15, 16, 23, 42]])
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    seen = []
+    hooks = [layer.self_attn.o_proj.register_forward_hook(lambda m, args, out: seen.append(args[0])) for layer in source.model.layers]
+    with torch.no_grad():
+        for row in range(2):
+            source(ids[row : row + 1], attention_mask=mask[row : row + 1])
+    for hook in hooks:
+        hook.remove()
+    hq, d, layers = 9, 8, source.config.num_hidden_layers
+    expected = torch.zeros(layers, hq)
+    for layer in range(layers):
+        per_token = [seen[row * layers + layer][0].view(-1, hq, d).pow(2).mean(-1).sqrt()[mask[row].bool()] for row in range(2)]
+        expected[layer] = torch.cat(per_token).mean(0)
+    rho = calibrate_v1_output_scales(source, ids, attention_mask=mask)
+    torch.testing.assert_close(rho, expected, rtol=1e-6, atol=0)
+    # Padding is left out: the same rows without their padded tokens give the same ρ.
+    unpadded = [ids[0:1], ids[1:2, 2:]]
+    sums = sum(calibrate_v1_output_scales(source, x) * x.shape[1] for x in unpadded)
+    torch.testing.assert_close(rho, sums / 10, rtol=1e-5, atol=0)
+
+
+def test_v1_init_auto_and_option_errors(tmp_path):
+    even, odd = llama_like("llama", 8, 4, seed=5), llama_like("qwen2", 6, 3, seed=5)
+    assert convert("llama", even, tmp_path / "a", diff_version=1, progress=False).info["v1_init"] == "pair"
+    result = convert("llama", odd, tmp_path / "b", diff_version=1, progress=False)
+    # An in-memory model has no tokenizer: "auto" calibrates on seeded random ids.
+    assert result.info["v1_init"] == "duplicate" and "random token ids (seed 0)" in result.info["calibration"]
+    none = convert("llama", odd, tmp_path / "c", diff_version=1, v1_calibration="none", progress=False)
+    assert torch.equal(none.info["v1_output_rms"], torch.ones(2, 6))
+    with pytest.raises(ConversionError, match=r"--v1-init 'halves'; allowed: \['auto', 'pair', 'duplicate'\]"):
+        convert("llama", odd, tmp_path / "d", diff_version=1, v1_init="halves", progress=False)
+    with pytest.raises(ConversionError, match="--v1-init duplicate applies to --from llama --diff-version 1 only"):
+        convert("llama", odd, tmp_path / "d", diff_version=2, v1_init="duplicate", progress=False)
+    with pytest.raises(ConversionError, match="--v1-calibration applies to --v1-init duplicate only"):
+        convert("llama", even, tmp_path / "d", diff_version=1, v1_calibration="random", progress=False)
+    with pytest.raises(ConversionError, match="--v1-calibration corpus needs the source's tokenizer"):
+        convert("llama", odd, tmp_path / "d", diff_version=1, v1_calibration="corpus", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+
+
+def test_v1_duplicate_trains_and_exports_to_diffllama(tmp_path):
+    """The duplicated model trains (loss falls), and as a V1 model it exports to DiffLlama with the same logits."""
+    source = duplicate_source("odd_9_3", seed=3)
+    convert("llama", source, tmp_path / "v1", diff_version=1, progress=False)
+    model = DiffTransformerForCausalLM.from_pretrained(tmp_path / "v1")
+    convert("difftransformer", tmp_path / "v1", tmp_path / "dl", target="diffllama", progress=False)
+    diffllama = AutoModelForCausalLM.from_pretrained(tmp_path / "dl").eval()
+    torch.testing.assert_close(logits_of(diffllama, IDS), logits_of(model.eval(), IDS), rtol=1e-5, atol=1e-5)
+    torch.manual_seed(0)
+    batch = torch.randint(3, 97, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    losses = []
+    for _ in range(8):
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses

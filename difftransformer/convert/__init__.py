@@ -1,0 +1,112 @@
+"""Checkpoint conversions into (and out of) the ``difftransformer`` format (SPEC §6).
+
+Sources (``--from``) and what each becomes (``--to difftransformer`` unless noted):
+
+==================  ===============================================================================  ============
+source              what it is                                                                        result
+==================  ===============================================================================  ============
+``diffllama``       transformers' ``DiffLlamaForCausalLM`` folder (``model_type: diffllama``)         V1, exact
+``microsoft-v1``    a full-model state dict whose attention modules are Microsoft's                   V1, exact
+                    ``MultiheadDiffAttn`` / ``MultiheadFlashDiff1`` / ``MultiheadFlashDiff2``
+                    (microsoft/unilm ``Diff-Transformer/``), Llama names elsewhere
+``microsoft-v2``    the same with ``MultiheadFlashDiffV2`` (``Diff-Transformer/Diff-Transformer-V2/``) V2, exact
+``llama``           any Llama / Mistral / Qwen2 causal LM folder, or a Llama-family ``.gguf`` file    V2 exact, V1
+                    (read through transformers' GGUF loader, de-quantised to float32)                 approximate
+``difftransformer`` our own format: re-save (dtype, sharding) or ``--to diffllama``                  (V1 only to
+                                                                                                      DiffLlama)
+==================  ===============================================================================  ============
+
+Every source can also be written as a DiffLlama folder (``--to diffllama``) when the result is V1.
+
+How a conversion runs (the guarantees of issue 3):
+
+1. The source config is read and turned into ours (``rope_parameters``, tied embeddings, ``rms_norm_eps``,
+   dtype, biases are carried over).
+2. A *plan* lists, for every tensor of the result, the source tensors it is computed from and how (SPEC §6 index
+   maps). Before anything is written the plan is checked against the source's key list and shapes: unknown,
+   missing and mis-shaped tensors stop the conversion with an error naming them.
+3. The result is written into a temporary folder beside the output, one safetensors shard at a time, each tensor
+   computed from tensors read lazily (memory-mapped) from the source, so the model is never held twice in memory;
+   sharding and the index follow ``huggingface_hub.split_torch_state_dict_into_shards`` as in ``save_pretrained``.
+   The folder is renamed into place only at the end, so an interrupted run leaves no half-written model.
+
+Modules (one per source format over the shared engine): :mod:`.engine` (checkpoints, plans, index maps, checks,
+atomic writing), :mod:`.llama` (Llama-style → V2 / V1 ``pair`` / V1 ``duplicate`` and its calibration),
+:mod:`.gguf_source` (``.gguf`` input), :mod:`.diffllama`, :mod:`.microsoft`, :mod:`.ours`, and :mod:`.api`
+(:func:`convert`, :func:`build_plan`, :func:`verify_conversion`).
+
+Microsoft full-model state dicts: Microsoft released modules, not models, so the rest of the model is named as in
+Llama (``model.embed_tokens.weight``, ``model.layers.{l}.input_layernorm.weight``, ...), the attention module at
+``model.layers.{l}.self_attn.`` with Microsoft's own parameter names (``q_proj``, ``k_proj``, ``v_proj``,
+``out_proj`` (V1) / ``o_proj`` (V2), ``lambda_q1`` ..., ``subln.weight``, ``lambda_proj``). A JSON key map (see
+:func:`load_key_map`) renames other layouts into that one. The head counts follow Microsoft's convention: its
+``num_heads`` is our ``H`` (half the query heads), its ``num_kv_heads`` our ``G``; its ``depth`` is our 0-based
+layer index.
+"""
+
+from .api import SOURCES, TARGETS, ConversionResult, build_plan, convert, verify_conversion
+from .diffllama import config_from_diffllama, diffllama_config_from, plan_from_diffllama, to_diffllama
+from .engine import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_FILES,
+    Checkpoint,
+    ConversionError,
+    Plan,
+    Step,
+    _is_lambda_vector,
+    check_source,
+    expand_heads,
+    interleaved_to_rotate_half,
+    invert,
+    v1_kv_heads_from,
+    v1_query_heads_from,
+    verify_prompt,
+    write_plan,
+)
+from .gguf_source import GGUF_ARCHITECTURES, load_gguf, read_gguf_header
+from .llama import (
+    LLAMA_STYLE_MODEL_TYPES,
+    V1_CALIBRATIONS,
+    V1_INITS,
+    calibrate_v1_output_scales,
+    calibration_input_ids,
+    config_from_llama,
+    plan_from_llama,
+    resolve_v1_init,
+    v1_output_scales,
+)
+from .microsoft import MICROSOFT_CONFIG_FIELDS, MICROSOFT_V1_MODULES, config_from_microsoft, load_key_map, plan_from_microsoft, rename_checkpoint
+from .ours import plan_from_difftransformer
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "DTYPES",
+    "GGUF_ARCHITECTURES",
+    "LLAMA_STYLE_MODEL_TYPES",
+    "MICROSOFT_V1_MODULES",
+    "SOURCES",
+    "TARGETS",
+    "V1_CALIBRATIONS",
+    "V1_INITS",
+    "Checkpoint",
+    "ConversionError",
+    "ConversionResult",
+    "Plan",
+    "Step",
+    "build_plan",
+    "calibrate_v1_output_scales",
+    "calibration_input_ids",
+    "check_source",
+    "config_from_diffllama",
+    "config_from_llama",
+    "config_from_microsoft",
+    "convert",
+    "diffllama_config_from",
+    "interleaved_to_rotate_half",
+    "load_gguf",
+    "load_key_map",
+    "verify_conversion",
+    "verify_prompt",
+]

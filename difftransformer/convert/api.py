@@ -1,0 +1,356 @@
+"""The entry points: :func:`build_plan`, :func:`convert` and :func:`verify_conversion`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
+
+from .diffllama import plan_from_diffllama, to_diffllama
+from .engine import (
+    DEFAULT_MAX_SHARD_SIZE,
+    TOKENIZER_FILES,
+    Checkpoint,
+    ConversionError,
+    Plan,
+    _copy_side_files,
+    _install,
+    _prepare_output,
+    _resolve_dtype,
+    _write_config,
+    check_source,
+    one_line,
+    read_json_file,
+    verify_prompt,
+    write_plan,
+)
+from .gguf_source import is_gguf_path, load_gguf
+from .llama import (
+    LLAMA_STYLE_MODEL_TYPES,
+    V1_CALIBRATIONS,
+    V1_INITS,
+    calibrate_v1_output_scales,
+    calibration_input_ids,
+    describe_output_rms,
+    plan_from_llama,
+)
+from .microsoft import _microsoft_subln_affine, load_key_map, plan_from_microsoft, rename_checkpoint
+from .ours import plan_from_difftransformer
+
+logger = logging.getLogger("difftransformer.convert")
+
+SOURCES = ("diffllama", "microsoft-v1", "microsoft-v2", "llama", "difftransformer")
+TARGETS = ("difftransformer", "diffllama")
+
+
+@dataclass
+class ConversionResult:
+    output: Path
+    config: PreTrainedConfig
+    exact: bool
+    notes: list[str]
+    copied_files: list[str]
+    max_logit_diff: float | None = None
+    info: dict = field(default_factory=dict)  # e.g. v1_init, v1_output_rms (ρ), v1_output_scales, calibration
+
+
+def _read_config_json(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{folder} has no config.json; every source folder needs one (see docs/convert.md).")
+    config = read_json_file(path)
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} must hold a JSON object, found {type(config).__name__}.")
+    return config
+
+
+@contextlib.contextmanager
+def _config_errors(where: str):
+    """A config that transformers or our config class rejects (wrong field type, impossible combination) becomes a
+    one-line :class:`ConversionError` naming where the config came from."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except (StrictDataclassError, TypeError, ValueError, KeyError) as err:
+        raise ConversionError(f"{where}: {one_line(err)}") from None
+
+
+_EXPECTED_MODEL_TYPE = {"diffllama": ("diffllama",), "difftransformer": ("difftransformer",), "llama": LLAMA_STYLE_MODEL_TYPES}
+
+
+def _check_model_type(source: str, found: str | None) -> None:
+    expected = _EXPECTED_MODEL_TYPE[source]
+    if found not in expected:
+        hint = {"diffllama": "diffllama", "difftransformer": "difftransformer"}.get(found, "llama" if found in LLAMA_STYLE_MODEL_TYPES else None)
+        raise ConversionError(
+            f"--from {source} expects config.json model_type in {list(expected)}, found {found!r}"
+            + (f"; did you mean --from {hint}?" if hint else ".")
+        )
+
+
+def build_plan(
+    source: str,
+    target: str,
+    config,
+    diff_version: int | None = None,
+    microsoft_module: str | None = None,
+    subln_affine: bool = True,
+    seed: int = 0,
+    v1_init: str = "auto",
+    v1_output_rms: torch.Tensor | None = None,
+) -> Plan:
+    """The conversion plan for a source config (a transformers config, or a dict for Microsoft sources)."""
+    if source not in SOURCES:
+        raise ConversionError(f"--from {source!r}; allowed: {list(SOURCES)}.")
+    if target not in TARGETS:
+        raise ConversionError(f"--to {target!r}; allowed: {list(TARGETS)}.")
+    implied = {"diffllama": 1, "microsoft-v1": 1, "microsoft-v2": 2}.get(source)
+    if source == "difftransformer":
+        implied = config.diff_version
+    if source == "llama":
+        if diff_version is None:
+            raise ConversionError("--from llama needs --diff-version 1 (approximate, needs training) or 2 (exact upcycling).")
+    elif diff_version is not None and diff_version != implied:
+        raise ConversionError(f"--diff-version {diff_version} conflicts with --from {source}, which gives DIFF V{implied}.")
+    if source == "diffllama" and target == "diffllama":
+        raise ConversionError("--from diffllama --to diffllama: nothing to convert; use --to difftransformer.")
+    if source == "difftransformer":
+        plan = plan_from_difftransformer(config)
+    elif source == "diffllama":
+        plan = plan_from_diffllama(config)
+    elif source == "llama":
+        plan = plan_from_llama(config, diff_version, seed, v1_init, v1_output_rms)
+    else:
+        plan = plan_from_microsoft(config, 1 if source == "microsoft-v1" else 2, microsoft_module, subln_affine)
+    return to_diffllama(plan) if target == "diffllama" else plan
+
+
+def _check_v1_options(source: str, diff_version, v1_init, v1_calibration) -> None:
+    if v1_init not in V1_INITS:
+        raise ConversionError(f"--v1-init {v1_init!r}; allowed: {list(V1_INITS)}.")
+    if not isinstance(v1_calibration, torch.Tensor) and v1_calibration not in V1_CALIBRATIONS:
+        raise ConversionError(f"--v1-calibration {v1_calibration!r}; allowed: {list(V1_CALIBRATIONS)} (or, in Python, a tensor of token ids).")
+    if source == "llama" and diff_version == 1:
+        return
+    if v1_init != "auto":
+        raise ConversionError(f"--v1-init {v1_init} applies to --from llama --diff-version 1 only.")
+    if isinstance(v1_calibration, torch.Tensor) or v1_calibration != "auto":
+        raise ConversionError("--v1-calibration applies to --from llama --diff-version 1 --v1-init duplicate only.")
+
+
+def _source_tokenizer(in_folder: Path | None, required: bool):
+    """The tokenizer saved in the input folder, if there is one that loads."""
+    if in_folder is None or not any((in_folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(in_folder)
+    except Exception as err:  # a broken tokenizer only matters if the corpus calibration needs it
+        if required:
+            raise ConversionError(f"--v1-calibration corpus: the tokenizer in {in_folder} does not load: {one_line(err)}") from None
+        logger.warning("The tokenizer in %s does not load (%s); calibrating on random token ids.", in_folder, one_line(err))
+        return None
+
+
+def _calibrate(v1_calibration, model, in_folder: Path | None, tokenizer, src_config, seed: int):
+    """``(ρ or None, description)`` for the duplicate method."""
+    if isinstance(v1_calibration, torch.Tensor):
+        ids, how = v1_calibration.long(), f"{tuple(v1_calibration.shape)} token ids given by the caller"
+    elif v1_calibration == "none":
+        return None, "o_proj scales not calibrated (--v1-calibration none): ρ = 1 for every head."
+    else:
+        if v1_calibration != "random" and tokenizer is None:
+            tokenizer = _source_tokenizer(in_folder, required=v1_calibration == "corpus")
+        if v1_calibration == "corpus" and tokenizer is None:
+            raise ConversionError("--v1-calibration corpus needs the source's tokenizer (files beside the weights, or tokenizer=...); none was found.")
+        ids, how = calibration_input_ids(
+            src_config.vocab_size, getattr(src_config, "max_position_embeddings", None), None if v1_calibration == "random" else tokenizer, seed
+        )
+    reference = model
+    if reference is None:
+        reference = AutoModelForCausalLM.from_pretrained(in_folder, dtype="auto")
+    rho = calibrate_v1_output_scales(reference, ids)
+    return rho, f"o_proj scales calibrated on {how}; {describe_output_rms(rho)}."
+
+
+def convert(
+    source: str,
+    input,
+    output: str | os.PathLike,
+    target: str = "difftransformer",
+    *,
+    diff_version: int | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    verify: bool = False,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    key_map: str | os.PathLike | Mapping | None = None,
+    source_config: Mapping | None = None,
+    microsoft_module: str | None = None,
+    seed: int = 0,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = True,
+    v1_init: str = "auto",
+    v1_calibration: str | torch.Tensor = "auto",
+    tokenizer=None,
+) -> ConversionResult:
+    """Convert a checkpoint (SPEC §6). See the package docstring and docs/convert.md.
+
+    Args:
+        source: one of ``SOURCES``. target: ``"difftransformer"`` or ``"diffllama"``.
+        input: a folder (safetensors, sharded or not; ``pytorch_model.bin`` only with ``allow_pickle``), a ``.gguf``
+            file (``source="llama"``: read through transformers' GGUF loader, de-quantised to float32), an in-memory
+            ``PreTrainedModel``, or (Microsoft sources) a state dict together with ``source_config``.
+        output: the folder to create. Refused if it is or contains the input, or is non-empty without ``overwrite``.
+        diff_version: required for ``source="llama"`` (2: exact, 1: approximate upcycling).
+        dtype: ``"auto"`` (the source's; float32 for a GGUF), ``"float32"``, ``"float16"``, ``"bfloat16"`` or a
+            ``torch.dtype``.
+        verify: run source and result on a fixed prompt and record ``max_logit_diff`` (loads both models; a GGUF
+            source is compared as loaded).
+        key_map: Microsoft sources: JSON file or dict of key prefixes, see :func:`load_key_map`.
+        source_config: Microsoft sources: the config dict when ``input`` is a state dict (else read from
+            ``input/config.json``); a folder's config.json may be overridden by it.
+        microsoft_module: which Microsoft V1 module produced the weights (needed under GQA).
+        seed: seed of the λ initialisation for Llama → V1 upcycling (and of random calibration ids).
+        max_shard_size: largest shard (bytes or "5GB"); larger results are sharded with an index. Peak memory is
+            about one shard plus the source tensors it reads (memory-mapped).
+        v1_init: Llama → V1 only: ``"pair"`` (SPEC §6, even ``num_key_value_heads``), ``"duplicate"`` (any layout,
+            doubles query and KV heads, see :mod:`difftransformer.convert.llama`) or ``"auto"`` (pair when possible).
+        v1_calibration: duplicate only: ``"auto"`` (the embedded corpus through the source's tokenizer, else random
+            ids), ``"corpus"``, ``"random"``, ``"none"`` (ρ = 1), or a ``(batch, length)`` tensor of token ids.
+            Calibration runs the source model (a folder source is loaded for it).
+        tokenizer: for an in-memory model: saved beside the result and used for the corpus calibration.
+    """
+    output = Path(output)
+    in_path = Path(input) if isinstance(input, (str, os.PathLike)) else None
+    model = input if hasattr(input, "state_dict") and hasattr(input, "config") else None
+    if in_path is None and model is None and not isinstance(input, Mapping):
+        raise ConversionError(f"input must be a folder, a .gguf file, a transformers model or (Microsoft sources) a state dict; got {type(input).__name__}.")
+    if source not in SOURCES:
+        raise ConversionError(f"--from {source!r}; allowed: {list(SOURCES)}.")
+    gguf = in_path is not None and is_gguf_path(in_path)
+    in_folder = in_path if in_path is not None and not gguf else None
+    if in_folder is not None and not in_folder.is_dir():
+        raise ConversionError(f"--input {str(in_folder)!r} is not a folder (nor a .gguf file).")
+    if gguf and source != "llama":
+        raise ConversionError(
+            f"--input {str(in_path)!r} is a GGUF file: GGUF files convert with --from llama (Llama-family models), not --from {source}."
+        )
+    _check_v1_options(source, diff_version, v1_init, v1_calibration)
+    _prepare_output(output, [in_path] if in_path is not None else [], overwrite)
+
+    notes: list[str] = []
+    generation_config = getattr(model, "generation_config", None) if model is not None else None
+    if gguf:
+        loaded = load_gguf(in_path, progress=progress)
+        model, generation_config, notes = loaded.model, loaded.generation_config, list(loaded.notes)
+        tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+
+    # Source config.
+    config_where = f"{in_folder / 'config.json'}" if in_folder is not None else "the source config"
+    if source.startswith("microsoft"):
+        if model is not None:
+            raise ConversionError("Microsoft sources are state dicts: pass a folder or a state dict with source_config.")
+        cfg = dict(_read_config_json(in_folder)) if in_folder is not None else {}
+        cfg.update(source_config or {})
+        src_config = cfg
+    elif model is not None:
+        src_config = loaded.config if gguf else model.config
+        _check_model_type(source, src_config.model_type)
+    elif in_folder is not None:
+        _check_model_type(source, _read_config_json(in_folder).get("model_type"))
+        with _config_errors(config_where):
+            src_config = AutoConfig.from_pretrained(in_folder)
+    else:
+        raise ConversionError(f"--from {source} takes a folder or a transformers model, not a bare state dict.")
+
+    # Checkpoint, plan, checks: all before anything is written.
+    if in_folder is not None:
+        ckpt = Checkpoint.from_folder(in_folder, allow_pickle=allow_pickle)
+    else:
+        ckpt = Checkpoint.from_state_dict(model.state_dict() if model is not None else input)
+    try:
+        subln_affine = True
+        if source.startswith("microsoft"):
+            ckpt = rename_checkpoint(ckpt, load_key_map(key_map))
+            subln_affine = _microsoft_subln_affine(ckpt)
+        elif key_map is not None:
+            raise ConversionError("--key-map applies to Microsoft sources only.")
+        plan_args = (source, target, src_config, diff_version, microsoft_module, subln_affine, seed)
+        with _config_errors(config_where):
+            plan = build_plan(*plan_args, v1_init=v1_init)
+        check_source(plan, ckpt, source)
+        out_dtype = _resolve_dtype(dtype, plan, ckpt)
+        method = plan.info.get("v1_init")
+        if method == "pair" and not (isinstance(v1_calibration, str) and v1_calibration == "auto"):
+            raise ConversionError("--v1-calibration applies to --v1-init duplicate only; this conversion pairs heads (--v1-init pair).")
+        if method == "duplicate":
+            rho, how = _calibrate(v1_calibration, model, in_folder, tokenizer, src_config, seed)
+            if rho is not None:
+                plan = build_plan(*plan_args, v1_init=v1_init, v1_output_rms=rho)
+                check_source(plan, ckpt, source)
+            plan.notes.append(how)
+            plan.info["calibration"] = how
+        notes += plan.notes
+        for note in notes:
+            logger.warning(note)
+
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.converting-", dir=output.parent))
+        try:
+            write_plan(plan, ckpt, tmp, out_dtype, max_shard_size, progress)
+            _write_config(plan.config, tmp, out_dtype)
+            copied = _copy_side_files([in_folder] if in_folder is not None else [], tmp, generation_config, tokenizer)
+            _install(tmp, output)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        ckpt.close()
+
+    result = ConversionResult(output, plan.config, plan.exact, notes, copied, info=dict(plan.info))
+    if verify:
+        result.max_logit_diff = verify_conversion(source, model if gguf else input, output)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Verification
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def verify_conversion(source: str, input, output: str | os.PathLike) -> float | None:
+    """Run the source model and the converted one on :func:`verify_prompt` in float32; return the max |Δ logit|.
+
+    ``input`` is a source folder or a model in memory (for a GGUF source: the model as transformers loaded it).
+    Microsoft sources have no runnable model in transformers; for them only the result is run (finite logits).
+    """
+    result = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+    ids = verify_prompt(result.config.vocab_size)
+    new_logits = result(ids).logits
+    if not torch.isfinite(new_logits).all():
+        raise ConversionError(f"--verify: the converted model in {output} produces non-finite logits.")
+    if source.startswith("microsoft"):
+        print("verify: Microsoft modules have no transformers implementation to compare with; the result loads and its logits are finite.")
+        return None
+    if isinstance(input, (str, os.PathLike)):
+        reference = AutoModelForCausalLM.from_pretrained(input, dtype=torch.float32).eval()
+    else:
+        reference = input
+    was_training = reference.training
+    reference.eval()
+    ref_logits = reference(ids.to(reference.device)).logits.float().cpu()
+    reference.train(was_training)
+    diff = (ref_logits - new_logits).abs().max().item()
+    print(f"verify: max |logit difference| between source and result on a {ids.shape[1]}-token prompt: {diff:.3e}")
+    return diff
