@@ -20,7 +20,9 @@ setup(
     ],
     extras_require={
         "train": ["tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15"],
-        "test": ["pytest>=8", "optimum-quanto>=0.2", "tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15"],
+        "test": ["pytest>=8", "optimum-quanto>=0.2", "tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15", "gguf>=0.10"],
+        # difftransformer-convert --input model.gguf (transformers' GGUF loader needs it)
+        "gguf": ["gguf>=0.10"],
     },
     entry_points={"console_scripts": ["difftransformer-convert=convert_scripts.convert:main"]},
 )
