@@ -46,7 +46,7 @@ def test_recomputed_softmax_maps_reproduce_the_models_differential_maps(layout):
         out = model(ids, output_attentions=True, output_lambdas=True, use_cache=False)
     model.set_attn_implementation("sdpa")
     num_heads = model.config.num_attention_heads // 2
-    for lm, ref, lam in zip(layers, out.attentions, out.lambdas):
+    for lm, ref, lam in zip(layers, out.attentions, out.lambdas, strict=True):
         a1, a2 = lm.maps["softmax1"], lm.maps["softmax2"]
         assert a1.shape == a2.shape == ref.shape == (2, num_heads, 11, 11)
         torch.testing.assert_close(a1.sum(-1), torch.ones(2, num_heads, 11))
@@ -82,7 +82,7 @@ def test_padding_mask_is_respected():
     with torch.no_grad():
         out = model(ids, attention_mask=mask, output_attentions=True, output_lambdas=True, use_cache=False)
     model.set_attn_implementation("sdpa")
-    for lm, ref, lam in zip(layers, out.attentions, out.lambdas):
+    for lm, ref, lam in zip(layers, out.attentions, out.lambdas, strict=True):
         assert torch.all(lm.maps["softmax1"][0, :, 3:, :3] == 0)  # real tokens never see padding
         diff = lm.maps["softmax1"] - broadcast_lambda(lam) * lm.maps["softmax2"]
         torch.testing.assert_close(diff[:, :, 3:], ref[:, :, 3:], atol=1e-6, rtol=1e-5)

@@ -18,9 +18,9 @@ def _model(layout, attn="sdpa", seed=0, **overrides):
     return model
 
 
-def _greedy(model, ids, mask=None, **kwargs):
+def _greedy(model, ids, mask=None, max_new_tokens=10, **kwargs):
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+        ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
         return_dict_in_generate=True, output_scores=True, **kwargs,
     )
     return out.sequences, torch.stack(out.scores)
@@ -58,24 +58,51 @@ def test_compiled_static_cache_decode(layout):
     torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
-def test_quantized_cache(layout):
-    pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
+def _confident_model(layout, period=11, steps=60):
+    """A model trained (60 Adam steps, ~1 s) to continue a cycle of `period` tokens: greedy choices with clear
+    margins, as a trained LM has on confident continuations (a random model's top-2 logits are near ties)."""
     model = _model(layout)
-    ids, _ = left_padded_batch(model.config.vocab_size, [6], seed=7)
+    cycle = torch.randperm(model.config.vocab_size - 3, generator=torch.Generator().manual_seed(0))[:period] + 3
+    batch = torch.stack([cycle[(start + torch.arange(24)) % period] for start in range(8)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(batch, labels=batch).loss.backward()
+        optimizer.step()
+    return model.eval(), cycle
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantization_error(layout):
+    """The quantized cache stores keys/values in 4 bits: decoding logits are off by their quantization error `err`.
+    Greedy output equals the uncached greedy output at every step whose top-2 logit margin exceeds 2·err (then no
+    perturbation of at most err per logit can change the argmax). On a model with clear margins, every step does."""
+    pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
+    model, cycle = _confident_model(layout)
+    ids = cycle[torch.arange(3, 9) % len(cycle)][None]
     cache_config = {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 2}
     out = model.generate(
-        ids, max_new_tokens=10, do_sample=False, cache_implementation="quantized", cache_config=cache_config,
+        ids, max_new_tokens=20, do_sample=False, cache_implementation="quantized", cache_config=cache_config,
         return_dict_in_generate=True, output_scores=True,
     )
     assert type(out.past_key_values).__name__ == "QuantizedCache"
-    # Teacher-forced check: the uncached model on the generated tokens gives the same logits up to the 4-bit
-    # error, which must stay far below the spread of the logits (a wrong key/value layout would not).
+    uncached, _ = _greedy(model, ids, use_cache=False, max_new_tokens=20)
+    assert torch.equal(out.sequences, uncached)
+
+    # Teacher-forced: the uncached model on the generated tokens gives the exact logits of every step.
     scores = torch.stack(out.scores)[:, 0]
     with torch.no_grad():
         exact = model(out.sequences).logits[0, ids.shape[1] - 1 : -1]
-    assert (scores - exact).abs().max() < 0.15 * exact.std()
-    assert out.sequences[0, ids.shape[1]] == exact[0].argmax()  # first token comes from the unquantized prefill
+    err = (scores - exact).abs().amax(-1)
+    top2 = exact.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    assert (margin > 2 * err).all(), (margin, err)  # why the equality above holds (not luck)
+    assert err[0] < 1e-4  # the prompt's keys/values are used unquantized in the prefill step
+    assert err[1:].max() > 1e-3  # later steps really read quantized keys/values
+    # The error stays well below the spread of the logits: reading the cache with a wrong head layout (keys of
+    # another head) gives 0.4 (V2) to 11 (V1) standard deviations on this model.
+    assert err.max() < 0.25 * exact.std()
 
 
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
@@ -122,15 +149,84 @@ def test_cache_holds_exactly_a_llamas_bytes(layout):
     assert _cache_bytes(ours_static) == _cache_bytes(theirs_static) > 0
 
 
+def _peaked_model(layout):
+    """Logits spread 10 times wider than a random init's (whose next-token probabilities are nearly uniform)."""
+    model = _model(layout)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    return model
+
+
+SAMPLING = {"top_k": dict(top_k=5, temperature=0.7), "top_p": dict(top_k=0, top_p=0.8, temperature=0.7)}
+
+
+def _allowed(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """By hand: the tokens that temperature + top-k or top-p sampling may draw, from raw logits (..., V)."""
+    scaled = logits / temperature
+    if top_k:
+        return scaled >= scaled.topk(top_k, dim=-1).values[..., -1:]
+    p = scaled.softmax(-1)
+    more_probable_mass = (p[..., None, :] * (p[..., None, :] > p[..., :, None])).sum(-1)
+    return more_probable_mass < top_p  # the smallest set of most probable tokens whose mass reaches top_p
+
+
+@pytest.mark.parametrize("warper", sorted(SAMPLING))
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
-def test_sampling_beam_search_and_assisted_generation(layout):
+def test_sampling_draws_every_token_from_the_models_top_k_or_top_p_set(layout, warper):
+    model = _peaked_model(layout)
+    ids, mask = left_padded_batch(model.config.vocab_size, [6, 4], seed=9)
+    kwargs = dict(do_sample=True, max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, **SAMPLING[warper])
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    torch.manual_seed(0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **kwargs).sequences, out.sequences)  # seeded: reproducible
+    prompt_len = ids.shape[1]
+    new = out.sequences[:, prompt_len:]
+    logits, scores = torch.stack(out.logits, 1), torch.stack(out.scores, 1)  # (B, steps, V): raw, after the warpers
+    assert logits.shape == scores.shape == (2, 8, model.config.vocab_size)
+
+    # The raw logits of every step are the uncached model's on the sampled sequence (the cache is right when sampling).
+    full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        exact = model(out.sequences, attention_mask=full_mask, position_ids=positions).logits[:, prompt_len - 1 : -1]
+    torch.testing.assert_close(logits, exact, atol=1e-4, rtol=0)
+    # The warpers keep exactly the hand-computed set, scaled by the temperature, and every draw comes from it.
+    allowed = _allowed(logits, **SAMPLING[warper])
+    assert torch.equal(scores.isfinite(), allowed)
+    torch.testing.assert_close(scores[allowed], (logits / SAMPLING[warper]["temperature"])[allowed])
+    assert allowed.gather(-1, new[..., None]).all()
+    assert (allowed.sum(-1) >= 2).all() and (allowed.sum(-1) < model.config.vocab_size // 2).all()  # real restriction
+    assert (new != logits.argmax(-1)).any()  # sampling, not greedy
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_sampled_token_frequencies_are_the_softmax_probabilities(layout):
+    """4000 draws of the first new token: each token's frequency is its softmax(logits / T) probability, within five
+    binomial standard deviations (a count is Binomial(n, p)); another temperature, or greedy, would not fit."""
+    model = _peaked_model(layout)
+    ids, _ = left_padded_batch(model.config.vocab_size, [6], seed=3)
+    n, temperature = 4000, 0.8
+    torch.manual_seed(0)
+    out = model.generate(ids, do_sample=True, top_k=0, temperature=temperature, max_new_tokens=1,
+                         num_return_sequences=n, pad_token_id=0)
+    freq = torch.bincount(out[:, -1], minlength=model.config.vocab_size).double() / n
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].double()
+
+    def fits(p):
+        return bool(((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1 / n).all())
+
+    assert fits(torch.softmax(logits / temperature, -1))
+    assert not fits(torch.softmax(logits, -1))  # the temperature is applied
+    assert not fits(torch.nn.functional.one_hot(logits.argmax(), model.config.vocab_size).double())
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_beam_search_and_assisted_generation(layout):
     model = _model(layout)
     ids, mask = left_padded_batch(model.config.vocab_size, [6, 4], seed=9)
-    torch.manual_seed(0)
-    sampled = model.generate(ids, attention_mask=mask, do_sample=True, top_k=20, max_new_tokens=6, pad_token_id=0)
-    torch.manual_seed(0)
-    again = model.generate(ids, attention_mask=mask, do_sample=True, top_k=20, max_new_tokens=6, pad_token_id=0)
-    assert sampled.shape == (2, 12) and torch.equal(sampled, again)
 
     # Beam search reorders the cache between steps: with and without cache it must agree.
     beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False, pad_token_id=0)

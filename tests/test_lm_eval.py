@@ -41,12 +41,27 @@ def _reference_loglikelihood(model, tokenizer, context: str, continuation: str) 
     return loglikelihood, bool(torch.equal(predicted.argmax(-1), targets))
 
 
+def _teach_greedy_continuation(model, tokenizer, examples) -> None:
+    """Hand-set the output rows of each example's (one-token) target to the direction of the final hidden state at
+    the end of its context, with a logit of 20 there, so that greedy decoding continues the context with the target."""
+    with torch.no_grad():
+        for example in examples:
+            context_ids = tokenizer(example["context"]).input_ids
+            whole = tokenizer(example["context"] + " " + example["target"]).input_ids
+            assert whole[:-1] == context_ids, "a one-token continuation"
+            hidden = model.model(torch.tensor([context_ids])).last_hidden_state[0, -1]
+            model.lm_head.weight[whole[-1]] = 20 * hidden / hidden.norm() ** 2
+
+
 def test_lm_eval_hf_model_scores_a_saved_model_like_its_forward_pass(tmp_path):
     block = _local_task_block()
     examples = _doc_examples(block)
     assert len(examples) >= 4
     tokenizer = word_tokenizer([text for ex in examples for text in (ex["context"], ex["target"])])
     model = save_tiny_lm(tmp_path / DOC_MODEL_V1, diff_version=1, tokenizer=tokenizer)
+    # Some examples greedy-correct, the others not, so that lm-eval's greedy flag is checked both ways.
+    _teach_greedy_continuation(model, tokenizer, [examples[0], examples[2]])
+    model.save_pretrained(tmp_path / DOC_MODEL_V1)
 
     env = {
         **os.environ,
@@ -64,15 +79,18 @@ def test_lm_eval_hf_model_scores_a_saved_model_like_its_forward_pass(tmp_path):
     (samples_file,) = (tmp_path / "lm_eval_out").rglob(f"samples_{TASK}_*.jsonl")
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert len(samples) == len(examples)
-    loglikelihoods = []
+    loglikelihoods, greedy_flags = [], []
     for sample in samples:
         context, continuation = sample["arguments"]["gen_args_0"]["arg_0"], sample["arguments"]["gen_args_0"]["arg_1"]
         assert continuation == " " + sample["doc"]["target"]
         reported, reported_greedy = sample["resps"][0][0]
         expected, expected_greedy = _reference_loglikelihood(model, tokenizer, context, continuation)
         assert float(reported) == pytest.approx(expected, abs=1e-4), context
-        assert (reported_greedy == "True") == expected_greedy
+        assert reported_greedy in ("True", "False")
+        assert (reported_greedy == "True") == expected_greedy, context
         loglikelihoods.append(expected)
+        greedy_flags.append(expected_greedy)
+    assert True in greedy_flags and False in greedy_flags, greedy_flags
 
     (results_file,) = (tmp_path / "lm_eval_out").rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"][TASK]

@@ -120,7 +120,7 @@ def test_candidate_logprobs_match_full_sequence_scoring(tok, kind):
     candidates = [' "ember"', ' "quartz"', ' "x"', " 7"]
     got = probes.candidate_logprobs(model, tok, prompt, candidates)
     p = tok(prompt)["input_ids"]
-    for cand, score in zip(candidates, got):
+    for cand, score in zip(candidates, got, strict=True):
         c = tok(cand, add_special_tokens=False)["input_ids"]
         ids = torch.tensor([p + c])
         with torch.no_grad():

@@ -8,11 +8,18 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.modeling_difftransformer import DiffTransformerAttention
 from utils_difftransformer import randomize_norms, tiny_config
+
+
+def assert_same_state(model, loaded):
+    original, reloaded = model.state_dict(), loaded.state_dict()
+    assert original.keys() == reloaded.keys()
+    for key in original:
+        assert torch.equal(original[key], reloaded[key]), key
 
 
 def _saved(tmp_path, layout, **overrides):
@@ -29,11 +36,9 @@ def test_round_trip_is_exact_in_safetensors(tmp_path, layout):
     assert (folder / "model.safetensors").exists() and not list(folder.glob("*.bin"))
     loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(loaded) is DiffTransformerForCausalLM
-    original, reloaded = model.state_dict(), loaded.state_dict()
-    assert original.keys() == reloaded.keys()
-    for key in original:
-        assert torch.equal(original[key], reloaded[key]), key
-    assert loaded.model.layers[0].self_attn.lambda_q1.dtype == torch.float32 if layout.startswith("v1") else True
+    assert_same_state(model, loaded)
+    if layout.startswith("v1"):
+        assert loaded.model.layers[0].self_attn.lambda_q1.dtype == torch.float32
     ids = torch.randint(3, 97, (2, 7))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
@@ -44,7 +49,7 @@ def test_bfloat16_round_trip(tmp_path):
     model = DiffTransformerForCausalLM(tiny_config("v1_gqa")).to(torch.bfloat16).eval()
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert_same_state(model, loaded)
 
 
 def test_folder_is_in_hub_remote_code_format(tmp_path):
@@ -134,7 +139,7 @@ def test_from_pretrained_initialises_nothing_the_checkpoint_provides(tmp_path):
     model, folder = _saved(tmp_path, "v1_gqa")
     torch.manual_seed(123)  # a different seed: any random init would show
     loaded = DiffTransformerForCausalLM.from_pretrained(folder)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert_same_state(model, loaded)
     # A new task head on the same backbone is the only thing initialised fresh.
     clf = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3)
     assert torch.equal(clf.model.layers[1].self_attn.lambda_k2, model.model.layers[1].self_attn.lambda_k2)
@@ -142,13 +147,50 @@ def test_from_pretrained_initialises_nothing_the_checkpoint_provides(tmp_path):
 
 
 @pytest.mark.parametrize("key", ["model.layers.1.self_attn.lambda_q2", "model.layers.0.self_attn.subln.weight", "model.layers.2.self_attn.k_proj.weight"])
-def test_checkpoint_missing_a_tensor_fails_loudly(tmp_path, key):
-    _, folder = _saved(tmp_path, "v1_gqa")
+def test_checkpoint_missing_a_tensor_is_initialised_and_reported(tmp_path, key, caplog):
+    """transformers' loading contract: a tensor the checkpoint lacks is initialised by _init_weights (λ vectors
+    N(0, lambda_std), subln ones, projections N(0, initializer_range)) and named in the load report and the log."""
+    model, folder = _saved(tmp_path, "v1_gqa")
     tensors = load_file(folder / "model.safetensors")
     del tensors[key]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        AutoModelForCausalLM.from_pretrained(folder)
+    loaded, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert info["missing_keys"] == {key} or sorted(info["missing_keys"]) == [key]
+    assert key in caplog.text
+    original, reloaded = model.state_dict(), loaded.state_dict()
+    for name in original:
+        assert torch.equal(original[name], reloaded[name]) == (name != key), name  # only the missing one differs
+    fresh = reloaded[key]
+    if key.endswith("subln.weight"):
+        assert torch.equal(fresh, torch.ones_like(fresh))
+    else:
+        std = 0.1 if "lambda" in key else 0.02
+        assert torch.isfinite(fresh).all() and 0.3 * std < fresh.std() < 3 * std
+
+
+def test_a_llama_checkpoint_is_refused_with_a_pointer_to_the_converter(tmp_path):
+    """The mistake that would silently change the function: a V1 model has a Llama's shapes, so a Llama's weights
+    would load into differently-wired heads. Refused both by its config.json and, under our config.json, by its
+    weights (no differential tensor at all)."""
+    cfg = tiny_config("v1_gqa")
+    llama = LlamaForCausalLM(LlamaConfig(**{k: getattr(cfg, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim")}))
+    llama.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"'llama' checkpoint.*difftransformer-convert --from llama"):
+        DiffTransformerForCausalLM.from_pretrained(tmp_path / "llama")
+    cfg.save_pretrained(tmp_path / "llama")  # our config.json beside the Llama weights
+    with pytest.raises(ValueError, match=r"none of the differential-attention ones.*difftransformer-convert"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+
+
+def test_empty_state_dict_initialises_every_tensor_like_a_new_model():
+    """transformers' own way to build a model through from_pretrained (its common tests use it)."""
+    cfg = tiny_config("v2_gqa")
+    torch.manual_seed(0)
+    model, info = DiffTransformerForCausalLM.from_pretrained(None, config=cfg, state_dict={}, output_loading_info=True)
+    assert set(info["missing_keys"]) >= {k for k in model.state_dict() if k != "lm_head.weight"}
+    assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in model.parameters())
 
 
 def test_checkpoint_with_mis_shaped_tensor_fails_loudly(tmp_path, caplog):

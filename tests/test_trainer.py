@@ -66,11 +66,15 @@ def test_default_training_arguments_train_and_evaluate(tokenizer, datasets, tmp_
     train, valid = datasets
     model = make_model(tokenizer, version)
     before = params(model)
+    # Defaults except logging every step (the default, every 500 steps, would log no loss within 3 steps).
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to="none",
-                                                          use_cpu=True, disable_tqdm=True),
+                                                          use_cpu=True, disable_tqdm=True, logging_steps=1),
                       train_dataset=train, eval_dataset=valid)
-    trainer.train()
-    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+    result = trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
+    # The reported training loss is the mean of the logged step losses.
+    assert result.training_loss == pytest.approx(sum(losses) / 3, rel=1e-6)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     # λ trains too (V1: the four λ vectors; V2: lambda_proj)
     lam = "lambda_q1" if version == 1 else "lambda_proj.weight"
