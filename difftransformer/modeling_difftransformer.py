@@ -114,7 +114,7 @@ def eager_attention_forward(
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
-    maps = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (B, 2H, T, S)
+    maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)  # (B, 2H, T, S)
     lam = diff_lambda if diff_lambda.dim() == 0 else diff_lambda.transpose(1, 2)[:, :, None, :, None]
     diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1)  # (B, H, T, S)
     values = repeat_kv(value, module.num_key_value_groups // 2)  # (B, H, S, w): head h reads group h // n
@@ -153,6 +153,11 @@ class PackedGroupsPagedCache(PagedAttentionCache):
                 "'sdpa' or 'eager' for continuous batching, or a diff_version=2 model."
             )
         return groups(key), groups(value)
+
+
+# Devices on which V1 prefill and training under "sdpa" run the blocked kernel (measured on CPUs only); elsewhere they
+# keep the padded call. Tests empty it to run the non-CPU dispatch on a CPU.
+BLOCKED_KERNEL_DEVICES = ("cpu",)
 
 
 class DiffTransformerHeadRMSNorm(nn.Module):
@@ -291,7 +296,7 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         docs/performance.md)."""
         if not super().uses_own_sdpa_kernel(query, attention_mask, kwargs):
             return False
-        return query.device.type == "cpu" or self.is_decode_step(query)
+        return query.device.type in BLOCKED_KERNEL_DEVICES or self.is_decode_step(query)
 
     def forward(
         self,

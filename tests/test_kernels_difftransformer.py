@@ -13,6 +13,7 @@ import torch
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer import kernels_difftransformer as kernels
 from difftransformer import modeling_difftransformer as mdt
+from utils_difftransformer import RoundingModel, bf16_error_bound, left_padded_batch, randomize_norms, reference_forward, tiny_config
 
 
 def _inputs(b, g, n, t, s, d, dtype=torch.float64, seed=0):
@@ -113,43 +114,122 @@ def _run(model, impl, ids, mask):
     return logits, generated, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no-padding"])
+@pytest.mark.parametrize("dispatch", ["cpu", "non-cpu"])
 @pytest.mark.parametrize("kv_heads", [4, 8, 2])  # n = 2, 1 and 4 differential heads per KV group
-def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, monkeypatch):
+def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, dispatch, padded, monkeypatch):
+    """Logits, greedy generations (dynamic and static cache) and every parameter gradient equal eager's. "non-cpu" runs
+    the dispatch of every other device on this CPU: prefill and training take the padded single call (what CUDA's
+    SDPA, flash and flex receive), decoding V1's packed kernel."""
     monkeypatch.setattr(kernels, "_BLOCK_ROWS", 16)  # several blocks at these lengths (and the minimum of 16 rows)
+    if dispatch == "non-cpu":
+        monkeypatch.setattr(mdt, "BLOCKED_KERNEL_DEVICES", ())
+    calls = []
+    original = kernels.blocked_differential_attention
+    monkeypatch.setattr(kernels, "blocked_differential_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     model = _model(kv_heads)
     ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    ref, fast = _run(model, "eager", ids, mask), _run(model, "sdpa", ids, mask)
+    if padded:
+        mask[0, :3] = 0  # left padding
+    ref = _run(model, "eager", ids, mask)
+    calls.clear()
+    fast = _run(model, "sdpa", ids, mask)
+    assert bool(calls) == (dispatch == "cpu")  # the blocked kernel ran exactly where it should
     valid = mask.bool()
     torch.testing.assert_close(fast[0][valid], ref[0][valid], rtol=1e-5, atol=1e-5)
     for cache in ("dynamic", "static"):
         assert torch.equal(fast[1][cache], ref[1][cache]), cache
+    assert ref[2].keys() == fast[2].keys()
     for name, grad in ref[2].items():
         torch.testing.assert_close(fast[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_sdpa_kernel_bfloat16_gradients_as_close_to_float32_as_eager():
-    """bf16 training: every parameter gradient of the sdpa kernel is within 5% of float32 eager's (relative norm), or,
-    where bf16 itself costs more (λ's gradient is a sum over every score), no farther than bf16 eager's."""
-    model = _model(4, seed=3)
-    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
+# ------------------------------------------------------------------------------------------------- bfloat16 training
+# Every bound below comes from the rounding model of tests/utils_difftransformer.py (RoundingModel): the float64
+# reference, with every intermediate and every gradient perturbed by a relative error drawn from [−2⁻⁸, 2⁻⁸], drawn 8
+# times; a bf16 gradient must lie within BF16_FACTOR × the largest drawn error. Nothing in it depends on the CPU.
+BF16_FACTOR = 3.0
+BF16_DRAWS = 8
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["v1", "v2"])
+def bf16_training_case(request):
+    """A bf16 model whose attention matters (initializer_range 0.1: peaked maps), a left-padded batch, and the float64
+    gradients of its loss: exact, and under the rounding model."""
+    version = request.param
+    cfg = tiny_config("v1_gqa" if version == 1 else "v2_gqa", initializer_range=0.1)
+    torch.manual_seed(3)
+    model = randomize_norms(DiffTransformerForCausalLM(cfg), 3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, mdt.DiffTransformerV1Attention):
+                for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2):
+                    p.add_(torch.randn_like(p) * 0.3)
+    model = model.to(torch.bfloat16)
+    ids, mask = left_padded_batch(cfg.vocab_size, [24, 20], seed=2)
     labels = ids.masked_fill(mask == 0, -100)
-    labels[1, 4] = -100
-    model.set_attn_implementation("eager")
+    labels[1, 4] = -100  # predicted from a padding row, which each implementation fills differently
+
+    def reference_grads(rnd):
+        sd = {k: v.detach().double().requires_grad_() for k, v in model.state_dict().items()}
+        reference_forward(model, ids, mask, rnd=rnd, state_dict=sd, labels=labels)[2].backward()
+        return {k: v.grad for k, v in sd.items()}
+
+    exact = reference_grads(lambda x: x)
+    draws = [reference_grads(RoundingModel(seed)) for seed in range(BF16_DRAWS)]
+    bounds = {k: bf16_error_bound([d[k] for d in draws], exact[k], BF16_FACTOR) for k in exact}
+    return model, ids, mask, labels, exact, bounds
+
+
+def _bf16_grads(case, impl):
+    model, ids, mask, labels, _, _ = case
+    model = copy.deepcopy(model).train()
+    model.set_attn_implementation(impl)
     model(ids, attention_mask=mask, labels=labels).loss.backward()
-    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
-    errors = {}
-    for impl in ("eager", "sdpa"):
-        bf16 = copy.deepcopy(model).to(torch.bfloat16)
-        bf16.zero_grad()
-        bf16.set_attn_implementation(impl)
-        bf16(ids, attention_mask=mask, labels=labels).loss.backward()
-        errors[impl] = {k: ((p.grad.float() - ref[k]).norm() / ref[k].norm()).item() for k, p in bf16.named_parameters()}
-    for name, err in errors["sdpa"].items():
-        assert err < max(0.05, 1.1 * errors["eager"][name]), (name, err, errors["eager"][name])
+    return {k: p.grad.double() for k, p in model.named_parameters()}
+
+
+def _outside_bounds(case, grads):
+    exact, bounds = case[4], case[5]
+    assert grads.keys() <= exact.keys() and len(grads) == len(exact) - ("lm_head.weight" not in grads)
+    return {k: (round((g - exact[k]).abs().max().item() / bounds[k], 2)) for k, g in grads.items()
+            if (g - exact[k]).abs().max().item() > bounds[k]}
+
+
+@pytest.mark.parametrize("path", ["eager", "sdpa", "sdpa-non-cpu"])
+def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, path, monkeypatch):
+    """bf16 training through every V1/V2 path (eager, V1's blocked kernel, and the padded call of other devices):
+    every parameter gradient, λ's included, within the bf16 error bound of the float64 reference."""
+    if path == "sdpa-non-cpu":
+        monkeypatch.setattr(mdt, "BLOCKED_KERNEL_DEVICES", ())
+    outside = _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, path.removesuffix("-non-cpu")))
+    assert not outside, f"gradient errors in units of their bound: {outside}"
+
+
+def test_bfloat16_bounds_catch_a_wrong_kernel(bf16_training_case, monkeypatch):
+    """The bounds are tight enough to matter: a kernel whose λ is 25% off, or whose λ gradient is half what it should
+    be, leaves them."""
+    version = bf16_training_case[0].config.diff_version
+    if version == 1:
+        lambda_full = mdt.DiffTransformerV1Attention.lambda_full
+        monkeypatch.setattr(mdt.DiffTransformerV1Attention, "lambda_full", lambda self: 1.25 * lambda_full(self))
+        assert _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, "sdpa"))
+        monkeypatch.setattr(mdt.DiffTransformerV1Attention, "lambda_full", lambda_full)
+        backward = kernels.BlockedDifferentialAttention.backward
+
+        def half_lambda_grad(ctx, grad_out):
+            grads = list(backward(ctx, grad_out))
+            grads[4] = grads[4] / 2
+            return tuple(grads)
+
+        monkeypatch.setattr(kernels.BlockedDifferentialAttention, "backward", staticmethod(half_lambda_grad))
+        outside = _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, "sdpa"))
+        assert any("lambda" in k for k in outside), outside
+    else:
+        original = mdt.differential_combine
+        monkeypatch.setattr(mdt, "differential_combine", lambda maps, lam, *a, **k: original(maps, 1.25 * lam, *a, **k))
+        assert _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, "sdpa"))
 
 
 def test_sdpa_with_a_float_mask_uses_transformers_sdpa_and_agrees():

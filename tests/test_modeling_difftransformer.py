@@ -9,10 +9,20 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.modeling_difftransformer import DIFF_ATTENTION_CLASSES, DiffTransformerAttention
-from utils_difftransformer import CONTRACT_CALLS, LAYOUTS, left_padded_batch, randomize_norms, reference_forward, tiny_config
+from utils_difftransformer import (
+    CONTRACT_CALLS,
+    LAYOUTS,
+    RoundingModel,
+    bf16_error_bound,
+    left_padded_batch,
+    randomize_norms,
+    reference_attention,
+    reference_forward,
+    tiny_config,
+)
 
 BACKENDS = ["eager", "sdpa", "flex_attention", "contract_sdpa"]
-TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
+TOL = {torch.float32: 2e-5}
 
 
 @pytest.fixture(autouse=True)
@@ -83,12 +93,23 @@ def _skip_if_llama_flex_fails_too(model, ids, mask, err):
                     f"{str(llama_err)[:200]} (ours: {str(err)[:100]})")
 
 
+def _bf16_case(layout):
+    """A bf16 model whose attention matters (initializer_range 0.1: peaked maps), a left-padded batch, its exact float64
+    logits and the bound the rounding model gives (RoundingModel in utils_difftransformer.py: 8 draws, 3 × the largest
+    drawn error; it depends on no CPU)."""
+    model = _model(layout, "eager", dtype=torch.bfloat16, initializer_range=0.1)
+    ids, mask = left_padded_batch(model.config.vocab_size, [8, 5], seed=2)
+    valid = mask.bool()
+    exact = reference_forward(model, ids, mask)[0][valid]
+    draws = [reference_forward(model, ids, mask, rnd=RoundingModel(seed))[0][valid] for seed in range(8)]
+    return model, ids, mask, exact, bf16_error_bound(draws, exact, factor=3.0)
+
+
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
 @pytest.mark.parametrize("attn", BACKENDS)
-def test_backends_bfloat16_close_to_reference(layout, attn):
-    model = _model(layout, attn, dtype=torch.bfloat16)
-    ids, mask = left_padded_batch(model.config.vocab_size, [8, 5], seed=2)
-    ref, _ = reference_forward(model, ids, mask)  # the bf16 weights, computed in float64
+def test_backends_bfloat16_within_the_rounding_model(layout, attn):
+    model, ids, mask, exact, bound = _bf16_case(layout)
+    model.set_attn_implementation(attn)
     with torch.no_grad():
         try:
             logits = model(ids, attention_mask=mask).logits
@@ -97,9 +118,22 @@ def test_backends_bfloat16_close_to_reference(layout, attn):
                 raise
             _skip_if_llama_flex_fails_too(model, ids, mask, err)
             raise
-    valid = mask.bool()
-    err = (logits[valid].double() - ref[valid]).abs().max().item()
-    assert err < TOL[torch.bfloat16] * ref[valid].abs().max().item() + TOL[torch.bfloat16], err
+    err = (logits[mask.bool()].double() - exact).abs().max().item()
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_bfloat16_bound_catches_a_wrong_kernel(layout):
+    """The bound is tight enough to matter: scores scaled by 1/√(2d) instead of 1/√d (a classic differential-attention
+    slip, seed note 003) leave it."""
+    model, ids, mask, exact, bound = _bf16_case(layout)
+    for m in model.modules():
+        if isinstance(m, DiffTransformerAttention):
+            m.scaling = (2 * m.head_dim) ** -0.5
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    assert (logits[mask.bool()].double() - exact).abs().max().item() > bound
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -247,3 +281,28 @@ def test_auto_model_from_config_and_task_heads():
     assert AutoModelForTokenClassification.from_config(cfg)(ids).logits.shape == (1, 4, 3)
     qa = AutoModelForQuestionAnswering.from_config(cfg)(ids)
     assert qa.start_logits.shape == qa.end_logits.shape == (1, 4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_differential_attention_is_float64_end_to_end(layout, attn):
+    """Under ``model.double()`` everything this package computes stays float64 (λ, the kernels, V1's per-head norm):
+    one attention layer equals the float64 reference to float64 rounding. (The layers around it are transformers'
+    Llama blocks: LlamaRMSNorm and the rotary tables compute in float32 whatever the model's dtype.)"""
+    model = _model(layout, attn, dtype=torch.float64)
+    attn_module = model.model.layers[1].self_attn
+    t = 7
+    x = torch.randn(1, t, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    d, theta = model.config.head_dim, model.config.rope_parameters["rope_theta"]
+    angles = torch.arange(t, dtype=torch.float64)[:, None] / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[None], torch.cat([angles.sin()] * 2, -1)[None]
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    # eager takes transformers' additive mask; sdpa's convention is no mask for plain causal attention (V1's kernel)
+    mask = None if attn == "sdpa" else torch.zeros(1, 1, t, t, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    with torch.no_grad():
+        out, _, lam = attn_module(x, (cos, sin), attention_mask=mask)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    ref, _, ref_lam = reference_attention(state, "model.layers.1.self_attn.", model.config, x[0], torch.arange(t), allowed, 1)
+    assert out.dtype == lam.dtype == torch.float64
+    torch.testing.assert_close(out[0], ref, atol=1e-13, rtol=0)
+    torch.testing.assert_close(lam.reshape(ref_lam.shape), ref_lam, atol=1e-14, rtol=0)

@@ -63,8 +63,12 @@ def tiny_config(layout="v1_gqa", **overrides) -> DiffTransformerConfig:
     return DiffTransformerConfig(**kwargs)
 
 
-def _rms(x, weight, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def _exact(x):
+    return x
+
+
+def _rms(x, weight, eps, rnd=_exact):
+    return rnd(rnd(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * weight)
 
 
 def _rope(x, positions, theta):
@@ -77,25 +81,27 @@ def _rope(x, positions, theta):
     return x * cos + rot * sin
 
 
-def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx):
+def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx, rnd=_exact):
     """SPEC §1 (V1) / §2 (V2) for one sequence. x: (T, E) float64; allowed: (T, S=T) bool.
 
+    ``rnd`` is applied to every intermediate a low-precision implementation rounds (identity by default; see
+    :class:`RoundingModel`). Differentiable with respect to the tensors of ``sd``.
     Returns (output (T, E), differential maps (H, T, T), lambda (scalar or (T, H)))."""
     d, H = cfg.head_dim, cfg.num_attention_heads // 2
     G = cfg.num_key_value_heads // 2 if cfg.diff_version == 1 else cfg.num_key_value_heads
     n = H // G
     theta = cfg.rope_parameters["rope_theta"]
-    W = lambda name: sd[prefix + name].double()  # noqa: E731
-    q_all = (x @ W("q_proj.weight").T).view(x.shape[0], -1, d)
-    k_all = (x @ W("k_proj.weight").T).view(x.shape[0], -1, d)
-    v_all = (x @ W("v_proj.weight").T).view(x.shape[0], -1, d)
-    q_head = lambda i: _rope(q_all[:, i], positions, theta)  # noqa: E731
-    k_head = lambda j: _rope(k_all[:, j], positions, theta)  # noqa: E731
+    W = lambda name: rnd(sd[prefix + name].double())  # noqa: E731  (rnd on a weight: rounds its gradient)
+    q_all = rnd(x @ W("q_proj.weight").T).view(x.shape[0], -1, d)
+    k_all = rnd(x @ W("k_proj.weight").T).view(x.shape[0], -1, d)
+    v_all = rnd(x @ W("v_proj.weight").T).view(x.shape[0], -1, d)
+    q_head = lambda i: rnd(_rope(q_all[:, i], positions, theta))  # noqa: E731
+    k_head = lambda j: rnd(_rope(k_all[:, j], positions, theta))  # noqa: E731
 
     def softmax_map(qi, kj):
-        s = q_head(qi) @ k_head(kj).T / math.sqrt(d)
+        s = rnd(q_head(qi) @ k_head(kj).T / math.sqrt(d))
         s = s.masked_fill(~allowed, float("-inf"))
-        return torch.softmax(s, dim=-1)
+        return rnd(torch.softmax(s, dim=-1))
 
     outs, maps = [], []
     if cfg.diff_version == 1:
@@ -110,52 +116,106 @@ def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx):
             a1 = softmax_map((2 * g + 0) * n + r, 2 * g + 0)
             a2 = softmax_map((2 * g + 1) * n + r, 2 * g + 1)
             value = torch.cat([v_all[:, 2 * g], v_all[:, 2 * g + 1]], dim=-1)  # (S, 2d), half 0 first
-            diff = a1 - lam * a2
-            o = _rms(diff @ value, W("subln.weight"), cfg.subln_eps) * (1 - lam_init)
+            diff = rnd(a1 - lam * a2)
+            o = rnd(_rms(rnd(diff @ value), W("subln.weight"), cfg.subln_eps, rnd) * (1 - lam_init))
             outs.append(o)
             maps.append(diff)
     else:
-        lam = torch.sigmoid(x @ W("lambda_proj.weight").T)  # (T, H)
+        lam = rnd(torch.sigmoid(rnd(x @ W("lambda_proj.weight").T)))  # (T, H)
         for h in range(H):
             g = h // n
-            a1, a2 = softmax_map(2 * h, g), softmax_map(2 * h + 1, g)
-            diff = a1 - lam[:, h : h + 1] * a2
-            outs.append(diff @ v_all[:, g])
-            maps.append(diff)
-    out = torch.cat(outs, dim=-1) @ W("o_proj.weight").T
+            m1, m2 = softmax_map(2 * h, g), softmax_map(2 * h + 1, g)
+            a1, a2 = rnd(m1 @ v_all[:, g]), rnd(m2 @ v_all[:, g])  # standard kernels: one output per map
+            outs.append(rnd(a1 - lam[:, h : h + 1] * a2))
+            maps.append(m1 - lam[:, h : h + 1] * m2)
+    out = rnd(torch.cat(outs, dim=-1) @ W("o_proj.weight").T)
     return out, torch.stack(maps), lam
 
 
-def reference_forward(model, input_ids, attention_mask=None, position_ids=None):
-    """Float64 logits (B, T, V) and per-layer differential maps of a DiffTransformerForCausalLM, from its state dict."""
+def reference_forward(model, input_ids, attention_mask=None, position_ids=None, rnd=_exact, state_dict=None, labels=None):
+    """Float64 logits (B, T, V) and per-layer differential maps of a DiffTransformerForCausalLM, from its state dict
+    (or ``state_dict``, e.g. float64 leaves that require grad). With ``labels`` (-100 = ignored), also returns the
+    mean cross-entropy of the next-token predictions, as transformers' loss."""
     cfg = model.config
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    sd = state_dict if state_dict is not None else {k: v.detach() for k, v in model.state_dict().items()}
     B, T = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones(B, T, dtype=torch.long)
     if position_ids is None:
         position_ids = torch.arange(T).expand(B, T)
     causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    W = lambda name: rnd(sd[name].double())  # noqa: E731
     logits, all_maps = [], []
     for b in range(B):
         allowed = causal & attention_mask[b].bool()[None, :]
         allowed = allowed | torch.eye(T, dtype=torch.bool)  # keep fully padded query rows finite (never compared)
-        x = sd["model.embed_tokens.weight"].double()[input_ids[b]]
+        x = W("model.embed_tokens.weight")[input_ids[b]]
         maps_b = []
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
-            h = _rms(x, sd[p + "input_layernorm.weight"].double(), cfg.rms_norm_eps)
-            attn, maps, _ = reference_attention(sd, p + "self_attn.", cfg, h, position_ids[b], allowed, layer)
+            h = _rms(x, W(p + "input_layernorm.weight"), cfg.rms_norm_eps, rnd)
+            attn, maps, _ = reference_attention(sd, p + "self_attn.", cfg, h, position_ids[b], allowed, layer, rnd)
             maps_b.append(maps)
-            x = x + attn
-            h = _rms(x, sd[p + "post_attention_layernorm.weight"].double(), cfg.rms_norm_eps)
-            gate, up = h @ sd[p + "mlp.gate_proj.weight"].double().T, h @ sd[p + "mlp.up_proj.weight"].double().T
-            x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].double().T
-        x = _rms(x, sd["model.norm.weight"].double(), cfg.rms_norm_eps)
-        logits.append(x @ sd["lm_head.weight"].double().T)
+            x = rnd(x + attn)
+            h = _rms(x, W(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps, rnd)
+            gate, up = rnd(h @ W(p + "mlp.gate_proj.weight").T), rnd(h @ W(p + "mlp.up_proj.weight").T)
+            x = rnd(x + rnd(rnd(rnd(torch.nn.functional.silu(gate)) * up) @ W(p + "mlp.down_proj.weight").T))
+        x = _rms(x, W("model.norm.weight"), cfg.rms_norm_eps, rnd)
+        head = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
+        logits.append(rnd(x @ W(head).T))
         all_maps.append(maps_b)
     maps = [torch.stack([all_maps[b][layer] for b in range(B)]) for layer in range(cfg.num_hidden_layers)]
-    return torch.stack(logits), maps
+    logits = torch.stack(logits)
+    if labels is None:
+        return logits, maps
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    return logits, maps, loss
+
+
+class _Round(torch.autograd.Function):
+    """Multiplies by ``1 + δ`` in the forward pass and the gradient by ``1 + δ'`` in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, forward_noise, backward_noise):
+        ctx.backward_noise = backward_noise
+        return x * (1 + forward_noise)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (1 + ctx.backward_noise), None, None
+
+
+class RoundingModel:
+    """The error model of bfloat16 arithmetic, used to derive every bf16 tolerance (it depends on no CPU).
+
+    A bf16 operation returns its exact result (products accumulated in float32, whose error, ~2⁻²⁴ per term, is
+    negligible here) rounded to the nearest bf16: a relative error of at most ``u = 2⁻⁸``. Which intermediates a kernel
+    rounds, the order in which it accumulates, and whether it runs on AMX, AVX512-bf16 or plain AVX2 differ between
+    CPUs; none of that is modelled individually. Instead, the float64 reference rounds *every* intermediate that some
+    implementation may round (projections, rotary outputs, scores, softmax maps, the differential combination, norms,
+    residual sums, logits) and every gradient flowing back through it, by an independent relative error drawn
+    uniformly from ``[−u, u]`` — the first-order model of round-to-nearest with random data (Monte-Carlo arithmetic,
+    Parker 1997). The spread over a few draws is the size of the error bf16 arithmetic makes *for this model and
+    input*: small where the computation is well conditioned, large where it cancels (λ's gradient is a sum over every
+    score of terms of both signs). A bf16 result then has to lie within ``factor ×`` the largest drawn error; a
+    wrong kernel (a mis-paired map, a wrong λ or scale) moves results by far more (tests/test_kernels_difftransformer.py
+    checks that the bounds catch one).
+    """
+
+    u = 2.0**-8
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, x):
+        noise = [(torch.rand(x.shape, generator=self.generator, dtype=torch.float64) * 2 - 1) * self.u for _ in range(2)]
+        return _Round.apply(x, *noise)
+
+
+def bf16_error_bound(draws, exact, factor: float = 4.0):
+    """``factor`` × the largest error of the drawn results (see :class:`RoundingModel`) against the exact one; the
+    error is the max-abs difference (max over elements)."""
+    return factor * max((d - exact).abs().max().item() for d in draws)
 
 
 def left_padded_batch(vocab_size, lengths, seed=0, pad_token_id=0):
