@@ -227,3 +227,24 @@ def test_targets_and_ratios():
     zero = bench._with_ratios({"item": "m", "family": "memory", "length": None}, {"llama": {"median": 0.0}, "ours_v1": {"median": 3.0}}, unit="MiB")
     assert zero["models"]["ours_v1"]["ratio"] is None  # no ratio against a zero baseline
     assert bench.summarize([1.0, 2.0, 3.0, 4.0, 100.0])["median"] == 3.0
+
+
+# ---------------------------------------------------------------- upcycles of a Llama shape (--preset smollm2)
+
+
+def test_upcycle_models_have_the_converters_layout_and_flop_floors():
+    """``upcycle_v2`` doubles the query heads, ``upcycle_v1`` (duplicate init) doubles query and KV heads, as
+    difftransformer-convert makes them; the FLOP floor counts what that adds to the source's forward."""
+    shape = bench.SMOLLM2
+    llama, v2, v1 = (bench.build_config(kind, shape) for kind in ("llama", "upcycle_v2", "upcycle_v1"))
+    assert (v2.num_attention_heads, v2.num_key_value_heads, v2.diff_version) == (18, 3, 2)
+    assert (v1.num_attention_heads, v1.num_key_value_heads, v1.diff_version) == (18, 6, 1)
+    e, d, t = 576, 64, 128
+    # V2 over Llama per token and layer: q_proj twice as wide, lambda_proj, twice the attention maps (scores and A·V)
+    extra = 2 * e * 9 * d + 2 * e * 9 + 2 * 2 * 9 * d * (t + 1) / 2
+    per_layer = 2 * e * (9 + 2 * 3) * d + 2 * 9 * d * e + 6 * e * 1536 + 2 * 2 * 9 * d * (t + 1) / 2
+    expected = (30 * t * (per_layer + extra) + 2 * e * 49152) / (30 * t * per_layer + 2 * e * 49152)
+    assert bench.forward_flops(v2, t, 1) / bench.forward_flops(llama, t, 1) == pytest.approx(expected, rel=1e-12)
+    assert 1.05 < expected < 1.15
+    result = {"family": "decode", "item": "decode b1", "models": {"upcycle_v2": {"ratio": 1.07}}, "unit": "s"}
+    assert bench.check_targets(result)["upcycle_v2"] == {"target": 1.08, "met": True}
