@@ -306,3 +306,33 @@ def test_differential_attention_is_float64_end_to_end(layout, attn):
     assert out.dtype == lam.dtype == torch.float64
     torch.testing.assert_close(out[0], ref, atol=1e-13, rtol=0)
     torch.testing.assert_close(lam.reshape(ref_lam.shape), ref_lam, atol=1e-14, rtol=0)
+
+
+ROPE_SCALINGS = {
+    "linear": {"factor": 2.0},
+    "dynamic": {"factor": 2.0},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 16},
+    "longrope": {"short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.5, 3.0, 3.5],
+                 "original_max_position_embeddings": 16},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_SCALINGS))
+def test_rope_scaling_is_transformers_own(rope_type, tmp_path):
+    """Every rope scaling type of transformers: a V2 upcycle (exact, SPEC §6) gives its Llama's logits over 40
+    positions, beyond the 16 "original" ones where the scalings differ from the default."""
+    from difftransformer.convert import convert
+
+    rope = {"rope_type": rope_type, "rope_theta": 1000.0, **ROPE_SCALINGS[rope_type]}
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         max_position_embeddings=64, rope_parameters=rope)).eval()  # fmt: skip
+    llama.save_pretrained(tmp_path / "llama")
+    convert("llama", tmp_path / "llama", tmp_path / "v2", diff_version=2, progress=False)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "v2").eval()
+    assert ours.config.rope_parameters["rope_type"] == rope_type
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, llama(ids).logits, rtol=1e-5, atol=1e-5)
