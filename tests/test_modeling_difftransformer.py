@@ -336,3 +336,15 @@ def test_rope_scaling_is_transformers_own(rope_type, tmp_path):
     ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, llama(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_loading_keeps_lambda_float32_and_casting_does_not(tmp_path):
+    """What docs/model.md says about λ's dtype: from_pretrained(dtype=bf16) keeps the λ vectors float32 (λ is then
+    computed from float32 vectors), .to(bf16) casts them like every parameter."""
+    DiffTransformerForCausalLM(tiny_config("v1_gqa")).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    attn = loaded.model.layers[0].self_attn
+    assert attn.q_proj.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in (attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2)} == {torch.float32}
+    assert attn.lambda_full().dtype == torch.float32
+    assert loaded.to(torch.bfloat16).model.layers[0].self_attn.lambda_q1.dtype == torch.bfloat16
