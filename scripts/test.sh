@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), then run the whole suite on CPU.
+# The test command (what CI runs): set up (idempotent), then
+#   1. the whole suite in .venv (the pinned versions of requirements-dev.txt);
+#   2. the core model tests in .venv-min, on the lowest transformers version setup.py declares.
+# Extra arguments go to the first pytest run (e.g. `bash scripts/test.sh -k generation`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-. .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest tests -q -p no:cacheprovider --durations=15 "$@"
+bash scripts/setup.sh
+.venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 "$@"
+
+bash scripts/setup_min.sh
+.venv-min/bin/python -m pytest -q -p no:cacheprovider \
+    tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
+    tests/test_save_load_difftransformer.py tests/test_generation_difftransformer.py tests/test_flash_path.py \
+    -k "not flex"
