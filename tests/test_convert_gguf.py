@@ -232,6 +232,7 @@ def test_smollm2_v2_folder_has_what_chat_needs(smollm2_llama, smollm2_v2):
     text = "Differential attention cancels common-mode noise, like a differential amplifier."
     assert tokenizer(text).input_ids == gguf_tokenizer(text).input_ids
     assert chat_ids(tokenizer)["input_ids"].tolist() == chat_ids(gguf_tokenizer)["input_ids"].tolist()
+    assert tokenizer.model_max_length == 8192  # the file's context length, not transformers' "unknown" placeholder
 
 
 def test_smollm2_v2_greedy_chat_answer_is_the_llamas(smollm2_llama, smollm2_v2):
@@ -260,7 +261,7 @@ REMOTE = textwrap.dedent(
     folder, expected = sys.argv[1], json.load(open(sys.argv[2]))
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # the config it reads is remote code here
     with torch.no_grad():
         logits = model(torch.tensor(expected["ids"])).logits
     diff = (logits - torch.tensor(expected["logits"])).abs().max().item()

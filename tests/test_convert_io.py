@@ -30,6 +30,7 @@ import difftransformer.convert as conv
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from convert_scripts.convert import build_parser, main
 from difftransformer.convert import ConversionError, convert
+from test_convert_gguf import write_tiny_gguf
 from test_convert_microsoft import ms_config, ms_state_dict, write_source
 
 torch.set_num_threads(1)
@@ -227,6 +228,11 @@ def test_side_files_copied_and_remote_code_loads_without_the_package(tmp_path, l
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_difftransformer.DiffTransformerForCausalLM"
     assert config["auto_map"]["AutoModel"] == "modeling_difftransformer.DiffTransformerModel"
     assert (out / "modeling_difftransformer.py").is_file() and (out / "configuration_difftransformer.py").is_file()
+    # The temporary folder was private (mkdtemp); the installed result has ordinary permissions, as save_pretrained's.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in out.iterdir())
 
     torch.save(logits_of(llama_dir), tmp_path / "expected.pt")
     script = textwrap.dedent(
@@ -261,7 +267,8 @@ def test_cli_help_explains_every_option():
             assert flag in text
         assert action.help and len(action.help) > 15, action.option_strings
     for flag in ("--from", "--to", "--input", "--output", "--diff-version", "--dtype", "--verify", "--overwrite",
-                 "--allow-pickle", "--key-map", "--microsoft-module", "--seed", "--max-shard-size", "--no-progress"):  # fmt: skip
+                 "--allow-pickle", "--key-map", "--microsoft-module", "--seed", "--max-shard-size", "--no-progress",
+                 "--v1-init", "--v1-calibration"):  # fmt: skip
         assert flag in text
     # The file runs as a script too (python convert_scripts/convert.py), without installing the package.
     proc = subprocess.run([sys.executable, str(REPO / "convert_scripts" / "convert.py"), "--help"], capture_output=True, text=True, timeout=300)
@@ -331,9 +338,10 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     sd = {torchscale_name(k): v for k, v in ms_state_dict(1, 4, 2).items()}
     write_source(tmp_path / "my-microsoft-v1", sd, ms_config(4, 2))
     write_source(tmp_path / "my-microsoft-v2", ms_state_dict(2, 4, 2, d=8), ms_config(4, 2, d=8))
+    write_tiny_gguf(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf", hq=3, hkv=1)  # a tiny stand-in with the same layout rules
 
     commands = [c for block in _docs_blocks("bash") for c in block.replace("\\\n", " ").splitlines() if c.strip()]
-    assert len(commands) == 6
+    assert len(commands) == 9
     for command in commands:
         argv = shlex.split(command)
         assert argv[0] == "difftransformer-convert"
@@ -345,3 +353,17 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         exec(compile(code, "docs/convert.md", "exec"), {})
     assert float(printed.getvalue().strip().splitlines()[-1]) < 1e-4
+
+
+def test_docs_perplexity_table_is_the_committed_result():
+    """docs/convert.md quotes convert_scripts/results/smollm2_v1_init.json (written by the command it names) row by row."""
+    record = json.loads((REPO / "convert_scripts" / "results" / "smollm2_v1_init.json").read_text())
+    text = (REPO / "docs" / "convert.md").read_text()
+    assert record["command"].strip() in text
+    texts = list(record["texts"])
+    header = "| model | " + " | ".join(record["texts"][t] for t in texts) + " |"
+    assert header in text
+    rows = record["perplexity"]
+    assert len(rows) == 5
+    for name, values in rows.items():
+        assert f"| {name} | " + " | ".join(f"{values[t]:.2f}" for t in texts) + " |" in text, name

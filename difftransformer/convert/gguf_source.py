@@ -128,6 +128,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> GgufSource:
         else:
             notes.append(f"{path} holds no tokenizer (no tokenizer.ggml.tokens): the output folder has none either.")
     model.eval()
+    if tokenizer is not None and tokenizer.model_max_length > 1e29:  # transformers' "no limit known" placeholder
+        tokenizer.model_max_length = model.config.max_position_embeddings  # the file's context_length
     clean = model.config.to_dict()
     clean.pop("quantization_config", None)
     clean = type(model.config).from_dict(clean)
