@@ -1,4 +1,5 @@
-"""KV caches and generate(): every cache type gives the uncached result; the cache holds a Llama's bytes."""
+"""KV caches and generate(): every exact cache gives the uncached result, the quantized one within its error; sampling
+draws from the model's own distribution; the cache holds a Llama's bytes."""
 
 import pytest
 import torch
