@@ -7,6 +7,7 @@ without the package.
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -300,3 +301,19 @@ def test_smollm2_to_v1_by_duplication_loads_and_runs(smollm2_llama, tmp_path):
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_measure_v1_init_script_runs_on_a_tiny_gguf(tmp_path):
+    """convert_scripts/measure_v1_init.py (which produced the perplexity table of docs/convert.md), on a tiny GGUF:
+    V2 equals the source, every V1 variant is measured."""
+    from convert_scripts.measure_v1_init import main as measure
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hq=3, hkv=1)
+    assert measure(["--gguf", str(gguf), "--blocks", "2", "--length", "32", "--threads", "1", "--json", str(tmp_path / "r.json")]) == 0
+    record = json.loads((tmp_path / "r.json").read_text())
+    ppl = record["perplexity"]
+    assert list(ppl) == ["source (Llama, GGUF de-quantised)", "V2 (exact upcycling)", "V1 duplicate, calibration corpus",
+                         "V1 duplicate, calibration random", "V1 duplicate, calibration none"]  # fmt: skip
+    for text in record["texts"]:
+        assert ppl["V2 (exact upcycling)"][text] == pytest.approx(ppl["source (Llama, GGUF de-quantised)"][text], rel=1e-5)
+        assert all(math.isfinite(v[text]) and v[text] > 1 for v in ppl.values())
