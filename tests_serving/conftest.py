@@ -1,0 +1,66 @@
+"""Serving tests: DIFF models under vLLM's Transformers backend and its OpenAI-compatible server.
+
+They run in the vLLM venv, never in the main one (vLLM pins its own transformers):
+
+    bash scripts/setup_vllm.sh
+    HF_HUB_OFFLINE=1 .venv-vllm/bin/python -m pytest tests_serving -q
+
+vLLM starts its engine processes with spawn; the test process only holds the client side, so the references computed
+here with plain transformers (``generate()``) never share a process with vLLM's model. Every folder is built once per
+session and every ``LLM`` once per module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the repository's difftransformer, also for vLLM's spawned processes
+
+# Before vLLM is imported: 1 GiB of KV cache (its smallest setting) instead of a share of the machine's memory.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from serving_utils import chat_references, serve_smollm2  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_v2_folder(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct's exact V2 upcycle, converted from its GGUF file by convert.py.
+    ``DIFFTRANSFORMER_SERVING_CACHE=DIR`` keeps it in DIR between runs."""
+    cache = os.environ.get("DIFFTRANSFORMER_SERVING_CACHE")
+    workdir = Path(cache) if cache else tmp_path_factory.mktemp("smollm2")
+    return serve_smollm2.prepare_v2(workdir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_v2_folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_v2_folder)
+
+
+@pytest.fixture(scope="session")
+def smollm2_v2_model(smollm2_v2_folder):
+    """Our model (the package, plain transformers) for the references: float32, eval mode."""
+    import torch
+
+    import difftransformer  # noqa: F401  (registers the Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_v2_folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == "DiffTransformerForCausalLM" and model.config.diff_version == 2
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat_refs(smollm2_v2_model, smollm2_tokenizer):
+    """Our greedy answers to serving_utils.CHAT_PROMPTS (chat template applied by the tokenizer)."""
+    return chat_references(smollm2_v2_model, smollm2_tokenizer)

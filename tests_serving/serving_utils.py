@@ -1,0 +1,138 @@
+"""Helpers of the serving tests: tiny random V2 folders, greedy references from our own ``generate()``, ports."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The same float32 model run by vLLM and by transformers differs by rounding only: other summation orders in attention,
+# fused MLP projections and norms. A float32 dot product of length K (<= 512 here) is off by at most ~K·2^-24 ≈ 3e-5
+# relative (far less on average), and a log-probability passes through ~10 such operations in the 2-layer random
+# models: LOGPROB_TOL bounds the difference of log-probabilities (magnitude ~4) with room to spare. A greedy token
+# is determined only where the reference's top-1 beats its top-2 by more than twice that: the tests check this
+# margin at every step (a fixed seed keeps it), so that equal tokens cannot be luck and cannot flake on another CPU.
+LOGPROB_TOL = 2e-4
+# SmolLM2 (30 layers, hidden 576, vocab 49152): more and longer accumulations, so a tolerance 5x wider.
+REAL_LOGPROB_TOL = 1e-3
+
+# Chat prompts for the SmolLM2 V2 upcycle; greedy answers (32 tokens at most) with margins above 2 * REAL_LOGPROB_TOL
+# at every step (checked by the tests).
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 plus 7?",
+    "What color is the sky?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+    "Who wrote Romeo and Juliet?",
+    "List two fruits.",
+]
+CHAT_TOKENS = 32
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("serve_smollm2", ROOT / "examples" / "serve_smollm2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+serve_smollm2 = _load_example()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def save_random_model(folder: Path, *, diff_version: int, num_key_value_heads: int, seed: int = 0):
+    """A tiny random DIFF model saved with save_pretrained (remote code included). head_dim 32: vLLM's CPU attention
+    kernels support 32, 64, 80, ... (not the 8 of the main suite's tiny models). initializer_range 0.1 (instead of
+    0.02) gives logits far enough apart for greedy decoding to be determined (see MIN_MARGIN)."""
+    from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
+
+    torch.manual_seed(seed)
+    config = DiffTransformerConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=num_key_value_heads, head_dim=32, diff_version=diff_version, max_position_embeddings=1024,
+        initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = DiffTransformerForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@dataclass
+class Greedy:
+    """Our greedy continuation of one prompt: token ids, their log-probabilities and the top-1 − top-2 margins."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    margins: list[float]
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> Greedy:
+    """``model.generate`` (batch 1, greedy, default cache) with its step logits."""
+    out = model.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0,
+    )
+    ids = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs, margins = [], []
+    for step, token in zip(out.logits, ids, strict=True):
+        lp = torch.log_softmax(step[0].double(), -1)
+        top2 = lp.topk(2).values
+        logprobs.append(lp[token].item())
+        margins.append((top2[0] - top2[1]).item())
+    return Greedy(prompt_ids, ids, logprobs, margins)
+
+
+def assert_matches(token_ids, logprobs, ref: Greedy, tol: float, what: str):
+    """vLLM's greedy tokens equal ours and their log-probabilities agree within ``tol``; the reference's margins
+    exceed ``2·tol`` at every step (else equality would not be a property of the model)."""
+    assert min(ref.margins) > 2 * tol, f"{what}: the reference's greedy choice is not determined (margin {min(ref.margins):.2e})"
+    assert list(token_ids) == ref.ids, what
+    if logprobs is not None:
+        diff = max(abs(a - b) for a, b in zip(logprobs, ref.logprobs, strict=True))
+        assert diff < tol, f"{what}: log-probabilities differ by {diff:.2e}"
+
+
+@torch.no_grad()
+def chat_references(model, tokenizer, prompts=CHAT_PROMPTS, max_new_tokens=CHAT_TOKENS) -> list[Greedy]:
+    """Our greedy chat answers: the tokenizer's chat template with the generation prompt, then one batched ``generate``
+    (prompts left-padded, as ``generate`` expects), cut after each row's EOS."""
+    prompt_ids = [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in prompts
+    ]
+    width = max(map(len, prompt_ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
+    out = model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
+    )
+    refs = []
+    for row, ids in enumerate(prompt_ids):
+        new = out.sequences[row, width:].tolist()
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id) + 1]
+        logprobs, margins = [], []
+        for step, token in zip(out.logits, new):
+            lp = torch.log_softmax(step[row].double(), -1)
+            top2 = lp.topk(2).values
+            logprobs.append(lp[token].item())
+            margins.append((top2[0] - top2[1]).item())
+        refs.append(Greedy(ids, new, logprobs, margins))
+    return refs

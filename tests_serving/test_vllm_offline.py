@@ -1,0 +1,146 @@
+"""DIFF models in ``vllm.LLM`` (Transformers backend): V2 greedy output equals our ``generate()``, V1 is refused.
+
+vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model); ``max_num_batched_tokens``
+is set below the prompt lengths so that chunked prefill really splits prompts, and a second round of prompts
+sharing a cached prefix checks that prefix-cache hits happen and change nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="serving tests need the vLLM venv: bash scripts/setup_vllm.sh")
+
+from serving_utils import (  # noqa: E402
+    CHAT_PROMPTS,
+    CHAT_TOKENS,
+    LOGPROB_TOL,
+    REAL_LOGPROB_TOL,
+    ROOT,
+    assert_matches,
+    greedy_reference,
+    save_random_model,
+)
+
+PREFIX_LEN = 160  # > one KV block (vLLM's CPU default block_size is 128): the second round finds 128 tokens cached
+CHUNK = 64  # max_num_batched_tokens: every prompt (>= 165 tokens) is prefilled in several chunks
+NEW_TOKENS = 16
+
+
+def shutdown(llm):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def random_prompts(seed: int, count: int, prefix: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 60, (count,), generator=gen).tolist()
+    return [prefix + torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def random_v2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("random_v2")
+    model = save_random_model(folder, diff_version=2, num_key_value_heads=2)  # H=4 differential heads, n=2 per group
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def random_v2_llm(random_v2):
+    llm = vllm.LLM(
+        model=str(random_v2[0]), model_impl="transformers", trust_remote_code=True, dtype="float32", seed=0,
+        max_model_len=512, max_num_batched_tokens=CHUNK, max_num_seqs=8, skip_tokenizer_init=True,
+    )
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
+    yield llm
+    shutdown(llm)
+
+
+def run_vllm(llm, prompts):
+    from vllm.inputs import TokensPrompt
+
+    params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def assert_equal_to_reference(outputs, references, tol):
+    assert len(outputs) == len(references)
+    for i, (out, ref) in enumerate(zip(outputs, references, strict=True)):
+        got = out.outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(got.logprobs, got.token_ids, strict=True)]
+        assert_matches(got.token_ids, logprobs, ref, tol, f"prompt {i}")
+
+
+def test_v2_batch_with_chunked_prefill_and_prefix_caching_equals_generate(random_v2, random_v2_llm):
+    _, model = random_v2
+    prefix = torch.randint(0, 512, (PREFIX_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+    first, second = random_prompts(2, 6, prefix), random_prompts(3, 6, prefix)
+    refs = [greedy_reference(model, p, NEW_TOKENS) for p in first + second]
+
+    out_first = run_vllm(random_v2_llm, first)  # 6 concurrent requests, prefilled in chunks of CHUNK tokens
+    assert_equal_to_reference(out_first, refs[:6], LOGPROB_TOL)
+    out_second = run_vllm(random_v2_llm, second)  # same prefix: served from the prefix cache
+    assert all(o.num_cached_tokens >= 128 for o in out_second), [o.num_cached_tokens for o in out_second]
+    assert_equal_to_reference(out_second, refs[6:], LOGPROB_TOL)
+
+
+def test_v1_is_refused_at_load_with_a_named_error(tmp_path):
+    """vLLM loads the folder's own code (remote code) and fails while building the model, naming diff_version=1 and
+    the way out. The engine runs in-process here (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the error is the
+    exception itself; by default vLLM logs the same ValueError from its engine process and raises "Engine core
+    initialization failed"."""
+    save_random_model(tmp_path, diff_version=1, num_key_value_heads=4)
+    script = textwrap.dedent(f"""
+        from vllm import LLM
+        if __name__ == "__main__":
+            try:
+                LLM(model={str(tmp_path)!r}, model_impl="transformers", trust_remote_code=True, dtype="float32",
+                    max_model_len=256, skip_tokenizer_init=True, enforce_eager=True)
+            except ValueError as err:
+                print("REFUSED:", err)
+    """)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED:")]
+    assert refused, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "diff_version=1 cannot be served by vLLM's Transformers backend" in refused[0]
+    assert "difftransformer-convert --from llama --diff-version 2" in refused[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_v2_folder):
+    # enforce_eager: vLLM's torch.compile of the 30 layers costs minutes of start-up on CPU; the random model above
+    # covers the compiled path.
+    llm = vllm.LLM(model=str(smollm2_v2_folder), model_impl="transformers", trust_remote_code=True, dtype="float32",
+                   seed=0, max_model_len=1024, enforce_eager=True)
+    yield llm
+    shutdown(llm)
+
+
+def test_smollm2_v2_upcycle_chat_equals_generate(smollm2_llm, smollm2_chat_refs):
+    refs = smollm2_chat_refs
+    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+    params = vllm.SamplingParams(temperature=0, max_tokens=CHAT_TOKENS, logprobs=0)
+    outputs = smollm2_llm.chat(conversations, params, use_tqdm=False)  # 8 concurrent requests
+    for prompt, out, ref in zip(CHAT_PROMPTS, outputs, refs, strict=True):
+        assert out.prompt_token_ids == ref.prompt_ids, prompt  # the same chat template, applied the same way
+        got = out.outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(got.logprobs, got.token_ids, strict=True)]
+        assert_matches(got.token_ids, logprobs, ref, REAL_LOGPROB_TOL, prompt)
+    assert outputs[0].outputs[0].text == "The capital of France is Paris."
+
+
+def test_docs_quote_the_v1_error():
+    from difftransformer.modeling_difftransformer import VLLM_V1_ERROR
+
+    docs = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert f"\nValueError: {VLLM_V1_ERROR}\n" in docs
