@@ -20,7 +20,8 @@ setup(
     ],
     extras_require={
         "train": ["tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15"],
-        "test": ["pytest>=8", "optimum-quanto>=0.2", "tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15", "gguf>=0.10"],
+        "test": ["pytest>=8", "optimum-quanto>=0.2", "tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15", "gguf>=0.10",
+                 "parameterized"],  # parameterized: imported by transformers' common model tests
         # difftransformer-convert --input model.gguf (transformers' GGUF loader needs it)
         "gguf": ["gguf>=0.10"],
     },
