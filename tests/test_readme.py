@@ -1,5 +1,5 @@
-"""README.md carries every docs/*.md section as written (the docs' examples are what the other tests execute), and
-its Python example and CI command are the real ones."""
+"""README.md is a front page: at most 250 lines, its Python example runs as pasted, its CI command is CI's, its links
+point at files that exist, and it says nothing about the machines the project was developed on."""
 
 import re
 import subprocess
@@ -9,9 +9,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_is_built_from_the_docs():
-    result = subprocess.run([sys.executable, "scripts/build_readme.py", "--check"], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+def test_readme_is_a_front_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert "PENDING" not in readme  # every number is filled in from a committed result
+    for phrase in ("this machine", "this project's machines", "earlier run", "previous run"):
+        assert phrase not in readme.lower(), phrase
+    for target in re.findall(r"\]\(((?:docs|benchmarks|examples|scripts|tests)/[^)#]+)", readme):
+        assert (ROOT / target).exists(), target
 
 
 def test_ci_runs_the_readme_test_command():
@@ -37,13 +42,13 @@ def test_readme_python_example_runs():
     assert namespace["out"].attentions[0].shape == (1, 4, 12, 12)
 
 
-def test_readme_documents_every_config_field():
-    """Each config field is a checkpoint-compatibility promise: the README's configuration table names all of them,
+def test_docs_document_every_config_field():
+    """Each config field is a checkpoint-compatibility promise: docs/model.md's configuration table names all of them,
     with the default the class really has."""
     from difftransformer import DiffTransformerConfig
 
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    doc = (ROOT / "docs" / "model.md").read_text()
+    table = doc.split("## Configuration", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     documented = {name: row for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
     fields = [f for f in DiffTransformerConfig.__annotations__ if not f.startswith("_")]
