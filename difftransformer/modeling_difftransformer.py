@@ -224,30 +224,17 @@ class DiffTransformerAttention(nn.Module):
             key, value = past_key_values.update(key, value, self.layer_idx)
         return query, key, value
 
-    def attend(self, query, key, value, attention_mask, lam, **kwargs):
-        """One call of the configured kernel with ``query`` ``(B, T, 2H, w)`` (one head per softmax map, the layout
-        every kernel expects), then the differential combination of the per-map outputs. Returns the H differential
-        heads ``(B, T, H, w)`` and the maps (eager only: the differential maps themselves, SPEC §7)."""
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query.transpose(1, 2),
-            key,
-            value,
-            attention_mask,
-            dropout=0.0,
-            scaling=self.scaling,
-            diff_lambda=lam,
-            **kwargs,
-        )
-        # (B, T, heads, w); engines that flatten tokens (vLLM's attention function) return (B·T, heads·w).
+    def combine(self, attn_output, query, lam):
+        """A kernel's output → the H differential heads ``(B, T, H, w)``, for ``query`` ``(B, T, 2H, w)`` as passed.
+
+        Standard kernels return one output ``A_c·V`` per softmax map, ``(B, T, 2H, w)`` — or ``(B·T, 2H·w)`` where an
+        engine flattens the tokens (vLLM's attention function) — and the pairs are combined here; eager returns the
+        combined heads already."""
         attn_output = attn_output.reshape(*query.shape[:2], -1, query.shape[-1])
-        if attn_output.shape[2] == query.shape[2]:  # a standard kernel: one output A_c·V per softmax map
+        if attn_output.shape[2] == query.shape[2]:
             lam_out = lam if lam.dim() == 0 else lam[..., None, None]  # V2's λ (B, T, H) against (B, T, H, 2, 1, w)
             attn_output = differential_combine(attn_output, lam_out, self.pair_stride, dim=2)
-        return attn_output, attn_weights
+        return attn_output
 
     def uses_own_sdpa_kernel(self, query, attention_mask, kwargs) -> bool:
         """Whether this call runs a kernel of kernels_difftransformer.py instead of transformers' sdpa function:
@@ -263,6 +250,20 @@ class DiffTransformerAttention(nn.Module):
         return query.shape[1] == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, *tensors)))
 
 
+# vLLM's Transformers backend gives each layer one call of its attention function, backed by an attention layer of
+# num_attention_heads query heads over a KV cache of num_key_value_heads heads, all head_dim wide (query head i reads KV
+# head i // (Hq / Hkv)). Each query head then yields A_c·V of its own KV head only, while V1 needs A_c·[V_g,0; V_g,1]:
+# the cross terms would take a second call or 2·head_dim-wide cache heads, and V1's padded 2·head_dim queries would be
+# read as twice the tokens (silently wrong). So V1 refuses to be built there.
+VLLM_V1_ERROR = (
+    "diff_version=1 cannot be served by vLLM's Transformers backend: vLLM gives each layer one attention call over a "
+    "KV cache of num_key_value_heads heads of width head_dim, and DIFF V1 multiplies each softmax map by the "
+    "2*head_dim-wide value [V1; V2] of its group, which that call cannot compute (its output would be silently wrong). "
+    "Serve a diff_version=2 model instead: upcycle the source Llama with `difftransformer-convert --from llama "
+    "--diff-version 2 --input LLAMA --output V2_FOLDER` (exact), or run this V1 model with transformers (generate())."
+)
+
+
 class DiffTransformerV1Attention(DiffTransformerAttention):
     """DIFF V1 (paper §2.1): ``O_h = (softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d))·[V1; V2]`` with one scalar λ per
     layer, then ``(1 − λinit)·RMSNorm_2d(O_h) ⊙ w``. Reference: microsoft/unilm ``Diff-Transformer/multihead_flashdiff_2.py``.
@@ -274,6 +275,8 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
     diff_version = 1
 
     def __init__(self, config: DiffTransformerConfig, layer_idx: int):
+        if str(config._attn_implementation).startswith("vllm"):  # set by vLLM's Transformers backend before building
+            raise ValueError(VLLM_V1_ERROR)
         super().__init__(config, layer_idx, value_width=2 * config.head_dim)
         d = self.head_dim
         self.pair_stride = self.num_key_value_groups // 2  # n: q_proj rows are ordered (g, c, r)
@@ -317,7 +320,21 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
             # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, c, r) → (g, c, r, c', d).
             pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)
             padded = (query.unflatten(2, (-1, 2, self.pair_stride, 1)) * pad).reshape(*query.shape[:2], -1, 2 * self.head_dim)
-            attn_output, attn_weights = self.attend(padded, key, value, attention_mask, lam, **kwargs)
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                padded.transpose(1, 2),
+                key,
+                value,
+                attention_mask,
+                dropout=0.0,
+                scaling=self.scaling,
+                diff_lambda=lam,
+                **kwargs,
+            )
+            attn_output = self.combine(attn_output, padded, lam)
         attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
@@ -350,7 +367,23 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
             per_map = gqa_decode_attention(query.transpose(1, 2), key, value, self.scaling, attention_mask)
             attn_output, attn_weights = differential_combine(per_map, lam[..., None, None], 1, dim=2), None
         else:
-            attn_output, attn_weights = self.attend(query, key, value, attention_mask, lam, **kwargs)
+            # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by
+            # reading its forward's source for that lookup and call (and the scale from `scaling=self.scaling`).
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                query.transpose(1, 2),
+                key,
+                value,
+                attention_mask,
+                dropout=0.0,
+                scaling=self.scaling,
+                diff_lambda=lam,
+                **kwargs,
+            )
+            attn_output = self.combine(attn_output, query, lam)
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
 
