@@ -180,8 +180,9 @@ class DiffTransformerHeadRMSNorm(nn.Module):
 
 
 class DiffTransformerAttention(nn.Module):
-    """What V1 and V2 share: the q/k/v/o projections, rotary embeddings, the KV cache and the call of the configured
-    attention kernel. The subclasses add λ and say how the two maps of a differential head are formed and combined.
+    """What V1 and V2 share: the q/k/v/o projections, rotary embeddings, the KV cache, the choice of V1's/V2's own sdpa
+    kernels and the combination of a standard kernel's per-map outputs. The subclasses add λ and call the kernel in
+    their own ``forward`` (where transformers and vLLM look for that call).
 
     ``value_width`` is the width of one differential head's output: ``2d`` for V1 (its value ``[V1; V2]``), ``d`` for V2.
     Keys and values are passed to every kernel (and cached) as ``Hkv·d / value_width`` heads of that width: V1's packed
