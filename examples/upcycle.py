@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Turn a pretrained chat model into a Differential Transformer and fine-tune it back to quality, on CPU.
 
-    python examples/upcycle.py                      # SmolLM2-135M-Instruct → DIFF V1, a few minutes of training
-    python examples/upcycle.py --diff-version 2     # → DIFF V2 (exact conversion; fine-tuning lets λ learn)
+    python examples/upcycle.py                      # SmolLM2-135M-Instruct → DIFF V2, a few minutes of training
+    python examples/upcycle.py --diff-version 1     # → DIFF V1 (approximate conversion; training brings it back)
     python examples/upcycle.py --method lora        # LoRA (PEFT) with λ trainable instead of full fine-tuning
     python examples/upcycle.py --source my.gguf     # any Llama-family .gguf file or model folder
     python examples/upcycle.py --smoke              # seconds: a tiny random Llama, a few steps (what the tests run)
@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a file from a checkout: make the reposit
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from difftransformer.convert import V1_INITS  # noqa: E402
-from difftransformer.upcycle import DEFAULT_PROMPTS, METHODS, SMOKE, UpcycleSettings  # noqa: E402
+from difftransformer.upcycle import DEFAULT_LEARNING_RATES, DEFAULT_PROMPTS, METHODS, SMOKE, UpcycleSettings  # noqa: E402
 
 DEFAULTS = UpcycleSettings()
 # --smoke: a tiny random Llama teacher (difftransformer.upcycle.smoke_source) and a few short steps.
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=d.output_dir,
                    help="folder for the converted student, checkpoints, report.json/.md, training_curves.png and model/")
     p.add_argument("--diff-version", type=int, choices=(1, 2), default=d.diff_version,
-                   help="1: DIFF V1 (approximate conversion, training brings it back); 2: DIFF V2 (exact conversion)")
+                   help="2: DIFF V2 (exact conversion; fine-tuning lets λ learn); 1: DIFF V1 (the converter's V1 initialisation)")
     p.add_argument("--v1-init", choices=V1_INITS, default=d.v1_init,
                    help="V1 only: the converter's initialisation (see docs/convert.md; auto: its choice for the head layout)")
     g = p.add_argument_group("fine-tuning")
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distill-weight", type=float, default=d.distill_weight,
                    help="w in (1 − w)·LM + w·KL(teacher ‖ student): 1 = pure distillation, 0 = language modelling only")
     g.add_argument("--temperature", type=float, default=d.temperature, help="distillation temperature T (KL scaled by T²)")
-    g.add_argument("--learning-rate", type=float, default=d.learning_rate, help="peak AdamW learning rate")
+    g.add_argument("--learning-rate", type=float, default=d.learning_rate,
+                   help="peak AdamW learning rate (default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LEARNING_RATES.items()) + ")")
     g.add_argument("--lr-scheduler", default=d.lr_scheduler, help="transformers lr_scheduler_type (cosine, linear, constant, ...)")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
