@@ -52,10 +52,10 @@ MODELS = ("llama", "v2", "v1")
 PROBES = ("niah", "mqar", "icl")
 SIZES = {
     "default": dict(steps=100, batch_size=4, block_size=256, learning_rate=1e-4, warmup_steps=5, method="full",
-                    distill_weight=0.5, eval_blocks=16, probe_samples=2, niah_lengths="256,512", mqar_pairs="16,32",
+                    distill_weight=0.5, lambda_lr_scale=1.0, eval_blocks=16, probe_samples=2, niah_lengths="256,512", mqar_pairs="16,32",
                     icl_demos="8,16", seeds="0,1,2"),
     "smoke": dict(steps=3, batch_size=2, block_size=32, learning_rate=1e-3, warmup_steps=1, method="full",
-                  distill_weight=0.5, eval_blocks=2, probe_samples=1, niah_lengths="64", mqar_pairs="4",
+                  distill_weight=0.5, lambda_lr_scale=1.0, eval_blocks=2, probe_samples=1, niah_lengths="64", mqar_pairs="4",
                   icl_demos="4", seeds="0,1"),
 }
 
@@ -126,6 +126,7 @@ def fine_tune(model, source: up.Source, train_blocks: torch.Tensor, seed: int, a
     trainer = up.DistillationTrainer(
         model=model, args=targs, train_dataset=LMBlockDataset(train_blocks),
         teacher=source.model if args.distill_weight > 0 else None, distill_weight=args.distill_weight,
+        lambda_lr_scale=args.lambda_lr_scale,
     )
     t0 = time.time()
     trainer.train()
@@ -231,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=up.METHODS, help="full (embeddings frozen) or lora (all-linear; λ trainable for V1/V2)")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2r). Default 16.")
     p.add_argument("--distill-weight", type=float, help="w in (1 − w)·LM + w·KL(teacher ‖ student)")
+    p.add_argument("--lambda-lr-scale", type=float, help="λ parameters of V1/V2 train at this multiple of the learning rate")
     p.add_argument("--eval-blocks", type=int, help="held-out blocks of 256 tokens per text")
     p.add_argument("--probe-samples", type=int, help="probe samples per (length, depth) cell")
     p.add_argument("--niah-lengths", help="comma-separated needle context lengths (tokens)")
@@ -305,8 +307,8 @@ def run(args: argparse.Namespace) -> dict:
         "source": source.name,
         "seeds": args.seeds,
         "setting": (f"{args.method} fine-tuning, {args.steps} steps × {args.batch_size} × {args.block_size} tokens = {tokens:,} "
-                    f"training tokens per model and seed, AdamW lr {args.learning_rate} (cosine, {args.warmup_steps} warm-up steps), "
-                    f"loss (1 − w)·LM + w·KL(teacher ‖ student) with w = {args.distill_weight}; held-out perplexity on "
+                    f"training tokens per model and seed, AdamW lr {args.learning_rate} (cosine, warm-up {args.warmup_steps} steps), "
+                    f"loss (1 − w)·LM + w·KL(teacher ‖ student) with w = {args.distill_weight}, λ learning rate × {args.lambda_lr_scale}; held-out perplexity on "
                     f"{args.eval_blocks}×{eval_length} tokens per text; torch threads {torch.get_num_threads()}; "
                     f"wall time {time.time() - t_start:.0f}s"),
         "chance": {k: sum(1 / len(e.candidates) for e in v) / len(v) for k, v in probe_examples.items()},

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ METHODS = ("full", "lora")
 DEFAULT_LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOKE = "smoke"  # source name of smoke_source(): a tiny random Llama
+_LAMBDA_PARAM = re.compile(r"(^|\.)lambda_(proj|[qk][12])(\.|$)")
 # Run settings that must match a checkpoint to resume from it (optimisation settings may change).
 RESUME_KEYS = ("source", "diff_version", "v1_init", "method", "block_size", "lora_r", "lora_alpha", "lora_targets", "freeze_embeddings", "seed")
 
@@ -355,7 +357,11 @@ class DistillationTrainer(Trainer):
 
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, teacher=None, distill_weight: float = 0.0, temperature: float = 1.0, **kwargs):
+    def __init__(self, *args, teacher=None, distill_weight: float = 0.0, temperature: float = 1.0,
+                 lambda_lr_scale: float = 1.0, **kwargs):
+        if lambda_lr_scale <= 0:
+            raise ValueError(f"`lambda_lr_scale` must be > 0, got {lambda_lr_scale}.")
+        self.lambda_lr_scale = lambda_lr_scale
         if not 0.0 <= distill_weight <= 1.0:
             raise ValueError(f"`distill_weight` must be in [0, 1], got {distill_weight}.")
         if distill_weight > 0 and teacher is None:
@@ -388,6 +394,23 @@ class DistillationTrainer(Trainer):
                 self._record("teacher_lm_loss", t_lm)
         outputs.loss = loss
         return (loss, outputs) if return_outputs else loss
+
+    def create_optimizer(self, model=None):
+        """``Trainer``'s optimizer, with the λ parameters (V1 ``lambda_q1/k1/q2/k2``, V2 ``lambda_proj``, PEFT copies
+        included) moved into their own groups at ``lambda_lr_scale`` times the learning rate (the schedule scales
+        every group alike)."""
+        optimizer = super().create_optimizer(model)
+        if self.lambda_lr_scale == 1.0:
+            return optimizer
+        names = {id(p): n for n, p in (self.model if model is None else model).named_parameters()}
+        for group in list(optimizer.param_groups):
+            lam = [p for p in group["params"] if _LAMBDA_PARAM.search(names.get(id(p), ""))]
+            if lam:
+                group["params"] = [p for p in group["params"] if not _LAMBDA_PARAM.search(names.get(id(p), ""))]
+                optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": lam,
+                                           "lr": group["lr"] * self.lambda_lr_scale})
+        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        return optimizer
 
     def _record(self, name, value):
         self._parts.setdefault(name, []).append(float(value.detach()))
@@ -445,10 +468,10 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def plot_training(log_history: list[dict], path: str | os.PathLike, before: dict | None = None, teacher: dict | None = None,
-                  title: str = "") -> Path:
-    """PNG with two panels: the training losses per logged step (total, student LM, KD, teacher LM on the same
-    batches) and the held-out perplexity of the student per evaluation (step 0: before fine-tuning), with the
-    teacher's held-out perplexity as dashed lines."""
+                  title: str = "", after: tuple[int, dict] | None = None) -> Path:
+    """PNG with two panels: the training losses per logged step (student LM and teacher LM on the same batches, KL
+    on its own axis) and the student's held-out perplexity (step 0: ``before``; the evaluations logged during
+    training; ``after = (step, perplexities)``: the final measurement), with the teacher's as dashed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -483,15 +506,16 @@ def plot_training(log_history: list[dict], path: str | os.PathLike, before: dict
     for color, name in zip(colors, names):
         points = [(0, before[name])] if before and name in before else []
         points += [(s, math.exp(v)) for s, v in series(f"eval_{name}_loss")]
+        if after is not None and name in after[1] and (not points or points[-1][0] != after[0]):
+            points.append((after[0], after[1][name]))
         if points:
             ax2.plot(*zip(*points), "o-", color=color, label=f"student: {name}")
         if teacher and name in teacher:
             ax2.axhline(teacher[name], color=color, linestyle="--", linewidth=1, label=f"teacher: {name}")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("perplexity")
-    ax2.set_yscale("log")
-    ax2.set_title("held-out perplexity", fontsize=9)
-    ax2.grid(alpha=0.3, which="both")
+    ax2.set_title("held-out perplexity (never trained on)", fontsize=9)
+    ax2.grid(alpha=0.3)
     if names:
         ax2.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
@@ -518,6 +542,7 @@ class UpcycleSettings:
     distill_weight: float = 0.5
     temperature: float = 1.0
     learning_rate: float | None = None  # None: DEFAULT_LEARNING_RATES[method]
+    lambda_lr_scale: float = 1.0  # λ parameters train at this multiple of the learning rate
     lr_scheduler: str = "cosine"
     warmup_steps: int = 3
     weight_decay: float = 0.0
@@ -535,6 +560,7 @@ class UpcycleSettings:
     save_steps: int = 20
     logging_steps: int = 5
     max_minutes: float | None = None
+    report_dir: str | None = None  # also copy report.json, report.md and training_curves.png there
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     max_new_tokens: int = 40
     seed: int = 0
@@ -558,6 +584,8 @@ class UpcycleSettings:
             raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}.")
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ValueError(f"`distill_weight` must be in [0, 1], got {self.distill_weight}.")
+        if self.lambda_lr_scale <= 0:
+            raise ValueError(f"`lambda_lr_scale` must be > 0, got {self.lambda_lr_scale}.")
         if self.temperature <= 0 or (self.learning_rate is not None and self.learning_rate <= 0):
             raise ValueError(f"`temperature` and `learning_rate` must be > 0, got {self.temperature}, {self.learning_rate}.")
         for name in ("max_steps", "batch_size", "grad_accum", "block_size", "eval_blocks", "eval_length", "save_steps",
@@ -738,7 +766,7 @@ def run_upcycle(settings: UpcycleSettings, source: Source | None = None, callbac
     trainer = DistillationTrainer(
         model=model, args=args, train_dataset=train_set, eval_dataset=eval_sets,
         teacher=source.model if settings.distill_weight > 0 else None,
-        distill_weight=settings.distill_weight, temperature=settings.temperature,
+        distill_weight=settings.distill_weight, temperature=settings.temperature, lambda_lr_scale=settings.lambda_lr_scale,
         callbacks=[stop, *callbacks],
     )
     if last:
@@ -795,11 +823,18 @@ def run_upcycle(settings: UpcycleSettings, source: Source | None = None, callbac
         "wall_seconds": time.time() - started,
     }
     plot = plot_training(history, out / "training_curves.png", before["student"]["perplexity"], teacher_ppl,
+                         after=(step, after["perplexity"]),
                          title=f"{Path(source.name).name} → DIFF V{settings.diff_version}, {settings.method} fine-tuning, "
                                f"distillation weight {settings.distill_weight}")
     report["plot"] = str(plot)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(report_markdown(report))
+    if settings.report_dir:
+        dest = Path(settings.report_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("report.json", "report.md", "training_curves.png"):
+            shutil.copyfile(out / name, dest / name)
+        log(f"report files copied to {dest}")
     return report
 
 

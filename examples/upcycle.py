@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=d.temperature, help="distillation temperature T (KL scaled by T²)")
     g.add_argument("--learning-rate", type=float, default=d.learning_rate,
                    help="peak AdamW learning rate (default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LEARNING_RATES.items()) + ")")
+    g.add_argument("--lambda-lr-scale", type=float, default=d.lambda_lr_scale,
+                   help="λ parameters (V1 lambda_q1/k1/q2/k2, V2 lambda_proj) train at this multiple of the learning rate")
     g.add_argument("--lr-scheduler", default=d.lr_scheduler, help="transformers lr_scheduler_type (cosine, linear, constant, ...)")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per greedy chat answer")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the conversion's λ draws, data order and LoRA init")
     g.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--report-dir", default=None,
+                   help="also copy report.json, report.md and training_curves.png into this folder (e.g. benchmarks/results/...)")
     g.add_argument("--fresh", action="store_true", help="delete OUTPUT_DIR and start over instead of resuming")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--smoke", action="store_true",
@@ -115,12 +119,12 @@ def parse_settings(argv=None) -> UpcycleSettings:
     settings = UpcycleSettings(
         source=args.source, output_dir=args.output_dir, diff_version=args.diff_version, v1_init=args.v1_init, method=args.method,
         distill_weight=args.distill_weight, temperature=args.temperature, learning_rate=args.learning_rate,
-        lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        lambda_lr_scale=args.lambda_lr_scale, lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, block_size=args.block_size,
         freeze_embeddings=not args.train_embeddings, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, eval_blocks=args.eval_blocks, eval_length=args.eval_length,
         eval_steps=args.eval_steps, save_steps=args.save_steps, logging_steps=args.logging_steps,
-        max_minutes=args.max_minutes, prompts=tuple(args.prompt) if args.prompt else DEFAULT_PROMPTS,
+        max_minutes=args.max_minutes, report_dir=args.report_dir, prompts=tuple(args.prompt) if args.prompt else DEFAULT_PROMPTS,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, fresh=args.fresh,
         progress=not args.no_progress,
     )

@@ -183,6 +183,25 @@ def test_mixed_loss_and_gradient_accumulation(source, students, tmp_path):
             torch.testing.assert_close(other[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("version,method", [(1, "full"), (2, "lora")])
+def test_lambda_trains_at_its_own_learning_rate(source, students, tmp_path, version, method):
+    model = up.prepare_student(up.load_student(students[version]), method, lora_r=4, lora_alpha=8)
+    blocks = up.training_blocks(source.tokenizer, 32, max_blocks=4)
+    lam_names = {n for n, p in model.named_parameters() if p.requires_grad and ("lambda_q" in n or "lambda_k" in n or "lambda_proj" in n)}
+    assert lam_names
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for scale in (1.0, 10.0):
+        trainer = _trainer(model, source.model, blocks, tmp_path, distill_weight=0.5, lambda_lr_scale=scale, args=dict(learning_rate=1e-3))
+        optimizer = trainer.create_optimizer()
+        grouped = [{by_id[id(p)] for p in g["params"]} for g in optimizer.param_groups]
+        assert sum(len(g) for g in grouped) == sum(p.requires_grad for p in model.parameters())  # every trainable once
+        lam_groups = [g for g, names in zip(optimizer.param_groups, grouped) if names & lam_names]
+        assert all({by_id[id(p)] for p in g["params"]} <= lam_names for g in lam_groups) or scale == 1.0
+        assert {g["lr"] for g in lam_groups} == {1e-3 * scale}
+    with pytest.raises(ValueError, match="lambda_lr_scale"):
+        _trainer(model, source.model, blocks, tmp_path, lambda_lr_scale=0.0)
+
+
 def test_evaluation_reports_the_plain_lm_loss(source, students, tmp_path):
     held = up.heldout_blocks(source.tokenizer, 2, 32)
     model = up.load_student(students[1])
