@@ -599,7 +599,7 @@ class UpcycleSettings:
             raise ValueError("`block_size` and `eval_length` must be at least 2.")
 
 
-class _StopControl(TrainerCallback):
+class StopControl(TrainerCallback):
     """Ends training at the next step end, with a checkpoint, on SIGINT/SIGTERM (the run returns ``interrupted``:
     rerun to resume) or once ``minutes`` of training have passed (the run goes on to measure and save). A second
     signal interrupts at once."""
@@ -762,7 +762,7 @@ def run_upcycle(settings: UpcycleSettings, source: Source | None = None, callbac
         dataloader_num_workers=0,
         disable_tqdm=not settings.progress,
     )
-    stop = _StopControl(settings.max_minutes)
+    stop = StopControl(settings.max_minutes)
     trainer = DistillationTrainer(
         model=model, args=args, train_dataset=train_set, eval_dataset=eval_sets,
         teacher=source.model if settings.distill_weight > 0 else None,

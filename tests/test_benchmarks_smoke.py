@@ -45,12 +45,7 @@ def _doc_commands(script: str) -> list[list[str]]:
     return [shlex.split(line, comments=True)[2:] for line in lines]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------- smoke runs of the scripts (as documented)

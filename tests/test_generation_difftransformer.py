@@ -11,13 +11,7 @@ from utils_difftransformer import CONTRACT_CALLS, left_padded_batch, tiny_config
 LAYOUTS = ["v1_gqa", "v1_mha", "v2_gqa", "v2_mha"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is as fast, and immune to the 2-thread OpenMP stalls of a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(layout, attn="sdpa", seed=0, **overrides):

@@ -21,13 +21,7 @@ from difftransformer.hub import check_hub_folder, model_card, push_to_hub, save_
 IDS = [[1, 40, 41, 42, 43, 44, 45, 46]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is as fast, and immune to the 2-thread OpenMP stalls of a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,7 @@ from difftransformer.integrations import enable_lambda_training, lambda_modules_
 IDS = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is as fast, and immune to the 2-thread OpenMP stalls of a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def base_model(version, seed=0):

@@ -9,11 +9,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+MACHINE_AND_HISTORY_PHRASES = ("this machine", "this project's machines", "earlier run", "previous run", "latest run",
+                               "earlier measurement")
+
+
+def test_docs_speak_of_the_project_not_of_its_machines_or_history():
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        text = doc.read_text().lower()
+        for phrase in MACHINE_AND_HISTORY_PHRASES:
+            assert phrase not in text, (doc.name, phrase)
+        assert "placeholder" not in text and "pending" not in text, doc.name
+
+
+def test_docs_relative_links_and_images_exist():
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        for target in re.findall(r"\]\(((?:\.\./|\./)?[\w./-]+\.(?:md|png|py|json|sh))(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).resolve().exists(), (doc.name, target)
+
+
 def test_readme_is_a_front_page():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
     assert "PENDING" not in readme  # every number is filled in from a committed result
-    for phrase in ("this machine", "this project's machines", "earlier run", "previous run"):
+    for phrase in MACHINE_AND_HISTORY_PHRASES:
         assert phrase not in readme.lower(), phrase
     for target in re.findall(r"\]\(((?:docs|benchmarks|examples|scripts|tests)/[^)#]+)", readme):
         assert (ROOT / target).exists(), target

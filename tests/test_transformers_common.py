@@ -67,13 +67,7 @@ else:
     MIXINS = (ModelTesterMixin, sys.modules[f"{PACKAGE}.generation.test_utils"].GenerationTesterMixin, TrainingTesterMixin)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is as fast, and immune to the OpenMP stalls of a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class DiffTransformerModelTester:

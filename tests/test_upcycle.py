@@ -42,13 +42,7 @@ def _load(name, path):
 cli = _load("difftransformer_examples_upcycle", SCRIPT)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is as fast, and immune to the 2-thread OpenMP stalls of a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
