@@ -89,7 +89,12 @@ def evaluate(model, tokenizer, held, probe_examples) -> dict:
 def student(name: str, source: up.Source, seed: int, workdir: Path):
     """A fresh copy of the model ``name`` for ``seed``: the source itself (``llama``) or its conversion."""
     if name == "llama":
-        model = copy.deepcopy(source.model)
+        # A plain model with the source's weights: transformers' GGUF loader marks its de-quantised float32 model as
+        # quantized (config.quantization_config), and the Trainer refuses to fine-tune a quantized model.
+        settings = {k: v for k, v in source.model.config.to_dict().items() if k != "quantization_config"}
+        model = type(source.model)(type(source.model.config).from_dict(settings))
+        model.load_state_dict(source.model.state_dict())
+        model.generation_config = copy.deepcopy(source.model.generation_config)
         return model.requires_grad_(True)
     folder = workdir / f"{name}-seed{seed}"
     if not (folder / "config.json").is_file():
