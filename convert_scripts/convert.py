@@ -174,8 +174,7 @@ def main(argv=None) -> int:
         message = " ".join(str(err).split())  # one line, whatever the message
         print(f"difftransformer-convert: error: {message}", file=sys.stderr)
         return 2
-    for note in result.notes:
-        print(f"note: {note}")
+    # result.notes were logged (as warnings, to stderr) while converting.
     print(f"wrote {result.output} ({'exact' if result.exact else 'approximate'} conversion)")
     return 0
 
