@@ -9,8 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-MACHINE_AND_HISTORY_PHRASES = ("this machine", "this project's machines", "earlier run", "previous run", "latest run",
-                               "earlier measurement")
+MACHINE_AND_HISTORY_PHRASES = ("this machine", "this project's machines", "this cpu", "earlier run", "previous run",
+                               "latest run", "earlier measurement")
 
 
 def test_docs_speak_of_the_project_not_of_its_machines_or_history():
