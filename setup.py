@@ -25,5 +25,9 @@ setup(
         # difftransformer-convert --input model.gguf (transformers' GGUF loader needs it)
         "gguf": ["gguf>=0.10"],
     },
-    entry_points={"console_scripts": ["difftransformer-convert=convert_scripts.convert:main"]},
+    entry_points={
+        "console_scripts": ["difftransformer-convert=convert_scripts.convert:main"],
+        # vLLM loads it in every process: DIFF V2 folders then serve on a native vLLM model (difftransformer/vllm_model.py)
+        "vllm.general_plugins": ["difftransformer = difftransformer.vllm_plugin:register"],
+    },
 )

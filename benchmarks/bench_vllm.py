@@ -1,12 +1,13 @@
-"""vLLM throughput of a DIFF V2 upcycle against its source Llama, in the same vLLM (Transformers backend for V2).
+"""vLLM throughput of a DIFF V2 upcycle against its source Llama, in the same vLLM.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                       # SmolLM2-135M-Instruct and its V2 upcycle
     .venv-vllm/bin/python benchmarks/bench_vllm.py --smoke               # tiny random Llama + upcycle, seconds of work
 
 Both models are loaded once, each in its own ``vllm.LLM`` (engines in their own processes; an idle engine uses ~1% of a
 core), float32, vLLM's defaults otherwise (prefix caching and chunked prefill on; ``--compile`` keeps torch.compile,
-which costs minutes of start-up on CPU, so it is off unless asked). The Llama runs on vLLM's native Llama
-implementation (``--llama-impl auto``) or on the Transformers backend like the V2 (``--llama-impl transformers``).
+which costs minutes of start-up on CPU, so it is off unless asked). Each model runs on vLLM's native implementation
+(``auto``: vLLM's Llama, and for the V2 the package's vLLM plugin model, difftransformer/vllm_model.py) or on vLLM's
+Transformers backend (``transformers``): ``--llama-impl`` and ``--diff-impl`` choose.
 
 A measurement is one ``LLM.generate`` call of C requests (C = each ``--concurrency``): C distinct random prompts of
 ``--prompt-len`` tokens (drawn anew for every repetition, so the prefix cache never serves them) and ``--new-tokens``
@@ -84,7 +85,8 @@ def run(args) -> dict:
     started = time.perf_counter()
     llms = {
         "llama": vllm.LLM(model=str(llama), model_impl=args.llama_impl, **common),
-        "diff_v2": vllm.LLM(model=str(v2), model_impl="transformers", trust_remote_code=True, **common),
+        "diff_v2": vllm.LLM(model=str(v2), model_impl=args.diff_impl, trust_remote_code=args.diff_impl == "transformers",
+                            **common),
     }
     startup_s = time.perf_counter() - started
     vocab = llms["llama"].llm_engine.model_config.get_vocab_size()
@@ -136,7 +138,8 @@ def run(args) -> dict:
 
     return {
         "benchmark": "bench_vllm", "goal_time_ratio": GOAL, "smoke": args.smoke,
-        "models": {"llama": str(llama), "diff_v2": str(v2), "llama_impl": args.llama_impl},
+        "models": {"llama": str(llama), "diff_v2": str(v2), "llama_impl": args.llama_impl,
+                   "diff_impl": args.diff_impl},
         "settings": {"concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "reps": args.reps, "compile": args.compile, "dtype": "float32",
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
@@ -175,8 +178,12 @@ def write_chart(report: dict, path: Path) -> bool:
                     ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(xs), [f"{r['concurrency']} requests" for r in rows])
     ax.set_ylabel("output tokens/s (median)")
+    impl = {"auto": "native", "transformers": "Transformers backend"}
+    models = report["models"]  # files written before --diff-impl existed ran the V2 on the Transformers backend
     ax.set_title(f"vLLM {report['machine']['vllm']} CPU, float32, {report['settings']['prompt_len']}+"
-                 f"{report['settings']['new_tokens']} tokens; ×: V2 time / Llama time", fontsize=9)
+                 f"{report['settings']['new_tokens']} tokens, {'compiled' if report['settings']['compile'] else 'eager'}; "
+                 f"×: V2 time / Llama time\nLlama: {impl[models['llama_impl']]}, "
+                 f"V2: {impl[models.get('diff_impl', 'transformers')]}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -194,7 +201,10 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per model and concurrency (medians)")
     p.add_argument("--compile", action="store_true", help="keep vLLM's torch.compile (default: enforce_eager)")
     p.add_argument("--llama-impl", choices=("auto", "transformers"), default="auto",
-                   help="vLLM implementation of the Llama: auto = vLLM's native Llama, transformers = the same backend as V2")
+                   help="vLLM implementation of the Llama: auto = vLLM's native Llama, transformers = its Transformers backend")
+    p.add_argument("--diff-impl", choices=("auto", "transformers"), default="auto",
+                   help="vLLM implementation of the V2: auto = the package's native vLLM model (its vLLM plugin), "
+                   "transformers = vLLM's Transformers backend with the folder's remote code")
     p.add_argument("--smoke", action="store_true", help="tiny random Llama and its upcycle, concurrency 2, 4 tokens, 1 repetition")
     p.add_argument("--name", default=None, help="result file name: benchmarks/results/vllm_<name>.json (default: smollm2, or smoke)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the JSON and PNG go (default: benchmarks/results; "

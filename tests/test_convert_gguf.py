@@ -116,6 +116,27 @@ TINY = {
 }
 
 
+def test_loaded_gguf_model_is_plain_trainable_and_saveable_with_the_files_function(tmp_path):
+    """transformers' GGUF loader marks its de-quantised float32 model as quantized (save_pretrained fails, the Trainer
+    refuses it); load_gguf (the converter's and upcycling's source) gives the same function in a plain model."""
+    from transformers.trainer_utils import validate_quantization_for_training
+
+    from difftransformer.convert import load_gguf
+
+    (tmp_path / "src").mkdir()
+    gguf = write_tiny_gguf(tmp_path / "src" / "tiny.gguf", **TINY["llama_odd_heads_tied"])
+    reference = gguf_llama(gguf)
+    with pytest.raises(ValueError):
+        validate_quantization_for_training(reference)
+    model = load_gguf(gguf, progress=False).model
+    assert not getattr(model, "is_quantized", False) and "quantization_config" not in model.config.to_dict()
+    validate_quantization_for_training(model)
+    torch.testing.assert_close(logits(model), logits(reference), rtol=0, atol=0)
+    model.save_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()), logits(reference),
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case", list(TINY))
 def test_tiny_gguf_to_v2_is_exact_and_brings_tokenizer_and_generation_config(tmp_path, case):
     (tmp_path / "src").mkdir()

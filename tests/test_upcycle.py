@@ -471,16 +471,19 @@ def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smoll
     assert sum("lambda_q1" in k for k in saved) == teacher.config.num_hidden_layers  # λ in the checkpoint
 
 
-def test_compare_upcycled_llama_student_of_a_gguf_source_is_plain_and_trainable(smollm2_llama):
+def test_compare_upcycled_llama_student_of_a_gguf_source_is_plain_and_trainable(smollm2_gguf, smollm2_llama):
     """transformers' GGUF loader marks the de-quantised model as quantized, which the Trainer refuses to fine-tune:
-    the fair comparison's Llama student is a plain model with the source's function."""
+    load_source gives a plain model with the source's function, and the fair comparison's Llama student copies it."""
     from transformers.trainer_utils import validate_quantization_for_training
 
-    teacher, tokenizer = smollm2_llama
+    teacher, tokenizer = smollm2_llama  # as transformers' GGUF loader gives it
+    with pytest.raises(ValueError):
+        validate_quantization_for_training(teacher)
+    source = up.load_source(smollm2_gguf, progress=False)
     bench = _load("compare_upcycled", REPO / "benchmarks" / "compare_upcycled.py")
-    llama = bench.student("llama", up.Source(teacher, tokenizer, "smollm2"), 0, None)
+    llama = bench.student("llama", source, 0, None)
     assert "quantization_config" not in llama.config.to_dict()
-    validate_quantization_for_training(llama)  # raises for the GGUF-loaded model itself
+    validate_quantization_for_training(llama)
     ids = up.heldout_blocks(tokenizer, 1, 32)["validation"]
     with torch.no_grad():
         torch.testing.assert_close(llama(ids).logits, teacher(ids).logits, rtol=0, atol=0)

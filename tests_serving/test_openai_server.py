@@ -1,5 +1,6 @@
-"""``vllm serve FOLDER --model-impl transformers --trust-remote-code`` answers the official ``openai`` client with our
-greedy answers: the SmolLM2-135M-Instruct V2 upcycle, 8 concurrent chat completions, non-streaming and streaming."""
+"""``vllm serve FOLDER`` answers the official ``openai`` client with our greedy answers: the SmolLM2-135M-Instruct V2
+upcycle on the package's native vLLM model (its vLLM plugin; no remote code), 8 concurrent chat completions,
+non-streaming and streaming. (vLLM's Transformers backend is covered by test_vllm_offline.py.)"""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def serve_command(folder: Path, port: int) -> list[str]:
         launcher = [str(Path(sys.executable).with_name("vllm")), "serve"]
     except importlib.metadata.PackageNotFoundError:
         launcher = [sys.executable, str(ROOT / "examples" / "serve_vllm.py")]
-    return [*launcher, str(folder), "--model-impl", "transformers", "--trust-remote-code",
+    return [*launcher, str(folder),
             "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
 
@@ -60,6 +61,8 @@ def server(smollm2_v2_folder, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve did not answer /health within {START_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
             time.sleep(2)
+        # The native model, not vLLM's fallback to its Transformers backend (TransformersForCausalLM).
+        assert "Resolved architecture: DiffTransformerForCausalLM" in log_path.read_text(errors="replace")
         yield f"{base}/v1"
     finally:
         if proc.poll() is None:

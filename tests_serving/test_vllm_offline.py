@@ -1,4 +1,6 @@
-"""DIFF models in ``vllm.LLM`` (Transformers backend): V2 greedy output equals our ``generate()``, V1 is refused.
+"""DIFF models in ``vllm.LLM``: V2 greedy output equals our ``generate()``, V1 is refused, on both of vLLM's ways to run
+them: the package's native vLLM model (its vLLM plugin, vLLM's default ``model_impl="auto"``, no remote code) and vLLM's
+Transformers backend (``model_impl="transformers"`` with the folder's remote code).
 
 vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model); ``max_num_batched_tokens``
 is set below the prompt lengths so that chunked prefill really splits prompts, and a second round of prompts
@@ -53,12 +55,27 @@ def random_v2(tmp_path_factory):
     return folder, model
 
 
-@pytest.fixture(scope="module")
-def random_v2_llm(random_v2):
+# How vLLM runs a DIFF V2 folder: keyword arguments of vllm.LLM.
+IMPLS = {
+    "native": dict(),  # model_impl="auto": the architecture is registered by the package's vLLM plugin
+    "transformers": dict(model_impl="transformers", trust_remote_code=True),
+}
+
+
+def assert_impl(llm, impl: str):
+    """The model really runs on the implementation the test names (vLLM falls back to the Transformers backend for
+    architectures it does not know)."""
+    model_config = llm.llm_engine.vllm_config.model_config
+    assert model_config.using_transformers_backend() == (impl == "transformers"), model_config.architecture
+
+
+@pytest.fixture(scope="module", params=list(IMPLS))
+def random_v2_llm(request, random_v2):
     llm = vllm.LLM(
-        model=str(random_v2[0]), model_impl="transformers", trust_remote_code=True, dtype="float32", seed=0,
+        model=str(random_v2[0]), **IMPLS[request.param], dtype="float32", seed=0,
         max_model_len=512, max_num_batched_tokens=CHUNK, max_num_seqs=8, skip_tokenizer_init=True,
     )
+    assert_impl(llm, request.param)
     assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
     yield llm
@@ -93,17 +110,18 @@ def test_v2_batch_with_chunked_prefill_and_prefix_caching_equals_generate(random
     assert_equal_to_reference(out_second, refs[6:], LOGPROB_TOL)
 
 
-def test_v1_is_refused_at_load_with_a_named_error(tmp_path):
-    """vLLM loads the folder's own code (remote code) and fails while building the model, naming diff_version=1 and
-    the way out. The engine runs in-process here (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the error is the
-    exception itself; by default vLLM logs the same ValueError from its engine process and raises "Engine core
-    initialization failed"."""
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_v1_is_refused_at_load_with_a_named_error(tmp_path, impl):
+    """vLLM fails while building the model (the native class, or the folder's own code under the Transformers backend),
+    naming diff_version=1 and the way out. The engine runs in-process here (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+    the error is the exception itself; by default vLLM logs the same ValueError from its engine process and raises
+    "Engine core initialization failed"."""
     save_random_model(tmp_path, diff_version=1, num_key_value_heads=4)
     script = textwrap.dedent(f"""
         from vllm import LLM
         if __name__ == "__main__":
             try:
-                LLM(model={str(tmp_path)!r}, model_impl="transformers", trust_remote_code=True, dtype="float32",
+                LLM(model={str(tmp_path)!r}, **{IMPLS[impl]!r}, dtype="float32",
                     max_model_len=256, skip_tokenizer_init=True, enforce_eager=True)
             except ValueError as err:
                 print("REFUSED:", err)
@@ -112,16 +130,17 @@ def test_v1_is_refused_at_load_with_a_named_error(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED:")]
     assert refused, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "diff_version=1 cannot be served by vLLM's Transformers backend" in refused[0]
+    assert "diff_version=1 cannot be served by vLLM" in refused[0]
     assert "difftransformer-convert --from llama --diff-version 2" in refused[0]
 
 
-@pytest.fixture(scope="module")
-def smollm2_llm(smollm2_v2_folder):
+@pytest.fixture(scope="module", params=list(IMPLS))
+def smollm2_llm(request, smollm2_v2_folder):
     # enforce_eager: vLLM's torch.compile of the 30 layers costs minutes of start-up on CPU; the random model above
     # covers the compiled path.
-    llm = vllm.LLM(model=str(smollm2_v2_folder), model_impl="transformers", trust_remote_code=True, dtype="float32",
-                   seed=0, max_model_len=1024, enforce_eager=True)
+    llm = vllm.LLM(model=str(smollm2_v2_folder), **IMPLS[request.param], dtype="float32", seed=0, max_model_len=1024,
+                   enforce_eager=True)
+    assert_impl(llm, request.param)
     yield llm
     shutdown(llm)
 

@@ -134,4 +134,14 @@ def load_gguf(path: str | Path, progress: bool = True) -> GgufSource:
     clean.pop("quantization_config", None)
     clean = type(model.config).from_dict(clean)
     clean.dtype = torch.float32
-    return GgufSource(path, model, clean, tokenizer, gguf_generation_config(metadata), notes)
+    return GgufSource(path, plain_model(model, clean), clean, tokenizer, gguf_generation_config(metadata), notes)
+
+
+def plain_model(model: torch.nn.Module, config) -> torch.nn.Module:
+    """The same weights in a model of ``config`` that nothing takes for quantized. transformers' GGUF loader keeps
+    ``quantization_config`` (and its quantizer) on the de-quantised float32 model: ``save_pretrained`` then fails,
+    and the Trainer refuses to fine-tune it as a teacher's copy or a student."""
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    return plain.to(torch.float32).eval()
