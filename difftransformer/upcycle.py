@@ -63,7 +63,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOKE = "smoke"  # source name of smoke_source(): a tiny random Llama
 _LAMBDA_PARAM = re.compile(r"(^|\.)lambda_(proj|[qk][12])(\.|$)")
 # Run settings that must match a checkpoint to resume from it (optimisation settings may change).
-RESUME_KEYS = ("source", "diff_version", "v1_init", "method", "block_size", "lora_r", "lora_alpha", "lora_targets", "freeze_embeddings", "seed")
+RESUME_KEYS = ("source", "diff_version", "v1_init", "v1_subln_eps", "method", "block_size", "lora_r", "lora_alpha", "lora_targets", "freeze_embeddings", "seed")
 
 
 # ----------------------------------------------------------------------------------------------- source
@@ -152,14 +152,17 @@ def smoke_source(seed: int = 0, vocab_size: int = 512) -> Source:
     return Source(model, tokenizer, SMOKE, model.generation_config)
 
 
-def convert_student(source: Source, diff_version: int, folder: str | os.PathLike, seed: int = 0, v1_init: str = "auto"):
+def convert_student(source: Source, diff_version: int, folder: str | os.PathLike, seed: int = 0, v1_init: str = "auto",
+                    v1_subln_eps: float | None = None):
     """Convert the teacher (in memory) into a DIFF ``diff_version`` folder with the converter
     (:func:`difftransformer.convert.convert`; V1: ``v1_init``, by default the converter's choice for the head layout,
-    with its default calibration). Returns the :class:`~difftransformer.convert.ConversionResult`."""
+    with its default calibration, and ``v1_subln_eps``, by default the source's ``rms_norm_eps``). Returns the
+    :class:`~difftransformer.convert.ConversionResult`."""
     from .convert import convert
 
+    v1 = diff_version == 1
     return convert("llama", source.model, folder, diff_version=diff_version, tokenizer=source.tokenizer, seed=seed,
-                   progress=False, v1_init=v1_init if diff_version == 1 else "auto")
+                   progress=False, v1_init=v1_init if v1 else "auto", v1_subln_eps=v1_subln_eps if v1 else None)
 
 
 def load_student(folder: str | os.PathLike):
@@ -538,6 +541,7 @@ class UpcycleSettings:
     output_dir: str = "runs/upcycle-smollm2"
     diff_version: int = 2
     v1_init: str = "auto"  # passed to the converter (difftransformer.convert.V1_INITS)
+    v1_subln_eps: float | None = None  # V1's per-head norm eps, passed to the converter; None: the source's rms_norm_eps
     method: str = "full"
     distill_weight: float = 0.5
     temperature: float = 1.0
@@ -580,6 +584,8 @@ class UpcycleSettings:
 
         if self.v1_init not in V1_INITS:
             raise ValueError(f"`v1_init` must be one of {V1_INITS}, got {self.v1_init!r}.")
+        if self.v1_subln_eps is not None and not 0 < self.v1_subln_eps < float("inf"):
+            raise ValueError(f"`v1_subln_eps` must be None or a positive finite number, got {self.v1_subln_eps!r}.")
         if self.method not in METHODS:
             raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}.")
         if not 0.0 <= self.distill_weight <= 1.0:
@@ -706,7 +712,8 @@ def run_upcycle(settings: UpcycleSettings, source: Source | None = None, callbac
     conversion = None
     if not (converted / "config.json").is_file():
         t0 = time.time()
-        result = convert_student(source, settings.diff_version, converted, settings.seed, settings.v1_init)
+        result = convert_student(source, settings.diff_version, converted, settings.seed, settings.v1_init,
+                                 settings.v1_subln_eps)
         conversion = {"exact": result.exact, "notes": result.notes, "seconds": time.time() - t0,
                       "v1_init": result.info.get("v1_init"), "calibration": result.info.get("calibration")}
         (out / "conversion.json").write_text(json.dumps(conversion, indent=2))

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="2: DIFF V2 (exact conversion; fine-tuning lets λ learn); 1: DIFF V1 (the converter's V1 initialisation)")
     p.add_argument("--v1-init", choices=V1_INITS, default=d.v1_init,
                    help="V1 only: the converter's initialisation (see docs/convert.md; auto: its choice for the head layout)")
+    p.add_argument("--v1-subln-eps", type=float, default=d.v1_subln_eps,
+                   help="V1 only: eps of the per-head RMSNorm (default: the teacher's rms_norm_eps). 1 makes the norm "
+                        "near-linear at the start, so the converted V1 nearly equals the teacher (docs/upcycling.md)")
     g = p.add_argument_group("fine-tuning")
     g.add_argument("--method", choices=METHODS, default=d.method,
                    help="full: every parameter (see --train-embeddings); lora: PEFT LoRA with λ trainable")
@@ -117,7 +120,8 @@ def parse_settings(argv=None) -> UpcycleSettings:
             if key not in explicit:
                 setattr(args, key, value)
     settings = UpcycleSettings(
-        source=args.source, output_dir=args.output_dir, diff_version=args.diff_version, v1_init=args.v1_init, method=args.method,
+        source=args.source, output_dir=args.output_dir, diff_version=args.diff_version, v1_init=args.v1_init,
+        v1_subln_eps=args.v1_subln_eps, method=args.method,
         distill_weight=args.distill_weight, temperature=args.temperature, learning_rate=args.learning_rate,
         lambda_lr_scale=args.lambda_lr_scale, lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, block_size=args.block_size,

@@ -231,6 +231,31 @@ def test_v1_duplicate_is_exact_where_the_calibration_is(tmp_path, case):
     assert (logits_of(model, other) - logits_of(source, other)).abs().max() > 1e-3  # elsewhere approximate
 
 
+def test_v1_subln_eps_makes_the_duplicated_start_near_exact_everywhere(tmp_path):
+    """With V1's per-head norm eps ε large against a head's mean square m (times (1 − λ)²), the norm is near-linear and
+    each head's output is off by a relative |ρ² − m_t| / 2ε' at most (ε' = ε/(1 − λ)² ≥ ε): with ε = 1e4 that is ~1e-5
+    here, where the paper's ε (the source's rms_norm_eps) leaves errors of order one on tokens not calibrated on."""
+    source = duplicate_source("odd_9_3", seed=1)
+    other = torch.tensor([[17, 60, 5, 33, 2]])
+    reference = logits_of(source, other)
+    errors = {}
+    for eps in (None, 1e4):
+        out = tmp_path / f"v1-{eps}"
+        convert("llama", source, out, diff_version=1, v1_init="duplicate", v1_calibration=other[:, :1], v1_subln_eps=eps,
+                progress=False)
+        model = DiffTransformerForCausalLM.from_pretrained(out).eval()
+        assert model.config.subln_eps == (source.config.rms_norm_eps if eps is None else eps)
+        errors[eps] = (logits_of(model, other) - reference).abs().max().item()
+    assert errors[None] > 1e-3
+    assert errors[1e4] < 1e-2 * errors[None], errors
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ConversionError, match="--v1-subln-eps must be a positive finite number"):
+            convert("llama", source, tmp_path / "bad", diff_version=1, v1_subln_eps=bad, progress=False)
+    with pytest.raises(ConversionError, match="--v1-subln-eps applies to --from llama --diff-version 1 only"):
+        convert("llama", source, tmp_path / "bad", diff_version=2, v1_subln_eps=1.0, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
 def logits_of(model, ids):
     with torch.no_grad():
         return model(ids).logits

@@ -108,6 +108,7 @@ def build_plan(
     seed: int = 0,
     v1_init: str = "auto",
     v1_output_rms: torch.Tensor | None = None,
+    v1_subln_eps: float | None = None,
 ) -> Plan:
     """The conversion plan for a source config (a transformers config, or a dict for Microsoft sources)."""
     if source not in SOURCES:
@@ -129,13 +130,18 @@ def build_plan(
     elif source == "diffllama":
         plan = plan_from_diffllama(config)
     elif source == "llama":
-        plan = plan_from_llama(config, diff_version, seed, v1_init, v1_output_rms)
+        plan = plan_from_llama(config, diff_version, seed, v1_init, v1_output_rms, v1_subln_eps)
     else:
         plan = plan_from_microsoft(config, 1 if source == "microsoft-v1" else 2, microsoft_module, subln_affine)
     return to_diffllama(plan) if target == "diffllama" else plan
 
 
-def _check_v1_options(source: str, diff_version, v1_init, v1_calibration) -> None:
+def _check_v1_options(source: str, diff_version, v1_init, v1_calibration, v1_subln_eps=None) -> None:
+    if v1_subln_eps is not None:
+        if isinstance(v1_subln_eps, bool) or not isinstance(v1_subln_eps, (int, float)) or not 0 < v1_subln_eps < float("inf"):
+            raise ConversionError(f"--v1-subln-eps must be a positive finite number; got {v1_subln_eps!r}.")
+        if not (source == "llama" and diff_version == 1):
+            raise ConversionError("--v1-subln-eps applies to --from llama --diff-version 1 only.")
     if v1_init not in V1_INITS:
         raise ConversionError(f"--v1-init {v1_init!r}; allowed: {list(V1_INITS)}.")
     if not isinstance(v1_calibration, torch.Tensor) and v1_calibration not in V1_CALIBRATIONS:
@@ -201,6 +207,7 @@ def convert(
     progress: bool = True,
     v1_init: str = "auto",
     v1_calibration: str | torch.Tensor = "auto",
+    v1_subln_eps: float | None = None,
     tokenizer=None,
 ) -> ConversionResult:
     """Convert a checkpoint (SPEC §6). See the package docstring and docs/convert.md.
@@ -228,6 +235,9 @@ def convert(
         v1_calibration: duplicate only: ``"auto"`` (the embedded corpus through the source's tokenizer, else random
             ids), ``"corpus"``, ``"random"``, ``"none"`` (ρ = 1), or a ``(batch, length)`` tensor of token ids.
             Calibration runs the source model (a folder source is loaded for it).
+        v1_subln_eps: Llama → V1 only: eps of V1's per-head RMSNorm (``subln_eps``); default the source's
+            ``rms_norm_eps``. With ``duplicate``, a large value (e.g. 1) makes the norm near-linear at the start, so
+            the converted model nearly equals the source (docs/convert.md); export to DiffLlama is then not exact.
         tokenizer: for an in-memory model: saved beside the result and used for the corpus calibration.
     """
     output = Path(output)
@@ -245,7 +255,7 @@ def convert(
         raise ConversionError(
             f"--input {str(in_path)!r} is a GGUF file: GGUF files convert with --from llama (Llama-family models), not --from {source}."
         )
-    _check_v1_options(source, diff_version, v1_init, v1_calibration)
+    _check_v1_options(source, diff_version, v1_init, v1_calibration, v1_subln_eps)
     _prepare_output(output, [in_path] if in_path is not None else [], overwrite)
 
     notes: list[str] = []
@@ -287,7 +297,7 @@ def convert(
             raise ConversionError("--key-map applies to Microsoft sources only.")
         plan_args = (source, target, src_config, diff_version, microsoft_module, subln_affine, seed)
         with _config_errors(config_where):
-            plan = build_plan(*plan_args, v1_init=v1_init)
+            plan = build_plan(*plan_args, v1_init=v1_init, v1_subln_eps=v1_subln_eps)
         check_source(plan, ckpt, source)
         out_dtype = _resolve_dtype(dtype, plan, ckpt)
         method = plan.info.get("v1_init")
@@ -296,7 +306,7 @@ def convert(
         if method == "duplicate":
             rho, how = _calibrate(v1_calibration, model, in_folder, tokenizer, src_config, seed)
             if rho is not None:
-                plan = build_plan(*plan_args, v1_init=v1_init, v1_output_rms=rho)
+                plan = build_plan(*plan_args, v1_init=v1_init, v1_output_rms=rho, v1_subln_eps=v1_subln_eps)
                 check_source(plan, ckpt, source)
             plan.notes.append(how)
             plan.info["calibration"] = how

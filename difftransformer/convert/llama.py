@@ -85,9 +85,11 @@ def _llama_notes(src) -> list[str]:
     return notes
 
 
-def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | None = None, v1_init: str = "auto") -> DiffTransformerConfig:
+def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | None = None, v1_init: str = "auto",
+                      v1_subln_eps: float | None = None) -> DiffTransformerConfig:
     """Llama-style config → ours. V2 doubles the query heads (SPEC §6); V1 ``pair`` keeps every count, V1
-    ``duplicate`` doubles both query and KV heads."""
+    ``duplicate`` doubles both query and KV heads. ``v1_subln_eps``: V1's per-head norm eps (default: the source's
+    ``rms_norm_eps``)."""
     if src.model_type not in LLAMA_STYLE_MODEL_TYPES:
         raise ConversionError(
             f"--from llama expects a Llama-style causal LM; config.json has model_type {src.model_type!r}, "
@@ -117,8 +119,9 @@ def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | 
         attention_bias=has_bias,
         mlp_bias=bool(getattr(src, "mlp_bias", False)),
         diff_version=diff_version,
-        # V1: the per-head norm gets the model's eps, so that the result can also be exported to DiffLlama.
-        subln_eps=src.rms_norm_eps,
+        # V1: by default the per-head norm gets the model's eps, so that the result can also be exported to DiffLlama
+        # exactly. A large eps makes the norm near-linear at the start (see docs/convert.md, "--v1-subln-eps").
+        subln_eps=src.rms_norm_eps if v1_subln_eps is None else v1_subln_eps,
     )
 
 
@@ -162,14 +165,15 @@ def _duplicate_o_proj(weight: torch.Tensor, scales: torch.Tensor, d: int) -> tor
     return torch.stack([blocks, blocks], dim=2).flatten(1).to(torch.promote_types(weight.dtype, torch.float32))
 
 
-def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto", v1_output_rms: torch.Tensor | None = None) -> Plan:
+def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto", v1_output_rms: torch.Tensor | None = None,
+                    v1_subln_eps: float | None = None) -> Plan:
     """Llama → V2 (exact) or V1 (``pair`` or ``duplicate``), SPEC §6.
 
     ``v1_output_rms``: for ``duplicate``, ``ρ`` of shape ``(num_hidden_layers, num_attention_heads)`` (from
     :func:`calibrate_v1_output_scales`); ``None`` takes ``ρ = 1`` (uncalibrated).
     """
     source_shapes = {k: v for k, v in _meta_shapes(AutoModelForCausalLM, src).items()}
-    config = config_from_llama(src, diff_version, source_shapes, v1_init)
+    config = config_from_llama(src, diff_version, source_shapes, v1_init, v1_subln_eps)
     method = resolve_v1_init(src, v1_init) if diff_version == 1 else None
     target_shapes = _meta_shapes(DiffTransformerForCausalLM, config)
     hq, hkv, d = _head_counts(src)
