@@ -185,6 +185,19 @@ def test_tiny_gguf_command_line_bfloat16_and_verify(tmp_path, capsys):
     torch.testing.assert_close(logits(model), logits(reference), rtol=0, atol=1e-5)
 
 
+def test_command_line_v1_subln_eps_is_written_and_checked(tmp_path, capsys):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hq=3, hkv=1)
+    out = tmp_path / "v1"
+    assert main(["--from", "llama", "--diff-version", "1", "--v1-subln-eps", "1", "--input", str(gguf), "--output", str(out),
+                 "--no-progress"]) == 0  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["subln_eps"] == 1.0
+    capsys.readouterr()
+    assert main(["--from", "llama", "--diff-version", "1", "--v1-subln-eps", "0", "--input", str(gguf), "--output",
+                 str(tmp_path / "bad"), "--no-progress"]) == 2  # fmt: skip
+    assert "--v1-subln-eps must be a positive finite number; got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_tiny_gguf_to_v1_duplicates_odd_heads_and_calibrates_with_its_tokenizer(tmp_path):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hq=3, hkv=1)
     result = convert("llama", gguf, tmp_path / "v1", diff_version=1, verify=True, progress=False)
