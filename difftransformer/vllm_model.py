@@ -1,9 +1,8 @@
 """DIFF V2 as a native vLLM model: vLLM's own Llama layers plus the differential combine.
 
-vLLM imports this module (never this package's ``__init__``) when it builds a ``DiffTransformerForCausalLM`` folder;
-``vllm_plugin.register`` (the ``vllm.general_plugins`` entry point of setup.py) tells it where the class is. Without
-the package installed, the same folder still serves through vLLM's Transformers backend (``model_impl="transformers"``
-with the folder's remote code).
+vLLM imports this module only when it builds a ``DiffTransformerForCausalLM`` folder; ``vllm_plugin.register`` (the
+``vllm.general_plugins`` entry point of setup.py) tells it where the class is. Without the package installed, the same
+folder still serves through vLLM's Transformers backend (``model_impl="transformers"`` with the folder's remote code).
 
 The model is vLLM's ``LlamaForCausalLM`` with one layer changed, the attention (SPEC §2):
 
