@@ -347,7 +347,8 @@ def test_measure_v1_init_script_runs_on_a_tiny_gguf(tmp_path):
     record = json.loads((tmp_path / "r.json").read_text())
     ppl = record["perplexity"]
     assert list(ppl) == ["source (Llama, GGUF de-quantised)", "V2 (exact upcycling)", "V1 duplicate, calibration corpus",
-                         "V1 duplicate, calibration random", "V1 duplicate, calibration none"]  # fmt: skip
+                         "V1 duplicate, calibration random", "V1 duplicate, calibration none",
+                         "V1 duplicate, calibration corpus, subln_eps 0.01", "V1 duplicate, calibration corpus, subln_eps 1"]  # fmt: skip
     for text in record["texts"]:
         assert ppl["V2 (exact upcycling)"][text] == pytest.approx(ppl["source (Llama, GGUF de-quantised)"][text], rel=1e-5)
         assert all(math.isfinite(v[text]) and v[text] > 1 for v in ppl.values())

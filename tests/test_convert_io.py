@@ -364,6 +364,6 @@ def test_docs_perplexity_table_is_the_committed_result():
     header = "| model | " + " | ".join(record["texts"][t] for t in texts) + " |"
     assert header in text
     rows = record["perplexity"]
-    assert len(rows) == 5
+    assert len(rows) == 7
     for name, values in rows.items():
         assert f"| {name} | " + " | ".join(f"{values[t]:.2f}" for t in texts) + " |" in text, name
