@@ -141,7 +141,10 @@ def plain_model(model: torch.nn.Module, config) -> torch.nn.Module:
     """The same weights in a model of ``config`` that nothing takes for quantized. transformers' GGUF loader keeps
     ``quantization_config`` (and its quantizer) on the de-quantised float32 model: ``save_pretrained`` then fails,
     and the Trainer refuses to fine-tune it as a teacher's copy or a student."""
-    plain = type(model)(config)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is overwritten next: skip the random initialisation
+        plain = type(model)(config)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
     return plain.to(torch.float32).eval()
