@@ -180,6 +180,104 @@ def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_m
     return _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block)
 
 
+# torch's CPU flash-attention kernel (the one behind SDPA for float32) and its backward, called directly for their
+# log-sum-exp output. Absent ops (another torch build) leave V2 on transformers' sdpa function.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# Query rows per block of :func:`causal_block_attention`, and the prompt lengths it is used for.
+_CAUSAL_BLOCK = 128
+CAUSAL_BLOCK_LENGTHS = range(2 * _CAUSAL_BLOCK, 512 + 1)
+
+
+def _causal_blocks(t: int, block: int):
+    """``(t0, t1)`` query blocks; block ``[t0, t1)`` sees the keys ``[0, t0)`` in full and ``[t0, t1)`` causally."""
+    return [(t0, min(t, t0 + block)) for t0 in range(0, t, block)]
+
+
+def _causal_block_forward(query, key, value, scaling, block):
+    """→ ``out`` ``(B, Hq, T, d)`` and ``lse`` ``(B, Hq, T)`` (float32; float64 for float64 inputs): per block, one causal flash call on the diagonal
+    square and one unmasked call on the keys before it, merged by their log-sum-exps."""
+    b, h, t, d = query.shape
+    out = query.new_empty(b, t, h, d).transpose(1, 2)  # the (B, T, Hq, d) memory the caller transposes back to
+    lse = torch.empty(query.shape[:3], dtype=_accumulation_dtype(query.dtype), device=query.device)
+    for t0, t1 in _causal_blocks(query.shape[2], block):
+        q = query[:, :, t0:t1]
+        o_diag, l_diag = _FLASH_CPU(q, key[:, :, t0:t1], value[:, :, t0:t1], 0.0, True, scale=scaling)
+        if t0 == 0:
+            out[:, :, t0:t1], lse[:, :, t0:t1] = o_diag, l_diag
+            continue
+        o_past, l_past = _FLASH_CPU(q, key[:, :, :t0], value[:, :, :t0], 0.0, False, scale=scaling)
+        total = torch.logaddexp(l_past, l_diag)
+        w_past, w_diag = (l_past - total).exp_().unsqueeze(-1), (l_diag - total).exp_().unsqueeze(-1)
+        out[:, :, t0:t1] = torch.mul(o_past, w_past).addcmul_(o_diag, w_diag)
+        lse[:, :, t0:t1] = total
+    return out, lse
+
+
+class CausalBlockAttention(torch.autograd.Function):
+    """Causal float32 attention of a square prompt in blocks of query rows, flash-attention style on both passes.
+
+    torch's CPU flash kernel splits the keys into 512-wide blocks and skips only whole blocks above the diagonal, so at
+    up to 512 keys a causal call computes the full ``T×T`` scores. Here each block of ``_CAUSAL_BLOCK`` query rows takes
+    one causal call on its diagonal square and one unmasked call on the keys before it, merged exactly by their
+    log-sum-exps: about half the score arithmetic is skipped. The backward calls the kernel's own backward per part
+    with the merged output and log-sum-exp (what the flash backward needs: ``P = exp(S − lse)`` and
+    ``rowsum(dO ∘ O)`` of the whole row); the key and value gradients of the parts add up.
+    ``query`` ``(B, Hq, T, d)``, ``key``/``value`` ``(B, G, T, d)`` (GQA: query head ``i`` reads KV head ``i // (Hq/G)``).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling, block):
+        out, lse = _causal_block_forward(query, key, value, scaling, block)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.scaling, ctx.block = scaling, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq = torch.empty_like(query, memory_format=torch.contiguous_format)
+        dk, dv = torch.zeros_like(key), torch.zeros_like(value)
+        for t0, t1 in _causal_blocks(query.shape[2], ctx.block):
+            rows = (grad_out[:, :, t0:t1], query[:, :, t0:t1])
+            saved = (out[:, :, t0:t1], lse[:, :, t0:t1].contiguous())
+            parts = [(slice(t0, t1), True)] + ([(slice(0, t0), False)] if t0 else [])
+            for i, (keys, causal) in enumerate(parts):
+                g_q, g_k, g_v = _FLASH_CPU_BACKWARD(*rows, key[:, :, keys], value[:, :, keys], *saved, 0.0, causal, scale=ctx.scaling)
+                if i == 0:
+                    dq[:, :, t0:t1] = g_q
+                else:
+                    dq[:, :, t0:t1] += g_q
+                dk[:, :, keys] += g_k
+                dv[:, :, keys] += g_v
+        return dq, dk, dv, None, None
+
+
+def causal_block_attention(query, key, value, scaling, block=None):
+    """Causal attention of a square prompt (:class:`CausalBlockAttention`): ``query`` ``(B, Hq, T, d)``,
+    ``key``/``value`` ``(B, G, T, d)`` → ``(B, Hq, T, d)``, equal to SDPA with ``is_causal=True``; ``block``: query
+    rows per block (None: ``_CAUSAL_BLOCK``)."""
+    block = block or _CAUSAL_BLOCK
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+        return CausalBlockAttention.apply(query, key, value, scaling, block)
+    return _causal_block_forward(query, key, value, scaling, block)[0]
+
+
+def uses_causal_block_attention(query, key, attention_mask) -> bool:
+    """Whether :func:`causal_block_attention` runs for this V2 call: a CPU float32 square prompt of 256–512 tokens with
+    no mask (transformers' sdpa convention for an unpadded causal prompt), where it beats one causal flash call."""
+    return (
+        _FLASH_CPU is not None
+        and _FLASH_CPU_BACKWARD is not None
+        and attention_mask is None
+        and query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and query.shape[2] == key.shape[2]
+        and query.shape[2] in CAUSAL_BLOCK_LENGTHS
+    )
+
+
 def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling, pair_stride):
     """V1's kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, 2H, d)`` in the q_proj row order
     ``(g, c, r)`` (unpadded), packed ``key``/``value`` ``(B, G, S, 2d)``, a boolean or no mask. Returns the combined
@@ -196,8 +294,11 @@ def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling,
 
 __all__ = [
     "BlockedDifferentialAttention",
+    "CausalBlockAttention",
+    "causal_block_attention",
     "blocked_differential_attention",
     "differential_sdpa_attention",
     "gqa_decode_attention",
     "packed_decode_attention",
+    "uses_causal_block_attention",
 ]

@@ -68,9 +68,11 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_difftransformer import DiffTransformerConfig
 from .kernels_difftransformer import (
     blocked_differential_attention,
+    causal_block_attention,
     differential_sdpa_attention,
     gqa_decode_attention,
     packed_decode_attention,
+    uses_causal_block_attention,
 )
 
 
@@ -367,6 +369,14 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         if self.uses_own_sdpa_kernel(query, attention_mask, kwargs) and self.is_decode_step(query, key, value):
             # decode: the 2n query heads of a KV head are the rows of one SDPA head (the cache is read once)
             per_map = gqa_decode_attention(query.transpose(1, 2), key, value, self.scaling, attention_mask)
+            attn_output, attn_weights = differential_combine(per_map, lam[..., None, None], 1, dim=2), None
+        elif (
+            self.uses_own_sdpa_kernel(query, attention_mask, kwargs)
+            and kwargs.get("is_causal") is not False
+            and uses_causal_block_attention(query.transpose(1, 2), key, attention_mask)
+        ):
+            # a float32 prompt of 256-512 tokens: causal attention in query blocks skips the hidden half of the scores
+            per_map = causal_block_attention(query.transpose(1, 2), key, value, self.scaling).transpose(1, 2)
             attn_output, attn_weights = differential_combine(per_map, lam[..., None, None], 1, dim=2), None
         else:
             # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by

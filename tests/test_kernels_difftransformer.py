@@ -268,3 +268,68 @@ def test_bfloat16_costs_lambda_gradient_more_than_any_weight_matrix(bf16_trainin
         assert min(lam.values()) > max(matrices.values()), (lam, matrices)
     else:  # V2's λ comes from a projection like any other: no such gap
         assert min(lam.values()) < max(matrices.values())
+
+
+# ------------------------------------------------------------------------------------- V2's causal block attention
+@pytest.mark.parametrize("t,block", [(8, 3), (7, 7), (9, 4)])
+def test_causal_block_attention_gradients_are_exact(t, block):
+    """float64 gradcheck of the blocked causal attention (GQA: 4 query heads over 2 KV heads), with a last block
+    shorter than the others and with one block only."""
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, t, 5, dtype=torch.float64, generator=gen).requires_grad_()
+    key, value = (torch.randn(2, 2, t, 5, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(2))
+    fn = lambda q, k, v: kernels.CausalBlockAttention.apply(q, k, v, 5**-0.5, block)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (query, key, value))
+
+
+def test_causal_block_attention_equals_causal_sdpa():
+    """float32, a (B, T, H, d) query viewed as (B, H, T, d) (the model's layout), 300 tokens in 128-row blocks: output
+    and gradients within float32 rounding of the float64 causal softmax attention."""
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 300, 6, 16, generator=gen).transpose(1, 2).requires_grad_()
+    key, value = (torch.randn(2, 3, 300, 16, generator=gen).requires_grad_() for _ in range(2))
+    grad = torch.randn(2, 6, 300, 16, generator=gen)
+    out = kernels.causal_block_attention(query, key, value, 0.25)
+    (out * grad).sum().backward()
+    inputs64 = [x.detach().double().requires_grad_() for x in (query, key, value)]
+    q64, k64, v64 = inputs64
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q64, k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1), is_causal=True, scale=0.25)
+    (ref * grad.double()).sum().backward()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    for x, x64 in zip((query, key, value), inputs64):
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the inference path (no saved tensors) gives the same output
+        torch.testing.assert_close(kernels.causal_block_attention(query, key, value, 0.25), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v2_prompt_lengths_take_the_causal_block_path_and_equal_eager(dtype, monkeypatch):
+    """A V2 model under sdpa, on prompt lengths the block path covers (shrunk here to 24–40 tokens in 8-row blocks):
+    float32 logits, greedy generations and every parameter gradient equal eager's; a padded batch, a bfloat16 model
+    and a shorter prompt keep transformers' sdpa call."""
+    monkeypatch.setattr(kernels, "_CAUSAL_BLOCK", 8)
+    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_LENGTHS", range(24, 41))
+    calls = []
+    original = kernels.causal_block_attention
+    monkeypatch.setattr(mdt, "causal_block_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = _model(4, version=2)
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ref = _run(model, "eager", ids, mask)
+    calls.clear()
+    fast = _run(model, "sdpa", ids, mask)
+    # forward, training forward, and one per layer for a 40-token prompt; generate's 12-token prompts are too short
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(fast[0], ref[0], rtol=1e-5, atol=1e-5)
+    for cache in ("dynamic", "static"):
+        assert torch.equal(fast[1][cache], ref[1][cache]), cache
+    for name, grad in ref[2].items():
+        torch.testing.assert_close(fast[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    calls.clear()
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        model(ids, attention_mask=mask.index_fill(1, torch.tensor([0]), 0))  # padding: a boolean mask reaches the kernel
+        model(ids[:, :20])  # shorter than the block path's lengths
+        model.to(dtype)(ids)  # bfloat16 keeps SDPA's single call (float32 runs the block path)
+    assert len(calls) == (model.config.num_hidden_layers if dtype == torch.float32 else 0)
