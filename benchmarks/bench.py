@@ -337,18 +337,26 @@ def _workload(group: str, model, args: tuple, plan: Plan) -> Callable[[], float]
     return train_workload(model, *args)
 
 
-def forward_flops(config, seq: int, logits_tokens: int) -> float:
+def forward_flops(config, seq: int, logits_tokens: int, past: int = 0) -> float:
     """Matmul FLOPs (2 per multiply-add) of one causal forward over ``seq`` tokens of a Llama, V1 or V2 config, with
-    the LM head applied to ``logits_tokens`` positions; attention counts the ``(seq + 1) / 2`` keys a query sees on
-    average. Training costs about 3× the forward for every model alike, so its ratio is the forward's."""
+    the LM head applied to ``logits_tokens`` positions; attention counts the ``past + (seq + 1) / 2`` keys a query
+    sees on average (``past`` cached tokens before them). Training costs about 3× the forward for every model alike,
+    so its ratio is the forward's."""
     e, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     version = getattr(config, "diff_version", None)
     heads, width = (hq // 2, 2 * d) if version == 1 else ((hq // 2, d) if version == 2 else (hq, d))
     per_token = 2 * e * (hq + 2 * hkv) * d + 2 * heads * width * e + 6 * e * inter + (2 * e * heads if version == 2 else 0)
-    visible = (seq + 1) / 2
+    visible = past + (seq + 1) / 2
     attention = 2 * hq * d * visible + 2 * (heads * width if version == 1 else hq * d) * visible  # scores + A·V
     return layers * seq * (per_token + attention) + 2 * e * vocab * logits_tokens
+
+
+def generation_flops(config, prompt_len: int, new_tokens: int) -> float:
+    """Matmul FLOPs of generating ``new_tokens`` greedy tokens after a ``prompt_len``-token prompt with a KV cache:
+    the prompt's forward (logits of its last token, the first new token) and one one-token step per further token."""
+    steps = sum(forward_flops(config, 1, 1, past=prompt_len + j) for j in range(new_tokens - 1))
+    return forward_flops(config, prompt_len, 1) + steps
 
 
 def _flop_floor(spec: dict, models: dict[str, torch.nn.Module], kind: str) -> float | None:

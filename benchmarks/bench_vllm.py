@@ -14,7 +14,8 @@ A measurement is one ``LLM.generate`` call of C requests (C = each ``--concurren
 greedy tokens each (EOS ignored). Reported: output tokens/s = C·new_tokens / wall time of the call, and the ratio of
 the V2's time to the Llama's (above 1: V2 slower; the goal is at most 1.10). Repetitions are interleaved (the order of
 the two models alternates), after one untimed warm-up call per model and concurrency; medians and the spread
-(IQR / median) are reported. The greedy outputs of the two models are compared too (the upcycle is exact, so they
+(IQR / median) are reported, with the V2's FLOP floor: its matmul FLOPs over the Llama's for one request's prompt and
+generated tokens (``generation_flops`` in bench.py), the ratio an engine that is bound by arithmetic cannot beat. The greedy outputs of the two models are compared too (the upcycle is exact, so they
 agree except where float32 rounding flips a near-tie).
 
 Writes ``benchmarks/results/vllm_<name>.json`` (``--smoke``: into a temporary folder) and, where matplotlib is
@@ -35,6 +36,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: `benchmarks.*` needs the repository root
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench import generation_flops  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 GOAL = 1.10  # issue 11: V2 upcycle at most 1.10x the Llama's time
 
@@ -89,6 +94,11 @@ def run(args) -> dict:
                             **common),
     }
     startup_s = time.perf_counter() - started
+    configs = {name: llm.llm_engine.model_config.hf_config for name, llm in llms.items()}
+    flop_floor = (generation_flops(configs["diff_v2"], args.prompt_len, args.new_tokens)
+                  / generation_flops(configs["llama"], args.prompt_len, args.new_tokens))
+    print(f"FLOP floor of the V2 (its matmul FLOPs over the Llama's for {args.prompt_len}+{args.new_tokens} tokens): "
+          f"{flop_floor:.3f}", flush=True)
     vocab = llms["llama"].llm_engine.model_config.get_vocab_size()
     params = vllm.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
 
@@ -127,6 +137,7 @@ def run(args) -> dict:
             row[name] = {"seconds": ts, "median_s": statistics.median(ts), "spread": spread(ts),
                          "output_tokens_per_s": c * args.new_tokens / statistics.median(ts)}
         row["time_ratio"] = row["diff_v2"]["median_s"] / row["llama"]["median_s"]
+        row["flop_floor"] = flop_floor
         row["meets_goal"] = row["time_ratio"] <= GOAL
         results.append(row)
         print(f"C={c:3d}  llama {row['llama']['output_tokens_per_s']:8.1f} tok/s  diff_v2 "
@@ -183,7 +194,8 @@ def write_chart(report: dict, path: Path) -> bool:
     ax.set_title(f"vLLM {report['machine']['vllm']} CPU, float32, {report['settings']['prompt_len']}+"
                  f"{report['settings']['new_tokens']} tokens, {'compiled' if report['settings']['compile'] else 'eager'}; "
                  f"×: V2 time / Llama time\nLlama: {impl[models['llama_impl']]}, "
-                 f"V2: {impl[models.get('diff_impl', 'transformers')]}", fontsize=9)
+                 f"V2: {impl[models.get('diff_impl', 'transformers')]}"
+                 + (f"; V2's FLOP floor ×{rows[0]['flop_floor']:.3f}" if "flop_floor" in rows[0] else ""), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -12,7 +12,11 @@ SDPA cannot combine two maps before multiplying by the value. Under "sdpa" V1 in
   multiplied once by the 2d-wide value (:class:`BlockedDifferentialAttention`); its backward recomputes each block's
   maps from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
 
-benchmarks/attention_micro.py measures both against every alternative (docs/performance.md). This file is imported
+V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`gqa_decode_attention`, and a
+float32 prompt of at least 256 tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's CPU
+flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
+
+benchmarks/attention_micro.py measures V1's two kernels against every alternative, and the V2 prompt path against one SDPA call (docs/performance.md). This file is imported
 relatively by the modeling file, so ``save_pretrained`` copies it into every saved folder (Hub remote code).
 """
 
@@ -184,9 +188,9 @@ def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_m
 # log-sum-exp output. Absent ops (another torch build) leave V2 on transformers' sdpa function.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-# Query rows per block of :func:`causal_block_attention`, and the prompt lengths it is used for.
+# Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for (two blocks).
 _CAUSAL_BLOCK = 128
-CAUSAL_BLOCK_LENGTHS = range(2 * _CAUSAL_BLOCK, 512 + 1)
+CAUSAL_BLOCK_MIN_LENGTH = 2 * _CAUSAL_BLOCK
 
 
 def _causal_blocks(t: int, block: int):
@@ -265,8 +269,9 @@ def causal_block_attention(query, key, value, scaling, block=None):
 
 
 def uses_causal_block_attention(query, key, attention_mask) -> bool:
-    """Whether :func:`causal_block_attention` runs for this V2 call: a CPU float32 square prompt of 256–512 tokens with
-    no mask (transformers' sdpa convention for an unpadded causal prompt), where it beats one causal flash call."""
+    """Whether :func:`causal_block_attention` runs for this V2 call: a CPU float32 square prompt of at least
+    ``CAUSAL_BLOCK_MIN_LENGTH`` tokens with no mask (transformers' sdpa convention for an unpadded causal prompt); at 128
+    tokens one block is one causal flash call. benchmarks/v2_prompt_attention.py times both paths."""
     return (
         _FLASH_CPU is not None
         and _FLASH_CPU_BACKWARD is not None
@@ -274,7 +279,7 @@ def uses_causal_block_attention(query, key, attention_mask) -> bool:
         and query.device.type == "cpu"
         and query.dtype == torch.float32
         and query.shape[2] == key.shape[2]
-        and query.shape[2] in CAUSAL_BLOCK_LENGTHS
+        and query.shape[2] >= CAUSAL_BLOCK_MIN_LENGTH
     )
 
 

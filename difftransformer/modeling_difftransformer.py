@@ -375,7 +375,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
             and kwargs.get("is_causal") is not False
             and uses_causal_block_attention(query.transpose(1, 2), key, attention_mask)
         ):
-            # a float32 prompt of 256-512 tokens: causal attention in query blocks skips the hidden half of the scores
+            # a float32 prompt of 256+ tokens: causal attention in query blocks skips most hidden scores
             per_map = causal_block_attention(query.transpose(1, 2), key, value, self.scaling).transpose(1, 2)
             attn_output, attn_weights = differential_combine(per_map, lam[..., None, None], 1, dim=2), None
         else:

@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import attention_micro as am  # noqa: E402
 from benchmarks import bench  # noqa: E402
+from benchmarks import v2_prompt_attention as v2p  # noqa: E402
 from benchmarks.padded_sdpa import PADDED_SDPA  # noqa: E402
 from difftransformer.modeling_difftransformer import eager_attention_forward  # noqa: E402
 
@@ -99,6 +100,24 @@ def test_attention_micro_smoke_checks_and_times_every_strategy(tmp_path):
     assert set(counts) == set(am.DECODE_KINDS) and all(c > 0 for c in counts.values())
 
 
+def test_v2_prompt_attention_smoke_checks_and_times_both_paths(tmp_path):
+    """The documented smoke command checks both strategies against float64 (forward, and gradients for train) with
+    several 16-row blocks, times them and writes the JSON; a wrong kernel fails the check."""
+    smoke = [args for args in _doc_commands("v2_prompt_attention.py") if "--smoke" in args]
+    assert smoke, "docs/performance.md must show the V2 prompt micro-benchmark's smoke command"
+    out = v2p.main([*smoke[0], "--threads", "1", "--json", str(tmp_path / "v2.json")])
+    saved = json.loads((tmp_path / "v2.json").read_text())
+    assert [(r["phase"], r["length"]) for r in saved["results"]] == [("prefill", 40), ("train", 40)]
+    for row in out["results"]:
+        assert all(e <= v2p.TOLERANCE for e in row["rel_err"].values())
+        assert all(row["stats"][name]["median_s"] > 0 for name in ("sdpa", "blocks"))
+    inputs = v2p.make_inputs(1, 40, 4, 2, 16)
+    good = v2p.strategies(4, 2, 0.25, block=16)["blocks"]
+    not_causal = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.25)
+    assert v2p.check(good, inputs, train=True) <= v2p.TOLERANCE < v2p.check(not_causal, inputs, train=False)
+
+
 def test_documented_full_commands_parse():
     """The long (not smoke) commands shown in the docs use flags and values the scripts accept."""
     for args in _doc_commands("bench.py"):
@@ -109,6 +128,8 @@ def test_documented_full_commands_parse():
     for args in _doc_commands("attention_micro.py"):
         ns = am.parse_args(args)
         assert set(ns.strategies.split(",")) <= set(am.STRATEGIES)
+    for args in _doc_commands("v2_prompt_attention.py"):
+        v2p.parse_args(args)
 
 
 def test_bad_flags_name_the_allowed_values(capsys):
@@ -243,3 +264,16 @@ def test_upcycle_models_have_the_converters_layout_and_flop_floors():
     assert 1.05 < expected < 1.15
     result = {"family": "decode", "item": "decode b1", "models": {"upcycle_v2": {"ratio": 1.07}}, "unit": "s"}
     assert bench.check_targets(result)["upcycle_v2"] == {"target": 1.08, "met": True}
+
+
+def test_generation_flops_add_a_prompt_forward_and_cached_steps():
+    """The vLLM benchmark's FLOP floor: a one-token step over ``p`` cached tokens sees ``p + 1`` keys, and generating
+    from a prompt costs its forward plus those steps; V2's floor for SmolLM2's shape at 128 + 64 tokens exceeds 1.10."""
+    llama, v2 = (bench.build_config(kind, bench.SMOLLM2) for kind in ("llama", "upcycle_v2"))
+    e, d = 576, 64
+    step = 30 * (2 * e * 15 * d + 2 * 9 * d * e + 6 * e * 1536 + 2 * 2 * 9 * d * 101) + 2 * e * 49152
+    assert bench.forward_flops(llama, 1, 1, past=100) == pytest.approx(step, rel=1e-12)
+    total = bench.forward_flops(llama, 128, 1) + sum(bench.forward_flops(llama, 1, 1, past=128 + j) for j in range(63))
+    assert bench.generation_flops(llama, 128, 64) == pytest.approx(total, rel=1e-12)
+    assert bench.generation_flops(llama, 128, 1) == bench.forward_flops(llama, 128, 1)
+    assert 1.10 < bench.generation_flops(v2, 128, 64) / bench.generation_flops(llama, 128, 64) < 1.12
