@@ -16,8 +16,9 @@ V2 is standard attention over 2H query heads; under "sdpa" its decode step takes
 float32 prompt of at least 256 tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's CPU
 flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
 
-benchmarks/attention_micro.py measures V1's two kernels against every alternative, and the V2 prompt path against one SDPA call (docs/performance.md). This file is imported
-relatively by the modeling file, so ``save_pretrained`` copies it into every saved folder (Hub remote code).
+benchmarks/attention_micro.py measures V1's two kernels against every alternative, benchmarks/v2_prompt_attention.py
+the V2 prompt path against one SDPA call (docs/performance.md). This file is imported relatively by the modeling file,
+so ``save_pretrained`` copies it into every saved folder (Hub remote code).
 """
 
 import torch
@@ -199,8 +200,8 @@ def _causal_blocks(t: int, block: int):
 
 
 def _causal_block_forward(query, key, value, scaling, block):
-    """→ ``out`` ``(B, Hq, T, d)`` and ``lse`` ``(B, Hq, T)`` (float32; float64 for float64 inputs): per block, one causal flash call on the diagonal
-    square and one unmasked call on the keys before it, merged by their log-sum-exps."""
+    """→ ``out`` ``(B, Hq, T, d)`` and ``lse`` ``(B, Hq, T)`` (float32; float64 for float64 inputs): per block, one
+    causal flash call on the diagonal square and one unmasked call on the keys before it, merged by log-sum-exp."""
     b, h, t, d = query.shape
     out = query.new_empty(b, t, h, d).transpose(1, 2)  # the (B, T, Hq, d) memory the caller transposes back to
     lse = torch.empty(query.shape[:3], dtype=_accumulation_dtype(query.dtype), device=query.device)
@@ -219,7 +220,7 @@ def _causal_block_forward(query, key, value, scaling, block):
 
 
 class CausalBlockAttention(torch.autograd.Function):
-    """Causal float32 attention of a square prompt in blocks of query rows, flash-attention style on both passes.
+    """Causal attention of a square prompt in blocks of query rows, flash-attention style on both passes.
 
     torch's CPU flash kernel splits the keys into 512-wide blocks and skips only whole blocks above the diagonal, so at
     up to 512 keys a causal call computes the full ``T×T`` scores. Here each block of ``_CAUSAL_BLOCK`` query rows takes

@@ -327,7 +327,12 @@ def test_v2_prompt_lengths_take_the_causal_block_path_and_equal_eager(dtype, mon
     for name, grad in ref[2].items():
         torch.testing.assert_close(fast[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     calls.clear()
-    model.set_attn_implementation("sdpa")
+    with torch.no_grad():  # generate() from a 32-token prompt: its prefill takes the block path, then decoding
+        long_prompt = {impl: model.set_attn_implementation(impl) or model.generate(
+            ids[:, :32], attention_mask=mask[:, :32], max_new_tokens=5, do_sample=False, pad_token_id=0)
+            for impl in ("eager", "sdpa")}
+    assert torch.equal(long_prompt["sdpa"], long_prompt["eager"]) and len(calls) == model.config.num_hidden_layers
+    calls.clear()
     with torch.no_grad():
         model(ids, attention_mask=mask.index_fill(1, torch.tensor([0]), 0))  # padding: a boolean mask reaches the kernel
         model(ids[:, :20])  # shorter than the block path's lengths
