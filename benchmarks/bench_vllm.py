@@ -15,8 +15,9 @@ greedy tokens each (EOS ignored). Reported: output tokens/s = C·new_tokens / wa
 the V2's time to the Llama's (above 1: V2 slower; the goal is at most 1.10). Repetitions are interleaved (the order of
 the two models alternates), after one untimed warm-up call per model and concurrency; medians and the spread
 (IQR / median) are reported, with the V2's FLOP floor: its matmul FLOPs over the Llama's for one request's prompt and
-generated tokens (``generation_flops`` in bench.py), the ratio an engine that is bound by arithmetic cannot beat. The greedy outputs of the two models are compared too (the upcycle is exact, so they
-agree except where float32 rounding flips a near-tie).
+generated tokens (``generation_flops`` in bench.py), the ratio an engine that is bound by arithmetic cannot beat. The
+greedy outputs of the two models are compared too (the upcycle is exact, so they agree except where float32 rounding
+flips a near-tie).
 
 Writes ``benchmarks/results/vllm_<name>.json`` (``--smoke``: into a temporary folder) and, where matplotlib is
 installed, a PNG beside it.
