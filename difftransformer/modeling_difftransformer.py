@@ -356,6 +356,20 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         super().__init__(config, layer_idx, value_width=config.head_dim)
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
+    def own_sdpa_kernel(self, query, key, value, attention_mask, kwargs) -> torch.Tensor | None:
+        """The per-map outputs ``(B, T, 2H, d)`` from one of V2's own kernels under ``"sdpa"``, or None where
+        transformers' attention function runs: a decode step runs the 2n query heads of a KV head as the rows of one
+        SDPA head (the cache is read once); a float32 prompt of 256+ tokens runs causal attention in query blocks,
+        which skips most hidden scores."""
+        if not self.uses_own_sdpa_kernel(query, attention_mask, kwargs):
+            return None
+        heads = query.transpose(1, 2)  # (B, 2H, T, d)
+        if self.is_decode_step(query, key, value):
+            return gqa_decode_attention(heads, key, value, self.scaling, attention_mask)
+        if kwargs.get("is_causal") is not False and uses_causal_block_attention(heads, key, attention_mask):
+            return causal_block_attention(heads, key, value, self.scaling).transpose(1, 2)
+        return None
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -366,19 +380,8 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         query, key, value = self.project(hidden_states, position_embeddings, past_key_values)  # key/value (B, G, S, d)
         lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
-        if self.uses_own_sdpa_kernel(query, attention_mask, kwargs) and self.is_decode_step(query, key, value):
-            # decode: the 2n query heads of a KV head are the rows of one SDPA head (the cache is read once)
-            per_map = gqa_decode_attention(query.transpose(1, 2), key, value, self.scaling, attention_mask)
-            attn_output, attn_weights = differential_combine(per_map, lam[..., None, None], 1, dim=2), None
-        elif (
-            self.uses_own_sdpa_kernel(query, attention_mask, kwargs)
-            and kwargs.get("is_causal") is not False
-            and uses_causal_block_attention(query.transpose(1, 2), key, attention_mask)
-        ):
-            # a float32 prompt of 256+ tokens: causal attention in query blocks skips most hidden scores
-            per_map = causal_block_attention(query.transpose(1, 2), key, value, self.scaling).transpose(1, 2)
-            attn_output, attn_weights = differential_combine(per_map, lam[..., None, None], 1, dim=2), None
-        else:
+        attn_output, attn_weights = self.own_sdpa_kernel(query, key, value, attention_mask, kwargs), None
+        if attn_output is None:
             # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by
             # reading its forward's source for that lookup and call (and the scale from `scaling=self.scaling`).
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -395,7 +398,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
                 diff_lambda=lam,
                 **kwargs,
             )
-            attn_output = self.combine(attn_output, query, lam)
+        attn_output = self.combine(attn_output, query, lam)
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
 
