@@ -384,13 +384,23 @@ def time_group(group: str, models: dict[str, torch.nn.Module], plan: Plan, progr
 
 
 def _with_ratios(spec: dict, stats: dict[str, dict], unit: str) -> dict:
-    """Attach ratios to Llama (time or bytes ratio: > 1 means slower / more) and tokens/s where it applies."""
+    """Attach ratios to Llama (time or bytes ratio: > 1 means slower / more) and tokens/s where it applies.
+
+    Timed rows also get the paired ratio: the median of each round's time over Llama's in the same round, and the
+    quartiles of those per-round ratios. Rounds interleave the models, so a slowdown of the whole machine during one
+    round cancels in its ratio where it inflates the medians' spreads."""
     base = stats.get("llama", {}).get("median")
+    base_samples = stats.get("llama", {}).get("samples")
     for row in stats.values():
         # No ratio against a zero (memory growth below a page) or failed baseline.
         row["ratio"] = row["median"] / base if base and base == base and base > 0 else None
         if spec.get("tokens"):
             row["tokens_per_s"] = spec["tokens"] / row["median"]
+        samples = row.get("samples")
+        if unit == "s" and row["ratio"] is not None and samples and base_samples and len(samples) == len(base_samples) >= 4:
+            per_round = [x / y for x, y in zip(samples, base_samples)]
+            q1, _, q3 = statistics.quantiles(per_round, n=4)
+            row["paired_ratio"], row["paired_quartiles"] = statistics.median(per_round), [q1, q3]
     return {k: v for k, v in spec.items() if k != "args"} | {"unit": unit, "models": stats}
 
 
@@ -524,6 +534,9 @@ def check_targets(result: dict) -> dict:
         target = _upcycle_target(result, kind) if kind in UPCYCLES else target_for(result["family"], kind, result.get("length"))
         if row and target is not None and row.get("ratio") is not None:
             out[kind] = {"target": target, "met": row["ratio"] <= target}
+            if "paired_quartiles" in row:  # settled: the per-round ratios' middle half lies on one side of the target
+                q1, q3 = row["paired_quartiles"]
+                out[kind] |= {"paired_met": row["paired_ratio"] <= target, "settled": q3 <= target or q1 > target}
         if kind not in ("ours_v2", *UPCYCLES) and row and dl and row.get("ratio") is not None and dl.get("ratio") is not None:
             # Time: strictly faster. Memory: not more, within 1% (peak RSS moves by a few pages between processes).
             beats = row["median"] <= dl["median"] * 1.01 if result["unit"] == "MiB" else row["median"] < dl["median"]
@@ -541,13 +554,19 @@ def _value(result: dict, row: dict) -> str:
     return f"{row['median']:.3f} s"
 
 
-def format_table(report: dict) -> str:
-    """Markdown table per dtype: Llama's absolute value, every model's ratio to Llama (± spread), targets."""
+def format_table(report: dict, paired: bool | None = None) -> str:
+    """Markdown table per dtype: Llama's absolute value, every model's ratio to Llama (± spread), targets.
+
+    ``paired`` (default: with ``--preset smollm2``, whose upcycle rows have targets close to their ratios) adds the
+    paired ratio and its quartiles to each cell, and marks a target the quartiles straddle as unsettled."""
     lines = []
     models = report["models"]
+    if paired is None:
+        paired = any(m in models for m in UPCYCLES)
     others = [m for m in models if m != "llama"]
     for dtype_name, results in report["results"].items():
-        lines.append(f"\n**{dtype_name}** — ratios are time (or memory) relative to Llama, medians; spread = IQR/median\n")
+        lines.append(f"\n**{dtype_name}** — ratios are time (or memory) relative to Llama, medians; spread = IQR/median"
+                     + ("; paired = median [quartiles] of the per-round time ratios" if paired else "") + "\n")
         targeted = [k for k in TARGETED if k in models]
         v1s = [k for k in targeted if k != "ours_v2"]
         head = ("| metric | llama | " + " | ".join(f"{m} ×" for m in others) + " | "
@@ -560,11 +579,14 @@ def format_table(report: dict) -> str:
                 r = rows.get(m)
                 cells.append("–" if r is None or r.get("ratio") is None or r.get("ratio") != r.get("ratio")
                              else f"{r['ratio']:.2f} ±{r['spread'] * 100:.0f}%"
+                             + (f"; paired {r['paired_ratio']:.2f} [{r['paired_quartiles'][0]:.2f}–"
+                                f"{r['paired_quartiles'][1]:.2f}]" if "paired_ratio" in r and paired else "")
                              + (f" (FLOP floor {r['flop_floor']:.2f})" if r.get("flop_floor") else ""))
             checks = check_targets(res)
             for kind in targeted:
                 c = checks.get(kind)
-                cells.append("–" if c is None else f"≤ {c['target']:.2f} {'✓' if c['met'] else '✗'}")
+                cells.append("–" if c is None else f"≤ {c['target']:.2f} {'✓' if c['met'] else '✗'}"
+                             + ("" if c.get("settled", True) or not paired else " (unsettled)"))
             if "diffllama" in models:
                 for kind in v1s:
                     beats = checks.get("beats_diffllama", {}).get(kind)

@@ -8,9 +8,10 @@ prompt (prefill, and the forward + backward of training) this times, per call:
 
 * ``sdpa``   transformers' ``sdpa_attention_forward`` (what a Llama runs: the KV heads repeated to the query heads, one
   causal ``scaled_dot_product_attention`` call);
-* ``blocks`` ``causal_block_attention`` of kernels_difftransformer.py (blocks of 128 query rows: one causal flash call
-  on the diagonal square and one unmasked call on the keys before it, merged by log-sum-exp), whatever the length:
-  the modeling file takes it from 256 tokens on (``CAUSAL_BLOCK_MIN_LENGTH``), which these rows justify.
+* ``blocks<b>`` ``causal_block_attention`` of kernels_difftransformer.py with blocks of ``b`` query rows (per block one
+  causal flash call on the diagonal square and one unmasked call on the keys before it, merged by log-sum-exp),
+  whatever the length, for each ``b`` of ``--blocks`` (default: the modeling file's block size). The modeling file
+  takes it from ``CAUSAL_BLOCK_MIN_LENGTH`` tokens on; these rows justify both numbers.
 
 Both are first checked against float64 causal attention (output, and the query/key/value gradients for ``train``).
 Timing, medians and spread as in attention_micro.py (strategies interleaved, order rotated every repetition).
@@ -32,7 +33,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.attention_micro import _KernelModule, machine_info, set_clock, summarize, time_interleaved  # noqa: E402
-from difftransformer.kernels_difftransformer import CAUSAL_BLOCK_MIN_LENGTH, causal_block_attention  # noqa: E402
+from difftransformer import kernels_difftransformer as kernels  # noqa: E402
 
 TOLERANCE = 1e-5  # largest error relative to max |float64 reference|: float32 rounding of softmax sums over ≤ 2048 keys
 
@@ -46,12 +47,14 @@ def make_inputs(batch, length, heads, kv_heads, head_dim, seed=0):
     return query, key, value
 
 
-def strategies(heads, kv_heads, scaling, block=None):
+def strategies(heads, kv_heads, scaling, blocks=(None,)):
+    """``sdpa`` and one ``blocks<b>`` per block size ``b`` (None: the modeling file's)."""
     module = _KernelModule(heads // kv_heads)
-    return {
-        "sdpa": lambda q, k, v: sdpa_attention_forward(module, q, k, v, None, scaling=scaling)[0].transpose(1, 2),
-        "blocks": lambda q, k, v: causal_block_attention(q, k, v, scaling, block),
-    }
+    fns = {"sdpa": lambda q, k, v: sdpa_attention_forward(module, q, k, v, None, scaling=scaling)[0].transpose(1, 2)}
+    for block in blocks:
+        block = block or kernels._CAUSAL_BLOCK
+        fns[f"blocks{block}"] = lambda q, k, v, block=block: kernels.causal_block_attention(q, k, v, scaling, block)
+    return fns
 
 
 def check(fn, inputs, train: bool) -> float:
@@ -95,7 +98,7 @@ def run(args) -> dict:
         for phase, length in cases:
             train = phase == "train"
             inputs = make_inputs(args.batch, length, args.heads, args.kv_heads, args.head_dim)
-            fns = strategies(args.heads, args.kv_heads, args.head_dim**-0.5, args.block)
+            fns = strategies(args.heads, args.kv_heads, args.head_dim**-0.5, args.blocks)
             errors = {name: check(fn, inputs, train) for name, fn in fns.items()}
             bad = {name: e for name, e in errors.items() if not e <= TOLERANCE}
             if bad:
@@ -103,22 +106,26 @@ def run(args) -> dict:
             samples = time_interleaved({name: call(fn, inputs, train) for name, fn in fns.items()}, args.reps,
                                        min_seconds=args.min_time, progress=bar)
             stats = {name: summarize(s) for name, s in samples.items()}
-            rows.append({"phase": phase, "length": length, "rel_err": errors, "stats": stats,
-                         "blocks_over_sdpa": stats["blocks"]["median_s"] / stats["sdpa"]["median_s"],
-                         "modeling_file_uses_blocks": length >= CAUSAL_BLOCK_MIN_LENGTH})
+            ratios = {name: stats[name]["median_s"] / stats["sdpa"]["median_s"] for name in fns if name != "sdpa"}
+            rows.append({"phase": phase, "length": length, "rel_err": errors, "stats": stats, "over_sdpa": ratios,
+                         "modeling_file_uses_blocks": length >= kernels.CAUSAL_BLOCK_MIN_LENGTH})
     return {"benchmark": "v2_prompt_attention", "machine": machine_info(),
             "shape": {"batch": args.batch, "query_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
-            "settings": {"reps": args.reps, "clock": args.clock, "threads": args.threads, "dtype": "float32"},
+            "settings": {"reps": args.reps, "clock": args.clock, "threads": args.threads, "dtype": "float32",
+                         "modeling_file_block": kernels._CAUSAL_BLOCK,
+                         "modeling_file_min_length": kernels.CAUSAL_BLOCK_MIN_LENGTH},
             "results": rows}
 
 
 def format_table(report: dict) -> str:
-    lines = ["| phase | tokens | sdpa ms | blocks ms | blocks / sdpa | modeling file uses blocks |", "|---|---|---|---|---|---|"]
+    names = [n for n in report["results"][0]["stats"] if n != "sdpa"]
+    head = "| phase | tokens | sdpa ms | " + " | ".join(f"{n} ms | {n} / sdpa" for n in names) + " | modeling file uses blocks |"
+    lines = [head, "|" + "---|" * (4 + 2 * len(names))]
     for r in report["results"]:
         s = r["stats"]
+        cells = [f"{s[n]['median_s'] * 1e3:.2f} ±{s[n]['iqr']:.0%} | {r['over_sdpa'][n]:.2f}" for n in names]
         lines.append(f"| {r['phase']} | {r['length']} | {s['sdpa']['median_s'] * 1e3:.2f} ±{s['sdpa']['iqr']:.0%} | "
-                     f"{s['blocks']['median_s'] * 1e3:.2f} ±{s['blocks']['iqr']:.0%} | {r['blocks_over_sdpa']:.2f} | "
-                     f"{'yes' if r['modeling_file_uses_blocks'] else 'no'} |")
+                     + " | ".join(cells) + f" | {'yes' if r['modeling_file_uses_blocks'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -132,7 +139,9 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=18, help="query heads, 2H (default 18: SmolLM2's V2 upcycle)")
     p.add_argument("--kv-heads", type=int, default=3, help="KV heads (default 3)")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=None, help="query rows per block (default: the modeling file's, 128)")
+    p.add_argument("--blocks", type=lambda s: [int(x) for x in s.split(",")], default=[None],
+                   help=f"comma-separated query rows per block, one strategy each (default: the modeling file's, "
+                        f"{kernels._CAUSAL_BLOCK})")
     p.add_argument("--reps", type=int, default=11, help="timed repetitions; medians reported (default 11)")
     p.add_argument("--min-time", type=float, default=0.02, help="seconds per timing sample (default 0.02)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
@@ -141,7 +150,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
     if args.smoke:
-        args.lengths, args.heads, args.kv_heads, args.head_dim, args.block, args.reps, args.min_time = [40], 4, 2, 16, 16, 1, 0.0
+        args.lengths, args.heads, args.kv_heads, args.head_dim, args.blocks, args.reps, args.min_time = [40], 4, 2, 16, [16], 1, 0.0
     return args
 
 

@@ -189,9 +189,11 @@ def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_m
 # log-sum-exp output. Absent ops (another torch build) leave V2 on transformers' sdpa function.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-# Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for (two blocks).
-_CAUSAL_BLOCK = 128
-CAUSAL_BLOCK_MIN_LENGTH = 2 * _CAUSAL_BLOCK
+# Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the block size and
+# the length at which the block path stops losing to one SDPA call, as benchmarks/v2_prompt_attention.py measures them
+# (docs/performance.md). Smaller blocks skip more of the diagonal squares' hidden scores, at one more pair of calls each.
+_CAUSAL_BLOCK = 32
+CAUSAL_BLOCK_MIN_LENGTH = 128
 
 
 def _causal_blocks(t: int, block: int):
@@ -271,8 +273,8 @@ def causal_block_attention(query, key, value, scaling, block=None):
 
 def uses_causal_block_attention(query, key, attention_mask) -> bool:
     """Whether :func:`causal_block_attention` runs for this V2 call: a CPU float32 square prompt of at least
-    ``CAUSAL_BLOCK_MIN_LENGTH`` tokens with no mask (transformers' sdpa convention for an unpadded causal prompt); at 128
-    tokens one block is one causal flash call. benchmarks/v2_prompt_attention.py times both paths."""
+    ``CAUSAL_BLOCK_MIN_LENGTH`` tokens with no mask (transformers' sdpa convention for an unpadded causal prompt).
+    benchmarks/v2_prompt_attention.py times both paths."""
     return (
         _FLASH_CPU is not None
         and _FLASH_CPU_BACKWARD is not None

@@ -110,9 +110,9 @@ def test_v2_prompt_attention_smoke_checks_and_times_both_paths(tmp_path):
     assert [(r["phase"], r["length"]) for r in saved["results"]] == [("prefill", 40), ("train", 40)]
     for row in out["results"]:
         assert all(e <= v2p.TOLERANCE for e in row["rel_err"].values())
-        assert all(row["stats"][name]["median_s"] > 0 for name in ("sdpa", "blocks"))
+        assert all(row["stats"][name]["median_s"] > 0 for name in ("sdpa", "blocks16"))
     inputs = v2p.make_inputs(1, 40, 4, 2, 16)
-    good = v2p.strategies(4, 2, 0.25, block=16)["blocks"]
+    good = v2p.strategies(4, 2, 0.25, blocks=[16])["blocks16"]
     not_causal = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.25)
     assert v2p.check(good, inputs, train=True) <= v2p.TOLERANCE < v2p.check(not_causal, inputs, train=False)
@@ -243,6 +243,30 @@ def test_targets_and_ratios():
     zero = bench._with_ratios({"item": "m", "family": "memory", "length": None}, {"llama": {"median": 0.0}, "ours_v1": {"median": 3.0}}, unit="MiB")
     assert zero["models"]["ours_v1"]["ratio"] is None  # no ratio against a zero baseline
     assert bench.summarize([1.0, 2.0, 3.0, 4.0, 100.0])["median"] == 3.0
+
+
+def test_paired_ratios_cancel_a_slow_round_and_say_whether_a_target_is_settled():
+    """Per-round ratios: a round in which the whole machine ran 1.5x slower leaves them unchanged while it moves the
+    ratio of medians; a target between the per-round quartiles is reported as unsettled."""
+    llama = [1.0, 1.5, 1.5, 1.0, 1.0]
+    v2 = [1.10, 1.12 * 1.5, 1.14 * 1.5, 1.11, 1.13]
+    stats = {"llama": bench.summarize(llama), "upcycle_v2": bench.summarize(v2)}
+    spec = {"item": "train 4x256", "family": "train", "length": None, "tokens": None}
+    result = bench._with_ratios(spec, stats, unit="s")
+    row = result["models"]["upcycle_v2"]
+    assert row["paired_ratio"] == pytest.approx(1.12)
+    assert row["paired_quartiles"] == pytest.approx([1.105, 1.135])
+    assert row["ratio"] == pytest.approx(1.13)  # the medians, taken apart, mix rounds
+    for floor, met, settled in ((1.15 / 1.05, True, True), (1.12 / 1.05, True, False), (1.10 / 1.05, False, True)):
+        row["flop_floor"] = floor
+        check = bench.check_targets(result)["upcycle_v2"]
+        assert (check["paired_met"], check["settled"]) == (met, settled), floor
+    table = bench.format_table({"models": ["llama", "upcycle_v2"], "results": {"fp32": [result]}})
+    assert "; paired 1.12 [1.1" in table and "(unsettled)" not in table  # the last floor: missed, settled
+    row["flop_floor"] = 1.12 / 1.05
+    assert "(unsettled)" in bench.format_table({"models": ["llama", "upcycle_v2"], "results": {"fp32": [result]}})
+    memory = bench._with_ratios({"item": "m", "family": "memory", "length": None}, stats, unit="MiB")
+    assert "paired_ratio" not in memory["models"]["upcycle_v2"]  # memory rows come from separate processes
 
 
 # ---------------------------------------------------------------- upcycles of a Llama shape (--preset smollm2)
