@@ -265,7 +265,8 @@ def test_paired_ratios_cancel_a_slow_round_and_say_whether_a_target_is_settled()
     assert "; paired 1.12 [1.1" in table and "(unsettled)" not in table  # the last floor: missed, settled
     row["flop_floor"] = 1.12 / 1.05
     assert "(unsettled)" in bench.format_table({"models": ["llama", "upcycle_v2"], "results": {"fp32": [result]}})
-    memory = bench._with_ratios({"item": "m", "family": "memory", "length": None}, stats, unit="MiB")
+    fresh = {"llama": bench.summarize(llama), "upcycle_v2": bench.summarize(v2)}
+    memory = bench._with_ratios({"item": "m", "family": "memory", "length": None}, fresh, unit="MiB")
     assert "paired_ratio" not in memory["models"]["upcycle_v2"]  # memory rows come from separate processes
 
 
