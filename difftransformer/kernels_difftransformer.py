@@ -13,8 +13,8 @@ SDPA cannot combine two maps before multiplying by the value. Under "sdpa" V1 in
   maps from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
 
 V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`gqa_decode_attention`, and a
-float32 prompt of at least 256 tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's CPU
-flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
+float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH`` tokens (prefill, training) takes :func:`causal_block_attention`,
+which lets torch's CPU flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
 
 benchmarks/attention_micro.py measures V1's two kernels against every alternative, benchmarks/v2_prompt_attention.py
 the V2 prompt path against one SDPA call (docs/performance.md). This file is imported relatively by the modeling file,
