@@ -189,9 +189,10 @@ def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_m
 # log-sum-exp output. Absent ops (another torch build) leave V2 on transformers' sdpa function.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-# Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the block size and
-# the length at which the block path stops losing to one SDPA call, as benchmarks/v2_prompt_attention.py measures them
-# (docs/performance.md). Smaller blocks skip more of the diagonal squares' hidden scores, at one more pair of calls each.
+# Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the fastest of the
+# block sizes benchmarks/v2_prompt_attention.py compares, and the shortest length at which it saved time there at
+# batch 4 (docs/performance.md). Smaller blocks skip more of the diagonal squares' hidden scores, for one more pair of
+# kernel calls each.
 _CAUSAL_BLOCK = 32
 CAUSAL_BLOCK_MIN_LENGTH = 128
 

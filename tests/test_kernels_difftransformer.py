@@ -283,8 +283,8 @@ def test_causal_block_attention_gradients_are_exact(t, block):
 
 
 def test_causal_block_attention_equals_causal_sdpa():
-    """float32, a (B, T, H, d) query viewed as (B, H, T, d) (the model's layout), 300 tokens in the default 32-row blocks: output
-    and gradients within float32 rounding of the float64 causal softmax attention."""
+    """float32, a (B, T, H, d) query viewed as (B, H, T, d) (the model's layout), 300 tokens in the default blocks
+    (32 rows): output and gradients within float32 rounding of the float64 causal softmax attention."""
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(2, 300, 6, 16, generator=gen).transpose(1, 2).requires_grad_()
     key, value = (torch.randn(2, 3, 300, 16, generator=gen).requires_grad_() for _ in range(2))
