@@ -191,9 +191,8 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 # Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the fastest of the
 # block sizes benchmarks/v2_prompt_attention.py compares, and the shortest length at which it saved time there at
-# batch 1, 2 and 4 on both CPU kinds measured (docs/performance.md; at 128 tokens it saved time on one and cost up to
-# 18% on the other). Smaller blocks skip more of the diagonal squares' hidden scores, for one more pair of kernel calls
-# each.
+# batch 1, 2 and 4 in every committed run (docs/performance.md; at 128 tokens it cost up to 18% at batch 1). Smaller
+# blocks skip more of the diagonal squares' hidden scores, for one more pair of kernel calls each.
 _CAUSAL_BLOCK = 32
 CAUSAL_BLOCK_MIN_LENGTH = 256
 
