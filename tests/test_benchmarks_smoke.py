@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import attention_micro as am  # noqa: E402
 from benchmarks import bench  # noqa: E402
+from benchmarks import profile_train  # noqa: E402
 from benchmarks import v2_prompt_attention as v2p  # noqa: E402
 from benchmarks.padded_sdpa import PADDED_SDPA  # noqa: E402
 from difftransformer.modeling_difftransformer import eager_attention_forward  # noqa: E402
@@ -118,6 +119,23 @@ def test_v2_prompt_attention_smoke_checks_and_times_both_paths(tmp_path):
     assert v2p.check(good, inputs, train=True) <= v2p.TOLERANCE < v2p.check(not_causal, inputs, train=False)
 
 
+def test_profile_train_smoke_splits_every_models_step_into_operator_groups(tmp_path):
+    """The documented smoke command of the training-step profile runs, and every model's step really contains
+    matmuls and an attention kernel (the groups the docs' table reads); operator names fall into the right groups."""
+    smoke = [args for args in _doc_commands("profile_train.py") if "--smoke" in args]
+    assert smoke, "docs/performance.md must show the training-step profile's smoke command"
+    out = profile_train.main([*smoke[0], "--json", str(tmp_path / "profile.json")])
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert list(saved["models"]) == list(bench.MODELS) and saved["table"] == out["table"]
+    for kind, row in saved["models"].items():
+        assert row["step_median_s"] > 0 and row["groups_s"]["matmul"] > 0, kind
+        assert row["groups_s"]["attention"] > 0, f"{kind}: no attention kernel found in its step"
+    assert profile_train.op_group("aten::mm") == "matmul"
+    assert profile_train.op_group("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert profile_train.op_group("CausalBlockAttentionBackward") == "attention"
+    assert profile_train.op_group("aten::silu") == "other"
+
+
 def test_documented_full_commands_parse():
     """The long (not smoke) commands shown in the docs use flags and values the scripts accept."""
     for args in _doc_commands("bench.py"):
@@ -130,6 +148,9 @@ def test_documented_full_commands_parse():
         assert set(ns.strategies.split(",")) <= set(am.STRATEGIES)
     for args in _doc_commands("v2_prompt_attention.py"):
         v2p.parse_args(args)
+    for args in _doc_commands("profile_train.py"):
+        ns = profile_train.parse_args(args)
+        bench._choices(ns.models or "llama", bench.MODELS + bench.EXTRA_MODELS, "--models")
 
 
 def test_bad_flags_name_the_allowed_values(capsys):
