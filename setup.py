@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["difftransformer", "difftransformer.*", "convert_scripts"]),
     install_requires=[
         "torch>=2.6",
-        "transformers>=5.19,<6",  # 5.19: the lowest tested (scripts/test.sh, .venv-min); vLLM 0.32 pins it
+        "transformers>=5.19,<6",  # 5.19: the lowest tested (scripts/test.sh, scripts/setup_min.sh); vLLM 0.32 pins it
         "safetensors>=0.4",
         "accelerate>=1.0",
         "tqdm",

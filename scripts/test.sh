@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # The test command (what CI runs): set up (idempotent), then
 #   1. the whole suite in .venv (the pinned versions of requirements-dev.txt), on two pytest-xdist workers;
-#   2. the core model tests in .venv-min, on the lowest transformers version setup.py declares;
+#   2. the core model tests on the lowest transformers version setup.py declares (in .venv-vllm, whose vLLM build pins
+#      that version; scripts/setup_min.sh builds .venv-min where the two part);
 #   3. the serving tests (vLLM, OpenAI-compatible server) in .venv-vllm.
 # Extra arguments go to the first pytest run (e.g. `bash scripts/test.sh -k generation`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 bash scripts/setup.sh
-# The other two venvs are set up meanwhile (pip mostly waits on the disk), one after the other; their output follows
-# the first run's.
+# .venv-vllm is set up meanwhile; its output follows the first run's.
 setup_log=$(mktemp)
-(bash scripts/setup_min.sh && bash scripts/setup_vllm.sh) >"$setup_log" 2>&1 &
+bash scripts/setup_vllm.sh >"$setup_log" 2>&1 &
 setup_pid=$!
 trap 'kill "$setup_pid" 2>/dev/null || true; rm -f "$setup_log"' EXIT
 # Two workers (pytest-xdist), each test file whole on one worker: module fixtures are built once.
 .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile "$@"
-wait "$setup_pid" || { cat "$setup_log"; echo "setting up .venv-min or .venv-vllm failed" >&2; exit 1; }
+wait "$setup_pid" || { cat "$setup_log"; echo "setting up .venv-vllm failed" >&2; exit 1; }
 cat "$setup_log"
 
-.venv-min/bin/python -m pytest -q -p no:cacheprovider \
+min_venv=$(bash scripts/setup_min.sh .venv-vllm)
+"$min_venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
     tests/test_save_load_difftransformer.py tests/test_generation_difftransformer.py tests/test_flash_path.py \
     -k "not flex"

