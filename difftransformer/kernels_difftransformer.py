@@ -56,7 +56,7 @@ def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None
     pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)  # (c, r, c', d)
     rows = (query.unsqueeze(-2) * pad).reshape(b, g * 2 * n, 1, 2 * d)
     out = gqa_decode_attention(rows, key, value, scaling, attention_mask).view(b, g, 2, n, 2 * d)
-    return out[:, :, 0] - lam * out[:, :, 1]
+    return torch.addcmul(out[:, :, 0], lam, out[:, :, 1], value=-1)
 
 
 def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: torch.device, n: int, block: int | None):

@@ -92,7 +92,7 @@ def differential_combine(maps: torch.Tensor, lam: torch.Tensor, pair_stride: int
     Returns the H differential entries in head order ``h = g·n + r`` along ``dim``.
     """
     first, second = maps.unflatten(dim, (-1, 2, pair_stride)).unbind(dim + 1)
-    return (first - lam * second).flatten(dim, dim + 1)
+    return torch.addcmul(first, lam, second, value=-1).flatten(dim, dim + 1)  # one kernel: first − λ·second
 
 
 def eager_attention_forward(

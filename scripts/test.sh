@@ -8,12 +8,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-bash scripts/setup.sh
-# .venv-vllm is set up meanwhile; its output follows the first run's.
+# .venv and .venv-vllm are set up side by side (pip keeps one core busy each); .venv-vllm's output follows the first
+# run's.
 setup_log=$(mktemp)
 bash scripts/setup_vllm.sh >"$setup_log" 2>&1 &
 setup_pid=$!
 trap 'kill "$setup_pid" 2>/dev/null || true; rm -f "$setup_log"' EXIT
+bash scripts/setup.sh
 # Two workers (pytest-xdist), each test file whole on one worker: module fixtures are built once.
 .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile "$@"
 wait "$setup_pid" || { cat "$setup_log"; echo "setting up .venv-vllm failed" >&2; exit 1; }
