@@ -26,7 +26,7 @@ from difftransformer import analysis
 from difftransformer import upcycle as up
 from difftransformer.convert import convert
 from test_convert_gguf import ANSWER, IDS, QUESTION, logits
-from test_upcycle import _kd_on, _trainer
+from test_upcycle import distillation_trainer, kd_loss_on
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -156,11 +156,11 @@ def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smoll
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("lora_" in n for n in trainable) and any(n.endswith("lambda_q1") for n in trainable)
     lam_before = model.get_base_model().layer_lambdas().clone()
-    before = _kd_on(model, teacher, blocks[:4])
-    trainer = _trainer(model, teacher, blocks, tmp_path, distill_weight=1.0,
+    before = kd_loss_on(model, teacher, blocks[:4])
+    trainer = distillation_trainer(model, teacher, blocks, tmp_path, distill_weight=1.0,
                        args=dict(max_steps=4, learning_rate=2e-3, per_device_train_batch_size=2, save_strategy="steps", save_steps=4))
     trainer.train()
-    after = _kd_on(model, teacher, blocks[:4])
+    after = kd_loss_on(model, teacher, blocks[:4])
     assert after < 0.9 * before, (before, after)
     assert not torch.allclose(model.get_base_model().layer_lambdas(), lam_before)
     saved = load_file(tmp_path / "t" / "checkpoint-4" / "adapter_model.safetensors")

@@ -123,7 +123,7 @@ def test_held_out_texts_are_never_trained_on():
 # ----------------------------------------------------------------------------------------------- trainer
 
 
-def _trainer(model, teacher, blocks, tmp_path, **kwargs):
+def distillation_trainer(model, teacher, blocks, tmp_path, **kwargs):
     args = dict(output_dir=str(tmp_path / "t"), max_steps=4, per_device_train_batch_size=2, learning_rate=3e-3,
                 logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
     args.update(kwargs.pop("args", {}))
@@ -131,7 +131,7 @@ def _trainer(model, teacher, blocks, tmp_path, **kwargs):
                                   teacher=teacher, **kwargs)
 
 
-def _kd_on(model, teacher, batch):
+def kd_loss_on(model, teacher, batch):
     with torch.no_grad():
         return up.distillation_loss(model(input_ids=batch).logits, teacher(input_ids=batch).logits).item()
 
@@ -145,11 +145,11 @@ def test_a_few_distillation_steps_lower_the_loss(source, students, tmp_path, ver
             for name, p in model.named_parameters():
                 if "lambda_proj" in name and p.requires_grad:
                     p.normal_(0, 0.5)
-    before = _kd_on(model, source.model, blocks[:4])
+    before = kd_loss_on(model, source.model, blocks[:4])
     assert before > 0.0
-    trainer = _trainer(model, source.model, blocks, tmp_path, distill_weight=1.0, args=dict(learning_rate=lr))
+    trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=1.0, args=dict(learning_rate=lr))
     trainer.train()
-    after = _kd_on(model, source.model, blocks[:4])
+    after = kd_loss_on(model, source.model, blocks[:4])
     assert after < 0.9 * before
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logged) == 4 and all({"lm_loss", "distill_loss", "teacher_lm_loss"} <= set(e) for e in logged)
@@ -165,7 +165,7 @@ def test_mixed_loss_and_gradient_accumulation(source, students, tmp_path):
     for bs, accum in ((4, 1), (2, 2), (1, 4)):
         torch.manual_seed(0)
         model = up.load_student(students[1])
-        trainer = _trainer(model, source.model, blocks, tmp_path, distill_weight=0.25,
+        trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=0.25,
                            args=dict(max_steps=1, per_device_train_batch_size=bs, gradient_accumulation_steps=accum,
                                      optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0.0))
         trainer.train()
@@ -185,7 +185,7 @@ def test_lambda_trains_at_its_own_learning_rate(source, students, tmp_path, vers
     assert lam_names
     by_id = {id(p): n for n, p in model.named_parameters()}
     for scale in (1.0, 10.0):
-        trainer = _trainer(model, source.model, blocks, tmp_path, distill_weight=0.5, lambda_lr_scale=scale, args=dict(learning_rate=1e-3))
+        trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=0.5, lambda_lr_scale=scale, args=dict(learning_rate=1e-3))
         optimizer = trainer.create_optimizer()
         grouped = [{by_id[id(p)] for p in g["params"]} for g in optimizer.param_groups]
         assert sum(len(g) for g in grouped) == sum(p.requires_grad for p in model.parameters())  # every trainable once
@@ -193,13 +193,13 @@ def test_lambda_trains_at_its_own_learning_rate(source, students, tmp_path, vers
         assert all({by_id[id(p)] for p in g["params"]} <= lam_names for g in lam_groups) or scale == 1.0
         assert {g["lr"] for g in lam_groups} == {1e-3 * scale}
     with pytest.raises(ValueError, match="lambda_lr_scale"):
-        _trainer(model, source.model, blocks, tmp_path, lambda_lr_scale=0.0)
+        distillation_trainer(model, source.model, blocks, tmp_path, lambda_lr_scale=0.0)
 
 
 def test_evaluation_reports_the_plain_lm_loss(source, students, tmp_path):
     held = up.heldout_blocks(source.tokenizer, 2, 32)
     model = up.load_student(students[1])
-    trainer = _trainer(model, source.model, held["validation"], tmp_path, distill_weight=1.0,
+    trainer = distillation_trainer(model, source.model, held["validation"], tmp_path, distill_weight=1.0,
                        args=dict(per_device_eval_batch_size=2, prediction_loss_only=True))
     metrics = trainer.evaluate({name: LMBlockDataset(b) for name, b in held.items()})
     for name, blocks in held.items():
