@@ -158,7 +158,8 @@ def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smoll
     lam_before = model.get_base_model().layer_lambdas().clone()
     before = kd_loss_on(model, teacher, blocks[:4])
     trainer = distillation_trainer(model, teacher, blocks, tmp_path, distill_weight=1.0,
-                       args=dict(max_steps=4, learning_rate=2e-3, per_device_train_batch_size=2, save_strategy="steps", save_steps=4))
+                                   args=dict(max_steps=4, learning_rate=2e-3, per_device_train_batch_size=2,
+                                             save_strategy="steps", save_steps=4))
     trainer.train()
     after = kd_loss_on(model, teacher, blocks[:4])
     assert after < 0.9 * before, (before, after)

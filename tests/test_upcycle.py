@@ -166,8 +166,8 @@ def test_mixed_loss_and_gradient_accumulation(source, students, tmp_path):
         torch.manual_seed(0)
         model = up.load_student(students[1])
         trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=0.25,
-                           args=dict(max_steps=1, per_device_train_batch_size=bs, gradient_accumulation_steps=accum,
-                                     optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0.0))
+                                       args=dict(max_steps=1, per_device_train_batch_size=bs, gradient_accumulation_steps=accum,
+                                                 optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0.0))
         trainer.train()
         entry = next(e for e in trainer.state.log_history if "loss" in e)
         assert entry["loss"] == pytest.approx(0.75 * entry["lm_loss"] + 0.25 * entry["distill_loss"], rel=1e-3)
@@ -185,7 +185,8 @@ def test_lambda_trains_at_its_own_learning_rate(source, students, tmp_path, vers
     assert lam_names
     by_id = {id(p): n for n, p in model.named_parameters()}
     for scale in (1.0, 10.0):
-        trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=0.5, lambda_lr_scale=scale, args=dict(learning_rate=1e-3))
+        trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=0.5, lambda_lr_scale=scale,
+                                       args=dict(learning_rate=1e-3))
         optimizer = trainer.create_optimizer()
         grouped = [{by_id[id(p)] for p in g["params"]} for g in optimizer.param_groups]
         assert sum(len(g) for g in grouped) == sum(p.requires_grad for p in model.parameters())  # every trainable once
@@ -200,7 +201,7 @@ def test_evaluation_reports_the_plain_lm_loss(source, students, tmp_path):
     held = up.heldout_blocks(source.tokenizer, 2, 32)
     model = up.load_student(students[1])
     trainer = distillation_trainer(model, source.model, held["validation"], tmp_path, distill_weight=1.0,
-                       args=dict(per_device_eval_batch_size=2, prediction_loss_only=True))
+                                   args=dict(per_device_eval_batch_size=2, prediction_loss_only=True))
     metrics = trainer.evaluate({name: LMBlockDataset(b) for name, b in held.items()})
     for name, blocks in held.items():
         assert math.exp(metrics[f"eval_{name}_loss"]) == pytest.approx(up.perplexity(model, blocks), rel=1e-4)
