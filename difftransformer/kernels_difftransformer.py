@@ -12,7 +12,8 @@ SDPA cannot combine two maps before multiplying by the value. Under "sdpa" V1 in
   multiplied once by the 2d-wide value (:class:`BlockedDifferentialAttention`); its backward recomputes each block's
   maps from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
 
-V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`gqa_decode_attention`, and a
+V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` (the
+same one-call read of the cache, then the pair combine), and a
 float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH`` tokens (prefill, training) takes :func:`causal_block_attention`,
 which lets torch's CPU flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
 
@@ -43,6 +44,19 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
     g = key.shape[1]
     out = F.scaled_dot_product_attention(query.reshape(b, g, hq // g, w), key, value, attn_mask=attention_mask, scale=scaling)
     return out.view(b, 1, hq, w)
+
+
+def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None):
+    """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2) straight from
+    :func:`gqa_decode_attention`'s output, without the general combine's reshapes (a decode step is a few hundred
+    microseconds per layer, and each small operator costs a few of them).
+
+    ``query`` ``(B, 2H, 1, d)`` (adjacent heads pair and share a KV head), ``key``/``value`` ``(B, G, S, d)``,
+    ``lam`` ``(B, 1, H)``. Returns the H differential heads ``(B, 1, H, d)``.
+    """
+    b, hq, _, d = query.shape
+    first, second = gqa_decode_attention(query, key, value, scaling, attention_mask).view(b, hq // 2, 2, d).unbind(2)
+    return torch.addcmul(first, lam.view(b, hq // 2, 1), second, value=-1).view(b, 1, hq // 2, d)
 
 
 def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None):
@@ -309,5 +323,6 @@ __all__ = [
     "differential_sdpa_attention",
     "gqa_decode_attention",
     "packed_decode_attention",
+    "pair_decode_attention",
     "uses_causal_block_attention",
 ]

@@ -70,8 +70,8 @@ from .kernels_difftransformer import (
     blocked_differential_attention,
     causal_block_attention,
     differential_sdpa_attention,
-    gqa_decode_attention,
     packed_decode_attention,
+    pair_decode_attention,
     uses_causal_block_attention,
 )
 
@@ -231,8 +231,8 @@ class DiffTransformerAttention(nn.Module):
         """A kernel's output → the H differential heads ``(B, T, H, w)``, for ``query`` ``(B, T, 2H, w)`` as passed.
 
         Standard kernels return one output ``A_c·V`` per softmax map, ``(B, T, 2H, w)`` — or ``(B·T, 2H·w)`` where an
-        engine flattens the tokens (vLLM's attention function) — and the pairs are combined here; eager returns the
-        combined heads already."""
+        engine flattens the tokens (vLLM's attention function) — and the pairs are combined here; eager and the decode
+        kernels return the combined heads already."""
         attn_output = attn_output.reshape(*query.shape[:2], -1, query.shape[-1])
         if attn_output.shape[2] == query.shape[2]:
             lam_out = lam if lam.dim() == 0 else lam[..., None, None]  # V2's λ (B, T, H) against (B, T, H, 2, 1, w)
@@ -356,16 +356,16 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         super().__init__(config, layer_idx, value_width=config.head_dim)
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
-    def own_sdpa_kernel(self, query, key, value, attention_mask, kwargs) -> torch.Tensor | None:
-        """The per-map outputs ``(B, T, 2H, d)`` from one of V2's own kernels under ``"sdpa"``, or None where
-        transformers' attention function runs: a decode step runs the 2n query heads of a KV head as the rows of one
-        SDPA head (the cache is read once); a float32 prompt of 256+ tokens runs causal attention in query blocks,
-        which skips most hidden scores."""
+    def own_sdpa_kernel(self, query, key, value, attention_mask, lam, kwargs) -> torch.Tensor | None:
+        """The output of one of V2's own kernels under ``"sdpa"``, or None where transformers' attention function
+        runs: a decode step runs the 2n query heads of a KV head as the rows of one SDPA head (the cache is read once)
+        and returns the combined heads ``(B, 1, H, d)``; a float32 prompt of 256+ tokens runs causal attention in
+        query blocks, which skips most hidden scores, and returns the per-map outputs ``(B, T, 2H, d)``."""
         if not self.uses_own_sdpa_kernel(query, attention_mask, kwargs):
             return None
         heads = query.transpose(1, 2)  # (B, 2H, T, d)
-        if self.is_decode_step(query, key, value):
-            return gqa_decode_attention(heads, key, value, self.scaling, attention_mask)
+        if self.is_decode_step(query, key, value, lam):
+            return pair_decode_attention(heads, key, value, lam, self.scaling, attention_mask)
         if kwargs.get("is_causal") is not False and uses_causal_block_attention(heads, key, attention_mask):
             return causal_block_attention(heads, key, value, self.scaling).transpose(1, 2)
         return None
@@ -380,7 +380,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         query, key, value = self.project(hidden_states, position_embeddings, past_key_values)  # key/value (B, G, S, d)
         lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
-        attn_output, attn_weights = self.own_sdpa_kernel(query, key, value, attention_mask, kwargs), None
+        attn_output, attn_weights = self.own_sdpa_kernel(query, key, value, attention_mask, lam, kwargs), None
         if attn_output is None:
             # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by
             # reading its forward's source for that lookup and call (and the scale from `scaling=self.scaling`).

@@ -338,3 +338,53 @@ def test_v2_prompt_lengths_take_the_causal_block_path_and_equal_eager(dtype, mon
         model(ids[:, :20])  # shorter than the block path's lengths
         model.to(dtype)(ids)  # bfloat16 keeps SDPA's single call (float32 runs the block path)
     assert len(calls) == (model.config.num_hidden_layers if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("n", [1, 3])  # differential heads per KV head
+def test_v2_pair_decode_equals_the_formula(n):
+    """V2's decode kernel: ``o_h = softmax(q_2h·Kᵀ/√d)·V − λ_h·softmax(q_2h+1·Kᵀ/√d)·V`` over KV head ``⌊h/n⌋``
+    (SPEC §2), in float64, without a mask and with a boolean padding mask ``(B, 1, 1, S)``."""
+    b, g, s, d = 2, 2, 9, 8
+    gen = torch.Generator().manual_seed(n)
+    query = torch.randn(b, 2 * g * n, 1, d, dtype=torch.float64, generator=gen)
+    key, value = (torch.randn(b, g, s, d, dtype=torch.float64, generator=gen) for _ in range(2))
+    lam = torch.rand(b, 1, g * n, dtype=torch.float64, generator=gen)
+    visible = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    visible[0, ..., :3] = False
+    for mask in (None, visible):
+        allowed = torch.ones(b, s, dtype=torch.bool) if mask is None else mask[:, 0, 0]
+        ref = torch.empty(b, 1, g * n, d, dtype=torch.float64)
+        for h in range(g * n):
+            k, v = key[:, h // n], value[:, h // n]  # (B, S, d)
+            a = [(torch.einsum("bd,bsd->bs", query[:, 2 * h + c, 0], k) * d**-0.5).masked_fill(~allowed, float("-inf"))
+                 .softmax(-1) for c in (0, 1)]
+            ref[:, 0, h] = torch.einsum("bs,bsd->bd", a[0] - lam[:, 0, h, None] * a[1], v)
+        torch.testing.assert_close(kernels.pair_decode_attention(query, key, value, lam, d**-0.5, mask), ref)
+
+
+def test_v2_decode_steps_take_the_pair_kernel_and_equal_eager(monkeypatch):
+    """Under sdpa, every decode step of a V2 model runs ``pair_decode_attention`` (once per layer and step, with a
+    padded batch and both caches), and the logits of every generated token equal eager's; a step with autograd keeps
+    the general path."""
+    calls = []
+    original = kernels.pair_decode_attention
+    monkeypatch.setattr(mdt, "pair_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = _model(2, version=2).eval()
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    layers = model.config.num_hidden_layers
+    for cache in ("dynamic", "static"):
+        out = {}
+        for impl in ("eager", "sdpa"):
+            model.set_attn_implementation(impl)
+            calls.clear()
+            with torch.no_grad():
+                out[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                           cache_implementation=cache, output_logits=True, return_dict_in_generate=True)
+            assert len(calls) == (5 * layers if impl == "sdpa" else 0), (cache, impl)  # 6 tokens: 5 decode steps
+        assert torch.equal(out["sdpa"].sequences, out["eager"].sequences), cache
+        torch.testing.assert_close(torch.stack(out["sdpa"].logits), torch.stack(out["eager"].logits), rtol=1e-5, atol=1e-5)
+    calls.clear()
+    model(ids[:, :1]).logits.sum().backward()  # one token with autograd: no decode kernel
+    assert not calls
