@@ -211,22 +211,27 @@ def prefill_workload(model, batch: int, seq: int) -> Callable[[], float]:
 
 
 class _StepClock:
-    """Logits processor that stamps the time each generation step chooses a token (it changes nothing)."""
+    """Logits processor that stamps the time each generation step chooses a token (it changes nothing); ``on_first``
+    is called once, when the prompt's forward has chosen the first token (before its stamp)."""
 
-    def __init__(self):
+    def __init__(self, on_first: Callable[[], object] | None = None):
         self.stamps: list[float] = []
+        self.on_first = on_first
 
     def __call__(self, input_ids, scores):
+        if not self.stamps and self.on_first is not None:
+            self.on_first()
         self.stamps.append(_clock())
         return scores
 
 
 def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: str = "dynamic",
-                    compiled: bool = False) -> Callable[[], float]:
+                    compiled: bool = False, on_first_token: Callable[[], object] | None = None) -> Callable[[], float]:
     """Greedy ``generate``; returns the seconds of the ``new_tokens − 1`` decode steps (prefill excluded).
 
     ``cache``: ``"dynamic"`` or ``"static"``; ``compiled`` (static only) passes a ``CompileConfig`` with
-    ``_compile_all_devices = True`` so that ``generate`` compiles the decode step on CPU too.
+    ``_compile_all_devices = True`` so that ``generate`` compiles the decode step on CPU too. ``on_first_token`` is
+    called where the timed part begins (profile_train.py starts its profiler there).
     """
     from transformers import CompileConfig, LogitsProcessorList
 
@@ -244,7 +249,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
         kwargs["disable_compile"] = True
 
     def run() -> float:
-        clock = _StepClock()
+        clock = _StepClock(on_first_token)
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kwargs)
         end = _clock()

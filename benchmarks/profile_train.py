@@ -1,8 +1,10 @@
-"""Where a training step's time goes: per-operator CPU time of one optimisation step, Llama against its upcycles.
+"""Where a training step's (or a decode's) time goes: per-operator CPU time, Llama against its upcycles.
 
 ``bench.py`` times whole steps; this script splits them with ``torch.profiler``. Each model (built as ``bench.py``
 builds it, random weights) runs one warm-up step, then ``--reps`` rounds profile one step of every model, the order
-rotated each round. An operator's time is its *self* CPU time (time inside it, not inside the operators it calls),
+rotated each round. ``--workload decode`` profiles instead the decode steps of ``bench.py``'s eager decode row
+(greedy ``generate`` with a dynamic cache, ``--decode-batch`` sequences, the plan's prompt and new tokens; the
+profiler starts when the prompt's forward has chosen the first token). An operator's time is its *self* CPU time (time inside it, not inside the operators it calls),
 and the median over rounds is reported. Operators fall into three groups:
 
 * ``matmul``: ``aten::mm``, ``bmm``, ``addmm``, ``baddbmm`` (projections, MLP, LM head, and their gradients);
@@ -19,6 +21,7 @@ then the operators whose time grows most. The profiler adds a few microseconds p
 are somewhat above ``bench.py``'s; ratios of the large groups are what this script is for.
 
     python benchmarks/profile_train.py --preset smollm2 --reps 3 --json benchmarks/results/profile_train_smollm2_t1.json
+    python benchmarks/profile_train.py --preset smollm2 --workload decode --models llama,upcycle_v2 --reps 5 --json ...
     python benchmarks/profile_train.py --smoke --json ''   # tiny sizes, one round: checks that it runs (CI)
 """
 
@@ -56,22 +59,52 @@ def op_group(name: str) -> str:
 
 
 def profile_step(run) -> tuple[float, dict[str, float]]:
-    """One step of ``run`` (a ``bench.train_workload``) under the profiler → (step seconds, self seconds per op)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        seconds = run()
+    """One step of ``run`` (from :func:`workload`) under the profiler → (step seconds, self seconds per op)."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    seconds = run(prof)
     ops = defaultdict(float)
     for event in prof.key_averages():
         ops[event.key] += event.self_cpu_time_total / 1e6
     return seconds, dict(ops)
 
 
-def profile_models(models: list[str], shape: bench.Shape, batch: int, seq: int, reps: int) -> dict:
+def workload(name: str, model, batch: int, seq: int, plan: bench.Plan):
+    """``run(profiler)``: one training step of ``batch × seq`` (``"train"``), or the decode steps of ``bench.py``'s eager
+    decode row for ``batch`` sequences (``"decode"``), with ``profiler`` on while the step is timed; returns its seconds."""
+    if name == "train":
+        step = bench.train_workload(model, batch, seq)
+
+        def run(prof):
+            prof.start()
+            seconds = step()
+            prof.stop()
+            return seconds
+        return run
+
+    def run(prof):
+        seconds = bench.decode_workload(model, batch, plan.prompt_len, plan.new_tokens, on_first_token=prof.start)()
+        prof.stop()
+        return seconds
+    return run
+
+
+def flop_floor(name: str, config, base, batch: int, seq: int, plan: bench.Plan) -> float:
+    """The matmul-FLOP ratio of ``config``'s step to ``base``'s: the training forward, or the decode steps."""
+    if name == "train":
+        return bench.forward_flops(config, seq, seq) / bench.forward_flops(base, seq, seq)
+    steps = [plan.prompt_len + j for j in range(plan.new_tokens - 1)]
+    return sum(bench.forward_flops(config, 1, 1, past=p) for p in steps) / sum(bench.forward_flops(base, 1, 1, past=p) for p in steps)
+
+
+def profile_models(models: list[str], shape: bench.Shape, batch: int, seq: int, reps: int, name: str = "train",
+                   plan: bench.Plan | None = None) -> dict:
     """``reps`` profiled rounds over ``models`` (order rotated) → per model: step times and per-op medians."""
+    plan = plan or bench.Plan()
     configs, runs = {}, {}
     for kind in models:
         model = bench.build_model(kind, shape)
-        configs[kind], runs[kind] = model.config, bench.train_workload(model, batch, seq)
-        runs[kind]()  # warm-up: first-call allocations, optimizer state
+        configs[kind], runs[kind] = model.config, workload(name, model, batch, seq, plan)
+        profile_step(runs[kind])  # warm-up: first-call allocations, optimizer state
     samples = {kind: {"step": [], "ops": []} for kind in models}
     with tqdm(total=reps * len(models), desc="profile", file=sys.stderr) as bar:
         for r in range(reps):
@@ -87,7 +120,7 @@ def profile_models(models: list[str], shape: bench.Shape, batch: int, seq: int, 
         groups = {g: statistics.median(sum(v for n, v in o.items() if op_group(n) == g) for o in s["ops"])
                   for g in GROUPS}
         groups["outside"] = statistics.median(t - sum(o.values()) for t, o in zip(s["step"], s["ops"]))
-        floor = bench.forward_flops(configs[kind], seq, seq) / bench.forward_flops(configs[models[0]], seq, seq)
+        floor = flop_floor(name, configs[kind], configs[models[0]], batch, seq, plan)
         out[kind] = {"step_s": s["step"], "step_median_s": statistics.median(s["step"]), "groups_s": groups,
                      "ops_s": dict(sorted(ops.items(), key=lambda kv: -kv[1])), "flop_floor": floor}
     return out
@@ -126,7 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "llama,upcycle_v2,upcycle_v1, training 4x256 (default: bench.py's default shape and models)")
     p.add_argument("--models", default=None, help=f"comma-separated, the first is the baseline (allowed: "
                    f"{', '.join(bench.MODELS + bench.EXTRA_MODELS)})")
+    p.add_argument("--workload", choices=("train", "decode"), default="train", help="what one profiled step is: a "
+                   "training step (default), or the decode steps of bench.py's eager decode row")
     p.add_argument("--train-shape", default=None, help="BATCHxLENGTH (default: the preset's, else bench.py's)")
+    p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together (--workload decode; default 1)")
     p.add_argument("--reps", type=int, default=3, help="profiled rounds; medians reported (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--top", type=int, default=12, help="operators listed, by their largest growth over the baseline (default 12)")
@@ -149,10 +185,17 @@ def main(argv: list[str] | None = None) -> dict:
     default_models = "llama,upcycle_v2,upcycle_v1" if args.preset == "smollm2" else ",".join(bench.MODELS)
     models = bench._choices(args.models or default_models, bench.MODELS + bench.EXTRA_MODELS, "--models")
     batch, seq = bench._pairs(args.train_shape, "--train-shape")[0] if args.train_shape else plan.train_shape
+    if args.workload == "decode":
+        if args.decode_batch < 1:
+            raise SystemExit(f"--decode-batch must be at least 1, got {args.decode_batch}")
+        batch, seq = args.decode_batch, plan.prompt_len + plan.new_tokens
     shape.max_position_embeddings = max(shape.max_position_embeddings, seq)
     torch.set_num_threads(args.threads)
-    result = {"machine": bench.machine_info(args.threads), "shape": asdict(shape), "train_shape": [batch, seq],
-              "reps": args.reps, "models": profile_models(models, shape, batch, seq, args.reps)}
+    result = {"machine": bench.machine_info(args.threads), "shape": asdict(shape), "workload": args.workload,
+              "train_shape": [batch, seq] if args.workload == "train" else None,
+              "decode": {"batch": batch, "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens}
+              if args.workload == "decode" else None,
+              "reps": args.reps, "models": profile_models(models, shape, batch, seq, args.reps, args.workload, plan)}
     result["table"] = format_table(result, args.top)
     print(result["table"])
     if args.json:

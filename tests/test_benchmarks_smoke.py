@@ -119,17 +119,29 @@ def test_v2_prompt_attention_smoke_checks_and_times_both_paths(tmp_path):
     assert v2p.check(good, inputs, train=True) <= v2p.TOLERANCE < v2p.check(not_causal, inputs, train=False)
 
 
-def test_profile_train_smoke_splits_every_models_step_into_operator_groups(tmp_path):
-    """The documented smoke command of the training-step profile runs, and every model's step really contains
-    matmuls and an attention kernel (the groups the docs' table reads); operator names fall into the right groups."""
-    smoke = [args for args in _doc_commands("profile_train.py") if "--smoke" in args]
-    assert smoke, "docs/performance.md must show the training-step profile's smoke command"
+@pytest.mark.parametrize("workload", ["train", "decode"])
+def test_profile_train_smoke_splits_every_models_step_into_operator_groups(tmp_path, workload):
+    """The documented smoke commands of the profile (a training step; decode steps) run, and every model's step really
+    contains matmuls and an attention kernel (the groups the docs' table reads); the decode profile starts after the
+    prompt's forward (no prompt-length matmul in it); operator names fall into the right groups."""
+    smoke = [args for args in _doc_commands("profile_train.py") if "--smoke" in args
+             and ("--workload" in args) == (workload == "decode")]
+    assert smoke, f"docs/performance.md must show the {workload} profile's smoke command"
     out = profile_train.main([*smoke[0], "--json", str(tmp_path / "profile.json")])
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert list(saved["models"]) == list(bench.MODELS) and saved["table"] == out["table"]
+    assert saved["workload"] == workload
     for kind, row in saved["models"].items():
         assert row["step_median_s"] > 0 and row["groups_s"]["matmul"] > 0, kind
         assert row["groups_s"]["attention"] > 0, f"{kind}: no attention kernel found in its step"
+    if workload == "decode":
+        plan, shape = bench.smoke_plan_and_shape()
+        model = bench.build_model("ours_v2", shape)
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        profile_train.workload("decode", model, 1, None, plan)(prof)
+        rows = {tuple(s[0]) for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::mm"
+                for s in [e.input_shapes] if s and s[0]}
+        assert rows and all(r[0] == 1 for r in rows), rows  # one token per step, never the prompt's rows
     assert profile_train.op_group("aten::mm") == "matmul"
     assert profile_train.op_group("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
     assert profile_train.op_group("CausalBlockAttentionBackward") == "attention"
