@@ -4,8 +4,9 @@
 builds it, random weights) runs one warm-up step, then ``--reps`` rounds profile one step of every model, the order
 rotated each round. ``--workload decode`` profiles instead the decode steps of ``bench.py``'s eager decode row
 (greedy ``generate`` with a dynamic cache, ``--decode-batch`` sequences, the plan's prompt and new tokens; the
-profiler starts when the prompt's forward has chosen the first token). An operator's time is its *self* CPU time (time inside it, not inside the operators it calls),
-and the median over rounds is reported. Operators fall into three groups:
+profiler starts when the prompt's forward has chosen the first token). An operator's time is its *self* CPU time
+(time inside it, not inside the operators it calls), and the median over rounds is reported. Operators fall into
+three groups:
 
 * ``matmul``: ``aten::mm``, ``bmm``, ``addmm``, ``baddbmm`` (projections, MLP, LM head, and their gradients);
 * ``attention``: the attention kernels (every operator whose name contains ``scaled_dot_product`` or ``flex``) and the
@@ -21,7 +22,8 @@ then the operators whose time grows most. The profiler adds a few microseconds p
 are somewhat above ``bench.py``'s; ratios of the large groups are what this script is for.
 
     python benchmarks/profile_train.py --preset smollm2 --reps 3 --json benchmarks/results/profile_train_smollm2_t1.json
-    python benchmarks/profile_train.py --preset smollm2 --workload decode --models llama,upcycle_v2 --reps 5 --json ...
+    python benchmarks/profile_train.py --preset smollm2 --workload decode --models llama,upcycle_v2 --reps 7 --top 14 \
+        --json benchmarks/results/profile_decode_smollm2_t1.json
     python benchmarks/profile_train.py --smoke --json ''   # tiny sizes, one round: checks that it runs (CI)
 """
 
@@ -69,8 +71,9 @@ def profile_step(run) -> tuple[float, dict[str, float]]:
 
 
 def workload(name: str, model, batch: int, seq: int, plan: bench.Plan):
-    """``run(profiler)``: one training step of ``batch × seq`` (``"train"``), or the decode steps of ``bench.py``'s eager
-    decode row for ``batch`` sequences (``"decode"``), with ``profiler`` on while the step is timed; returns its seconds."""
+    """``run(profiler)``: one training step of ``batch × seq`` (``"train"``), or the decode steps of ``bench.py``'s
+    eager decode row for ``batch`` sequences (``"decode"``), with ``profiler`` on while the step is timed; returns
+    its seconds."""
     if name == "train":
         step = bench.train_workload(model, batch, seq)
 
@@ -88,12 +91,13 @@ def workload(name: str, model, batch: int, seq: int, plan: bench.Plan):
     return run
 
 
-def flop_floor(name: str, config, base, batch: int, seq: int, plan: bench.Plan) -> float:
+def flop_floor(name: str, config, base, seq: int, plan: bench.Plan) -> float:
     """The matmul-FLOP ratio of ``config``'s step to ``base``'s: the training forward, or the decode steps."""
     if name == "train":
         return bench.forward_flops(config, seq, seq) / bench.forward_flops(base, seq, seq)
     steps = [plan.prompt_len + j for j in range(plan.new_tokens - 1)]
-    return sum(bench.forward_flops(config, 1, 1, past=p) for p in steps) / sum(bench.forward_flops(base, 1, 1, past=p) for p in steps)
+    return (sum(bench.forward_flops(config, 1, 1, past=p) for p in steps)
+            / sum(bench.forward_flops(base, 1, 1, past=p) for p in steps))
 
 
 def profile_models(models: list[str], shape: bench.Shape, batch: int, seq: int, reps: int, name: str = "train",
@@ -120,7 +124,7 @@ def profile_models(models: list[str], shape: bench.Shape, batch: int, seq: int, 
         groups = {g: statistics.median(sum(v for n, v in o.items() if op_group(n) == g) for o in s["ops"])
                   for g in GROUPS}
         groups["outside"] = statistics.median(t - sum(o.values()) for t, o in zip(s["step"], s["ops"]))
-        floor = flop_floor(name, configs[kind], configs[models[0]], batch, seq, plan)
+        floor = flop_floor(name, configs[kind], configs[models[0]], seq, plan)
         out[kind] = {"step_s": s["step"], "step_median_s": statistics.median(s["step"]), "groups_s": groups,
                      "ops_s": dict(sorted(ops.items(), key=lambda kv: -kv[1])), "flop_floor": floor}
     return out

@@ -13,9 +13,9 @@ SDPA cannot combine two maps before multiplying by the value. Under "sdpa" V1 in
   maps from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
 
 V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` (the
-same one-call read of the cache, then the pair combine), and a
-float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH`` tokens (prefill, training) takes :func:`causal_block_attention`,
-which lets torch's CPU flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
+same one-call read of the cache, then the pair combine), and a float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH``
+tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's CPU flash kernel skip hidden causal
+scores that one call computes (all of them up to 512 keys).
 
 benchmarks/attention_micro.py measures V1's two kernels against every alternative, benchmarks/v2_prompt_attention.py
 the V2 prompt path against one SDPA call (docs/performance.md). This file is imported relatively by the modeling file,
@@ -48,8 +48,8 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
 
 def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None):
     """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2) straight from
-    :func:`gqa_decode_attention`'s output, without the general combine's reshapes (a decode step is a few hundred
-    microseconds per layer, and each small operator costs a few of them).
+    :func:`gqa_decode_attention`'s output (one view, one ``unbind`` and one ``addcmul``; none of the general combine's
+    reshapes).
 
     ``query`` ``(B, 2H, 1, d)`` (adjacent heads pair and share a KV head), ``key``/``value`` ``(B, G, S, d)``,
     ``lam`` ``(B, 1, H)``. Returns the H differential heads ``(B, 1, H, d)``.
