@@ -3,7 +3,7 @@
 #   1. the whole suite in .venv (the pinned versions of requirements-dev.txt), on two pytest-xdist workers;
 #   2. the core model tests on the lowest transformers version setup.py declares (in .venv-vllm, whose vLLM build pins
 #      that version; scripts/setup_min.sh builds .venv-min where the two part);
-#   3. the serving tests (vLLM, OpenAI-compatible server) in .venv-vllm, alongside 2.
+#   3. the serving tests (vLLM, OpenAI-compatible server) in .venv-vllm.
 # Extra arguments go to the first pytest run (e.g. `bash scripts/test.sh -k generation`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,23 +20,11 @@ bash scripts/setup.sh
 wait "$setup_pid" || { cat "$setup_log"; echo "setting up .venv-vllm failed" >&2; exit 1; }
 cat "$setup_log"
 
-# 2. and 3. side by side: the serving tests leave a core idle while vLLM starts its engines. The core subset's output
-# follows the serving tests'.
 min_venv=$(bash scripts/setup_min.sh .venv-vllm)
-min_log=$(mktemp)
 "$min_venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
     tests/test_save_load_difftransformer.py tests/test_generation_difftransformer.py tests/test_flash_path.py \
-    -k "not flex" >"$min_log" 2>&1 &
-min_pid=$!
-trap 'kill "$setup_pid" "$min_pid" 2>/dev/null || true; rm -f "$setup_log" "$min_log"' EXIT
+    -k "not flex"
 
 # 3. serving: vLLM (its CPU build) pins its own torch and transformers, so it has its own venv.
-serving=0
-.venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider || serving=$?
-min_rc=0
-wait "$min_pid" || min_rc=$?
-echo "core tests on the lowest supported transformers:"
-cat "$min_log"
-[ "$min_rc" -eq 0 ] || { echo "the core tests failed on the lowest supported transformers" >&2; exit "$min_rc"; }
-exit "$serving"
+.venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider
