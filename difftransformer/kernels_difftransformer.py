@@ -47,15 +47,18 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
 
 
 def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None):
-    """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2) straight from
-    :func:`gqa_decode_attention`'s output (one view, one ``unbind`` and one ``addcmul``; none of the general combine's
-    reshapes).
+    """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2).
 
-    ``query`` ``(B, 2H, 1, d)`` (adjacent heads pair and share a KV head), ``key``/``value`` ``(B, G, S, d)``,
-    ``lam`` ``(B, 1, H)``. Returns the H differential heads ``(B, 1, H, d)``.
+    ``query`` ``(B, 1, 2H, d)`` as projected (adjacent heads pair and share a KV head, so the 2n heads of KV head ``g``
+    are contiguous), ``key``/``value`` ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. As in :func:`gqa_decode_attention`,
+    one SDPA call runs the 2n heads of each KV head as the rows of one head (the cache is read once); the query needs
+    no transpose (one token: its heads already lie in that order), and one ``unbind`` and one ``addcmul`` combine the
+    pairs. Returns the H differential heads ``(B, 1, H, d)``.
     """
-    b, hq, _, d = query.shape
-    first, second = gqa_decode_attention(query, key, value, scaling, attention_mask).view(b, hq // 2, 2, d).unbind(2)
+    b, _, hq, d = query.shape
+    rows = query.reshape(b, key.shape[1], hq // key.shape[1], d)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling)
+    first, second = out.view(b, hq // 2, 2, d).unbind(2)
     return torch.addcmul(first, lam.view(b, hq // 2, 1), second, value=-1).view(b, 1, hq // 2, d)
 
 

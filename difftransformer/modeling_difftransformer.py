@@ -231,8 +231,8 @@ class DiffTransformerAttention(nn.Module):
         """A kernel's output → the H differential heads ``(B, T, H, w)``, for ``query`` ``(B, T, 2H, w)`` as passed.
 
         Standard kernels return one output ``A_c·V`` per softmax map, ``(B, T, 2H, w)`` — or ``(B·T, 2H·w)`` where an
-        engine flattens the tokens (vLLM's attention function) — and the pairs are combined here; eager and the decode
-        kernels return the combined heads already."""
+        engine flattens the tokens (vLLM's attention function) — and the pairs are combined here; eager returns the
+        combined heads already."""
         attn_output = attn_output.reshape(*query.shape[:2], -1, query.shape[-1])
         if attn_output.shape[2] == query.shape[2]:
             lam_out = lam if lam.dim() == 0 else lam[..., None, None]  # V2's λ (B, T, H) against (B, T, H, 2, 1, w)
@@ -357,17 +357,17 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
     def own_sdpa_kernel(self, query, key, value, attention_mask, lam, kwargs) -> torch.Tensor | None:
-        """The output of one of V2's own kernels under ``"sdpa"``, or None where transformers' attention function
-        runs: a decode step runs the 2n query heads of a KV head as the rows of one SDPA head (the cache is read once)
-        and returns the combined heads ``(B, 1, H, d)``; a float32 prompt of 256+ tokens runs causal attention in
-        query blocks, which skips most hidden scores, and returns the per-map outputs ``(B, T, 2H, d)``."""
+        """The combined heads ``(B, T, H, d)`` from one of V2's own kernels under ``"sdpa"``, or None where
+        transformers' attention function runs: a decode step runs the 2n query heads of a KV head as the rows of one
+        SDPA head (the cache is read once, :func:`pair_decode_attention`); a float32 prompt of 256+ tokens runs causal
+        attention in query blocks, which skips most hidden scores (:func:`causal_block_attention`)."""
         if not self.uses_own_sdpa_kernel(query, attention_mask, kwargs):
             return None
-        heads = query.transpose(1, 2)  # (B, 2H, T, d)
         if self.is_decode_step(query, key, value, lam):
-            return pair_decode_attention(heads, key, value, lam, self.scaling, attention_mask)
+            return pair_decode_attention(query, key, value, lam, self.scaling, attention_mask)
+        heads = query.transpose(1, 2)  # (B, 2H, T, d)
         if kwargs.get("is_causal") is not False and uses_causal_block_attention(heads, key, attention_mask):
-            return causal_block_attention(heads, key, value, self.scaling).transpose(1, 2)
+            return self.combine(causal_block_attention(heads, key, value, self.scaling).transpose(1, 2), query, lam)
         return None
 
     def forward(
@@ -398,7 +398,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
                 diff_lambda=lam,
                 **kwargs,
             )
-        attn_output = self.combine(attn_output, query, lam)
+            attn_output = self.combine(attn_output, query, lam)
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
 

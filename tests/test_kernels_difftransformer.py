@@ -346,7 +346,7 @@ def test_v2_pair_decode_equals_the_formula(n):
     (SPEC §2), in float64, without a mask and with a boolean padding mask ``(B, 1, 1, S)``."""
     b, g, s, d = 2, 2, 9, 8
     gen = torch.Generator().manual_seed(n)
-    query = torch.randn(b, 2 * g * n, 1, d, dtype=torch.float64, generator=gen)
+    query = torch.randn(b, 1, 2 * g * n, d, dtype=torch.float64, generator=gen)  # as projected: (B, 1, 2H, d)
     key, value = (torch.randn(b, g, s, d, dtype=torch.float64, generator=gen) for _ in range(2))
     lam = torch.rand(b, 1, g * n, dtype=torch.float64, generator=gen)
     visible = torch.ones(b, 1, 1, s, dtype=torch.bool)
@@ -356,7 +356,7 @@ def test_v2_pair_decode_equals_the_formula(n):
         ref = torch.empty(b, 1, g * n, d, dtype=torch.float64)
         for h in range(g * n):
             k, v = key[:, h // n], value[:, h // n]  # (B, S, d)
-            a = [(torch.einsum("bd,bsd->bs", query[:, 2 * h + c, 0], k) * d**-0.5).masked_fill(~allowed, float("-inf"))
+            a = [(torch.einsum("bd,bsd->bs", query[:, 0, 2 * h + c], k) * d**-0.5).masked_fill(~allowed, float("-inf"))
                  .softmax(-1) for c in (0, 1)]
             ref[:, 0, h] = torch.einsum("bs,bsd->bd", a[0] - lam[:, 0, h, None] * a[1], v)
         torch.testing.assert_close(kernels.pair_decode_attention(query, key, value, lam, d**-0.5, mask), ref)
