@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import attention_micro as am  # noqa: E402
 from benchmarks import bench  # noqa: E402
+from benchmarks import decode_parts  # noqa: E402
 from benchmarks import profile_train  # noqa: E402
 from benchmarks import v2_prompt_attention as v2p  # noqa: E402
 from benchmarks.padded_sdpa import PADDED_SDPA  # noqa: E402
@@ -148,6 +149,37 @@ def test_profile_train_smoke_splits_every_models_step_into_operator_groups(tmp_p
     assert profile_train.op_group("aten::silu") == "other"
 
 
+def test_decode_parts_smoke_times_every_part_on_the_same_cache(tmp_path):
+    """The documented smoke command of decode_parts.py times every part of both models (the Llama has no λ) and
+    writes the JSON; each part runs what it is named for in every layer, and the calls that append a token leave the
+    cache at the prompt's length, so every round sees the same cache."""
+    smoke = [args for args in _doc_commands("decode_parts.py") if "--smoke" in args]
+    assert smoke, "docs/performance.md must show the decode parts' smoke command"
+    out = decode_parts.main([*smoke[0], "--json", str(tmp_path / "parts.json")])
+    saved = json.loads((tmp_path / "parts.json").read_text())
+    assert list(saved["parts"]) == list(decode_parts.PARTS) and saved["table"] == out["table"]
+    for part, row in saved["parts"].items():
+        assert row["upcycle_v2_s"] > 0 and (row["llama_s"] > 0) == (part != "λ"), part
+    _, shape = bench.smoke_plan_and_shape()
+    model = bench.build_model("upcycle_v2", shape)
+    runs = decode_parts.part_runs("upcycle_v2", model, batch=2, prompt_len=5)
+    calls, cache_lengths = [], []
+    for layer in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj"):
+            getattr(layer.self_attn, name).register_forward_hook(lambda m, a, o, name=name: calls.append(name))
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, a, kw: cache_lengths.append(kw["past_key_values"].get_seq_length()), with_kwargs=True)
+    layers = shape.num_hidden_layers
+    for part, names in (("q_proj", ["q_proj"]), ("k_proj + v_proj", ["k_proj", "v_proj"]), ("o_proj", ["o_proj"]),
+                        ("λ", ["lambda_proj"])):
+        calls.clear()
+        runs[part]()
+        assert sorted(calls) == sorted(names * layers), part
+    for part in ("step", "attention", "step"):
+        runs[part]()
+    assert cache_lengths == [5, 5, 5]
+
+
 def test_documented_full_commands_parse():
     """The long (not smoke) commands shown in the docs use flags and values the scripts accept."""
     for args in _doc_commands("bench.py"):
@@ -160,6 +192,8 @@ def test_documented_full_commands_parse():
         assert set(ns.strategies.split(",")) <= set(am.STRATEGIES)
     for args in _doc_commands("v2_prompt_attention.py"):
         v2p.parse_args(args)
+    for args in _doc_commands("decode_parts.py"):
+        decode_parts.parse_args(args)
     for args in _doc_commands("profile_train.py"):
         ns = profile_train.parse_args(args)
         bench._choices(ns.models or "llama", bench.MODELS + bench.EXTRA_MODELS, "--models")
