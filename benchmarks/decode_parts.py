@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -39,7 +40,7 @@ MODELS = ("llama", "upcycle_v2")
 PARTS = ("step", "attention", "q_proj", "k_proj + v_proj", "o_proj", "λ", "kernel")
 
 
-def part_runs(name: str, model, batch: int, prompt_len: int) -> dict[str, callable]:
+def part_runs(name: str, model, batch: int, prompt_len: int) -> dict[str, Callable[[], float] | None]:
     """The parts of one model's decode step, each a callable timing all layers once (seconds); None where the model
     has no such part (the Llama's λ)."""
     from transformers import DynamicCache
@@ -134,7 +135,7 @@ def measure(shape: bench.Shape, batch: int, prompt_len: int, reps: int, warmup: 
     for part in PARTS:
         llama, v2 = samples["llama"][part], samples["upcycle_v2"][part]
         extra = [(b - a) / base_step for a, b in zip(llama, v2)]
-        q1, mid, q3 = _quartiles(extra)
+        q1, _, q3 = _quartiles(extra)
         parts[part] = {"llama_s": statistics.median(llama), "upcycle_v2_s": statistics.median(v2),
                        "extra_share": statistics.median(extra), "extra_quartiles": [q1, q3],
                        "samples": {"llama": llama, "upcycle_v2": v2}}
