@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 from tqdm.auto import tqdm
@@ -156,8 +157,7 @@ def format_table(result: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=["smollm2"], default="smollm2", help="model shape (SmolLM2-135M's)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Shape: SmolLM2-135M's.")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded at once (default 1)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens in the cache (default 128)")
     p.add_argument("--reps", type=int, default=200, help="timed rounds (default 200)")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape, prompt_len, reps, warmup = bench.SMOLLM2, args.prompt_len, args.reps, args.warmup
     if args.smoke:
         shape, prompt_len, reps, warmup = bench.smoke_plan_and_shape()[1], 8, 2, 1
-    result = {"machine": bench.machine_info(args.threads), "shape": vars(shape).copy(), "batch": args.batch,
+    result = {"machine": bench.machine_info(args.threads), "shape": asdict(shape), "batch": args.batch,
               "prompt_len": prompt_len, "reps": reps, **measure(shape, args.batch, prompt_len, reps, warmup)}
     table = format_table(result)
     result["table"] = table

@@ -34,13 +34,14 @@ _BLOCK_SCORES = 1 << 18
 def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
     """Attention of one query token per sequence with the query heads of each KV head run as the rows of ONE head.
 
-    ``query`` ``(B, Hq, 1, w)`` with the standard GQA order (query head ``i`` reads KV head ``i // (Hq / G)``, so the
-    heads of a KV group are contiguous), ``key``/``value`` ``(B, G, S, w)``. One SDPA call of ``G`` heads with
-    ``Hq / G`` query rows each: no GQA expansion of the cache (``repeat_kv`` copies it; transformers' ``pack_gqa`` idea),
-    no causal mask (one token sees the whole cache; a padding or static-cache mask ``(B, 1, 1, S)`` broadcasts over
-    the rows). Returns the per-head outputs ``(B, 1, Hq, w)`` (the layout standard kernels return).
+    ``query`` ``(B, 1, Hq, w)``, the layout a projection gives one token, with the standard GQA order (query head ``i``
+    reads KV head ``i // (Hq / G)``, so the heads of a KV group are contiguous and become its rows without a
+    transpose), ``key``/``value`` ``(B, G, S, w)``. One SDPA call of ``G`` heads with ``Hq / G`` query rows each: no
+    GQA expansion of the cache (``repeat_kv`` copies it; transformers' ``pack_gqa`` idea), no causal mask (one token
+    sees the whole cache; a padding or static-cache mask ``(B, 1, 1, S)`` broadcasts over the rows). Returns the
+    per-head outputs ``(B, 1, Hq, w)`` (the layout standard kernels return).
     """
-    b, hq, _, w = query.shape
+    b, _, hq, w = query.shape
     g = key.shape[1]
     out = F.scaled_dot_product_attention(query.reshape(b, g, hq // g, w), key, value, attn_mask=attention_mask, scale=scaling)
     return out.view(b, 1, hq, w)
@@ -49,16 +50,12 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
 def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None):
     """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2).
 
-    ``query`` ``(B, 1, 2H, d)`` as projected (adjacent heads pair and share a KV head, so the 2n heads of KV head ``g``
-    are contiguous), ``key``/``value`` ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. As in :func:`gqa_decode_attention`,
-    one SDPA call runs the 2n heads of each KV head as the rows of one head (the cache is read once); the query needs
-    no transpose (one token: its heads already lie in that order), and one ``unbind`` and one ``addcmul`` combine the
-    pairs. Returns the H differential heads ``(B, 1, H, d)``.
+    ``query`` ``(B, 1, 2H, d)`` as projected (adjacent heads pair and share a KV head), ``key``/``value``
+    ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. :func:`gqa_decode_attention` reads the cache once for the 2n heads of each
+    KV head; one ``unbind`` and one ``addcmul`` combine the pairs. Returns the H differential heads ``(B, 1, H, d)``.
     """
     b, _, hq, d = query.shape
-    rows = query.reshape(b, key.shape[1], hq // key.shape[1], d)
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling)
-    first, second = out.view(b, hq // 2, 2, d).unbind(2)
+    first, second = gqa_decode_attention(query, key, value, scaling, attention_mask).view(b, hq // 2, 2, d).unbind(2)
     return torch.addcmul(first, lam.view(b, hq // 2, 1), second, value=-1).view(b, 1, hq // 2, d)
 
 
@@ -71,7 +68,7 @@ def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None
     """
     b, g, _, n, d = query.shape
     pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)  # (c, r, c', d)
-    rows = (query.unsqueeze(-2) * pad).reshape(b, g * 2 * n, 1, 2 * d)
+    rows = (query.unsqueeze(-2) * pad).reshape(b, 1, g * 2 * n, 2 * d)
     out = gqa_decode_attention(rows, key, value, scaling, attention_mask).view(b, g, 2, n, 2 * d)
     return torch.addcmul(out[:, :, 0], lam, out[:, :, 1], value=-1)
 
