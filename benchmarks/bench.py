@@ -530,13 +530,20 @@ def _upcycle_target(result: dict, kind: str) -> float | None:
     return UPCYCLE_DECODE_TARGET.get(kind) if result["family"] == "decode" else None
 
 
+def model_target(result: dict, kind: str) -> float | None:
+    """The ratio target of model ``kind`` on one result row (None where it has none)."""
+    if kind in UPCYCLES:
+        return _upcycle_target(result, kind)
+    return target_for(result["family"], kind, result.get("length")) if kind in TARGETED else None
+
+
 def check_targets(result: dict) -> dict:
     """Per model: ratio ≤ target; plus ``beats_diffllama`` per V1 model (faster, or not more memory, than DiffLlama)."""
     out = {}
     dl = result["models"].get("diffllama")
     for kind in TARGETED:
         row = result["models"].get(kind)
-        target = _upcycle_target(result, kind) if kind in UPCYCLES else target_for(result["family"], kind, result.get("length"))
+        target = model_target(result, kind)
         if row and target is not None and row.get("ratio") is not None:
             out[kind] = {"target": target, "met": row["ratio"] <= target}
             if "paired_quartiles" in row:  # settled: the per-round ratios' middle half lies on one side of the target
@@ -600,8 +607,9 @@ def format_table(report: dict, paired: bool | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_chart(report: dict, path: str) -> None:
-    """PNG: per dtype, horizontal bars of every model's ratio to Llama per metric, V1 targets as ticks."""
+def chart_figure(report: dict):
+    """Per dtype, horizontal bars of every model's ratio to Llama per metric; each model's own target as a black tick
+    across its bar, the paired ratio with its quartiles as a dot and whisker. Returns the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -610,7 +618,7 @@ def write_chart(report: dict, path: str) -> None:
     dtypes = list(report["results"])
     others = [m for m in report["models"] if m != "llama"]
     n_items = max(len(r) for r in report["results"].values())
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 0.32 * n_items * max(1, len(others)) + 1.5),
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(8.5 * len(dtypes), 0.32 * n_items * max(1, len(others)) + 1.5),
                              squeeze=False)
     colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green", "ours_v1_padded": "tab:cyan",
               "upcycle_v2": "tab:green", "upcycle_v1": "tab:blue"}
@@ -623,19 +631,31 @@ def write_chart(report: dict, path: str) -> None:
                 ratio = r.get("ratio")
                 if ratio is None or ratio != ratio:
                     continue
-                ax.barh(i + (j - (len(others) - 1) / 2) * height, ratio, height, color=colors.get(m, None),
-                        label=m if i == 0 else None)
-            target = target_for(res["family"], "ours_v1", res.get("length"))
-            if target is not None and "ours_v1" in others:
-                y = i + (others.index("ours_v1") - (len(others) - 1) / 2) * height
-                ax.plot([target, target], [y - height / 2, y + height / 2], color="black", lw=2)
+                y = i + (j - (len(others) - 1) / 2) * height
+                ax.barh(y, ratio, height, color=colors.get(m, None), label=m if i == 0 else None)
+                if r.get("paired_quartiles"):
+                    q1, q3 = r["paired_quartiles"]
+                    ax.errorbar(r["paired_ratio"], y, xerr=[[r["paired_ratio"] - q1], [q3 - r["paired_ratio"]]],
+                                fmt="o", color="dimgray", ms=3, capsize=2, lw=1)
+                target = model_target(res, m)
+                if target is not None:
+                    ax.plot([target, target], [y - height / 2, y + height / 2], color="black", lw=2)
         ax.axvline(1.0, color="red", lw=1, ls="--")
         ax.set_yticks(range(len(results)), [r["item"] for r in results])
         ax.invert_yaxis()
-        ax.set_xlabel("time (memory) / same-config Llama; lower is better; tick: V1 target")
+        ax.set_xlabel("time (memory) / same-config Llama (dashed); lower is better\n"
+                      "black tick: the model's target; dot and whisker: paired ratio [quartiles]")
         ax.set_title(f"{dtype_name}, {report['machine']['threads']} threads, {report['machine']['cpu'][:40]}")
-        ax.legend(loc="lower right")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the axes: covers no bar
     fig.tight_layout()
+    return fig
+
+
+def write_chart(report: dict, path: str) -> None:
+    """PNG of :func:`chart_figure`."""
+    import matplotlib.pyplot as plt
+
+    fig = chart_figure(report)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -85,6 +85,20 @@ def test_bench_smoke_runs_every_row_and_writes_json_and_png(tmp_path):
             assert row["models"]["llama"]["ratio"] == pytest.approx(1.0)
             if row.get("tokens"):
                 assert row["models"]["llama"]["tokens_per_s"] == pytest.approx(row["tokens"] / row["models"]["llama"]["median"])
+    # The chart marks every model's own target on its bar (not only V1's), and each timed row's paired quartiles.
+    drawn = [(row, kind) for row in report["results"]["fp32"] for kind, stats in row["models"].items()
+             if kind != "llama" and stats.get("ratio") is not None and math.isfinite(stats["ratio"])]  # the bars
+    targets = [bench.model_target(row, kind) for row, kind in drawn]
+    targets = sorted(round(t, 9) for t in targets if t is not None)
+    assert round(bench.TARGETS["decode"]["ours_v2"][None], 9) in targets  # V2's targets too
+    fig = bench.chart_figure(report)
+    ax = fig.axes[0]
+    assert sorted(round(line.get_xdata()[0], 9) for line in ax.lines if line.get_color() == "black") == targets
+    whiskers = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(whiskers) == sum("paired_quartiles" in row["models"][kind] for row, kind in drawn)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
 
 
 def test_attention_micro_smoke_checks_and_times_every_strategy(tmp_path):
