@@ -288,15 +288,19 @@ def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """First and third quartiles of ``values``; their minimum and maximum below 4 values."""
+    if len(values) < 4:
+        return min(values), max(values)
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q1, q3
+
+
 def summarize(samples: list[float]) -> dict:
     """Median, spread (IQR / median; (max − min) / median below 4 samples) and the samples themselves."""
     med = statistics.median(samples)
-    if len(samples) >= 4:
-        q = statistics.quantiles(samples, n=4)
-        spread = (q[2] - q[0]) / med
-    else:
-        spread = (max(samples) - min(samples)) / med if len(samples) > 1 else 0.0
-    return {"median": med, "spread": spread, "samples": samples}
+    q1, q3 = quartiles(samples)
+    return {"median": med, "spread": (q3 - q1) / med if len(samples) > 1 else 0.0, "samples": samples}
 
 
 def run_interleaved(runs: dict[str, Callable[[], float]], reps: int, warmup: int, progress=None) -> dict[str, dict]:
@@ -404,8 +408,7 @@ def _with_ratios(spec: dict, stats: dict[str, dict], unit: str) -> dict:
         samples = row.get("samples")
         if unit == "s" and row["ratio"] is not None and samples and base_samples and len(samples) == len(base_samples) >= 4:
             per_round = [x / y for x, y in zip(samples, base_samples)]
-            q1, _, q3 = statistics.quantiles(per_round, n=4)
-            row["paired_ratio"], row["paired_quartiles"] = statistics.median(per_round), [q1, q3]
+            row["paired_ratio"], row["paired_quartiles"] = statistics.median(per_round), list(quartiles(per_round))
     return {k: v for k, v in spec.items() if k != "args"} | {"unit": unit, "models": stats}
 
 

@@ -110,12 +110,6 @@ def part_runs(name: str, model, batch: int, prompt_len: int) -> dict[str, Callab
     }
 
 
-def _quartiles(values: list[float]) -> list[float]:
-    if len(values) < 4:
-        return [min(values), statistics.median(values), max(values)]
-    return statistics.quantiles(values, n=4)
-
-
 def measure(shape: bench.Shape, batch: int, prompt_len: int, reps: int, warmup: int) -> dict:
     """Per part: each model's samples and median (s), and the per-round V2 − Llama differences as a share of the
     Llama's median step."""
@@ -136,7 +130,7 @@ def measure(shape: bench.Shape, batch: int, prompt_len: int, reps: int, warmup: 
     for part in PARTS:
         llama, v2 = samples["llama"][part], samples["upcycle_v2"][part]
         extra = [(b - a) / base_step for a, b in zip(llama, v2)]
-        q1, _, q3 = _quartiles(extra)
+        q1, q3 = bench.quartiles(extra)
         parts[part] = {"llama_s": statistics.median(llama), "upcycle_v2_s": statistics.median(v2),
                        "extra_share": statistics.median(extra), "extra_quartiles": [q1, q3],
                        "samples": {"llama": llama, "upcycle_v2": v2}}
