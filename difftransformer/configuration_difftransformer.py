@@ -47,7 +47,7 @@ class DiffTransformerConfig(PreTrainedConfig):
     """
 
     model_type = "difftransformer"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field before and from transformers 5.24
     # Same layout as Llama: with the group-major row order (SPEC §3) a contiguous column shard of
     # q/k/v (and of lambda_proj in V2) holds whole KV groups, so every shard computes whole heads.
     base_model_tp_plan = {

@@ -29,14 +29,20 @@ Deliberate deviations from Microsoft's reference code: rotate-half RoPE (transfo
 interleaved, group-major query rows (convert_scripts handle both), no attention dropout.
 """
 
+import dataclasses
+import functools
+import inspect
 import math
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging import version
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
@@ -44,6 +50,8 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -62,7 +70,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 from transformers.utils import can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import TransformersKwargs, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_difftransformer import DiffTransformerConfig
@@ -74,6 +82,134 @@ from .kernels_difftransformer import (
     pair_decode_attention,
     uses_causal_block_attention,
 )
+
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The cache argument across transformers releases.
+#
+# transformers 5.24 renamed the cache argument of every model, decoder-layer and attention forward, and the cache field
+# of the model outputs, from `past_key_values` to `cache`; the old name stays a deprecated alias until 5.40. Before
+# 5.24, `cache` named only continuous batching's paged cache, which the attention functions updated themselves; from
+# 5.24 the attention module updates every cache, the paged one included. This file reads whichever the installed
+# release uses, as that release's Llama does, and refuses what it would not read: a cache under another name, an
+# unknown keyword argument, or a decoding step whose cache is missing (see `check_forward_arguments`).
+TRANSFORMERS_VERSION = transformers.__version__
+# The name generate() passes the cache under and the name of the output field it reads back.
+CACHE_RENAMED = "cache" in {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
+CACHE_OUTPUT_FIELD = "cache" if CACHE_RENAMED else "past_key_values"
+# Where transformers announced the removal of the old name (`deprecate_kwarg("past_key_values", "5.40.0", ...)`).
+OLD_CACHE_NAME_REMOVED_IN = "5.40.0"
+# Up to 5.23 the attention functions (sdpa, flash, paged|eager) update a paged cache passed to them as `cache=`.
+ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE = "cache" in inspect.signature(sdpa_attention_forward).parameters
+MASK_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+def accepts_old_cache_name(forward: Callable) -> Callable:
+    """Let ``forward(..., cache=...)`` also take the cache as ``past_key_values=``.
+
+    Up to transformers 5.23 ``past_key_values`` is the current name (generate() passes it), so it is renamed silently;
+    from 5.24 it is transformers' deprecated alias: renamed with a ``FutureWarning`` until 5.40, refused from then on,
+    as transformers' own models do. Passing both names is an error."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if "past_key_values" in kwargs:
+            old = kwargs.pop("past_key_values")
+            if old is not None and kwargs.get("cache") is not None:
+                raise ValueError(
+                    f"{type(self).__name__}.forward got both `cache` and `past_key_values`: pass the cache once, as "
+                    f"`{CACHE_OUTPUT_FIELD}` (transformers {TRANSFORMERS_VERSION})."
+                )
+            if CACHE_RENAMED and version.parse(TRANSFORMERS_VERSION) >= version.parse(OLD_CACHE_NAME_REMOVED_IN):
+                raise TypeError(
+                    f"{type(self).__name__}.forward got `past_key_values`, which transformers {TRANSFORMERS_VERSION} no "
+                    "longer accepts (renamed in 5.24, removed in 5.40): pass the cache as `cache=`."
+                )
+            if CACHE_RENAMED and old is not None and not torch.compiler.is_compiling():
+                warnings.warn(
+                    f"`past_key_values` is deprecated and will be removed in transformers {OLD_CACHE_NAME_REMOVED_IN} "
+                    f"for `{type(self).__name__}.forward`. Use `cache` instead.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+            if old is not None or "cache" not in kwargs:
+                kwargs["cache"] = old
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+# Keyword arguments a forward passes on, beyond its named inputs: transformers' shared model kwargs (output flags,
+# packed-sequence lengths, `num_items_in_batch`), continuous batching's paged-attention arguments and the causal-LM
+# loss's own arguments. The attention function in use adds its named parameters (`check_forward_arguments`).
+_PASSED_ON_KWARGS = frozenset(TransformersKwargs.__annotations__) | frozenset(
+    name for name in inspect.signature(ForCausalLMLoss).parameters if name not in ("logits", "labels", "vocab_size", "kwargs")
+)
+try:
+    from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
+
+    _PASSED_ON_KWARGS |= frozenset(PagedAttentionArgs.__annotations__) - {"cache"}
+except ImportError:  # only a name list: releases without it pass none of these
+    pass
+_ATTENTION_FUNCTION_KWARGS: dict[str, frozenset] = {}
+
+
+def attention_function_kwargs(attn_implementation: str | None) -> frozenset:
+    """Named parameters of the attention function registered under ``attn_implementation`` (beyond module, query, key,
+    value and mask): what that backend reads from the kwargs a forward passes on."""
+    name = str(attn_implementation)
+    if name not in _ATTENTION_FUNCTION_KWARGS:
+        function = ALL_ATTENTION_FUNCTIONS.get(name, eager_attention_forward)
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):
+            parameters = ()
+        _ATTENTION_FUNCTION_KWARGS[name] = frozenset(
+            p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ) - {"module", "query", "key", "value", "attention_mask"}
+    return _ATTENTION_FUNCTION_KWARGS[name]
+
+
+def check_forward_arguments(model, kwargs: dict, cache, position_ids) -> None:
+    """Never silently wrong: refuse what this forward would ignore.
+
+    * a keyword argument that is neither an input of the model nor one its layers or attention backend reads (a cache
+      under a name this release does not use is named as such: the next rename of transformers' cache argument
+      fails here instead of decoding every step without its past);
+    * a decoding step without its past: positions that start after 0 while no cache holds the earlier tokens (the
+      signature of a cache lost on the way, e.g. generate() passing it under a name the model does not read).
+      Skipped under ``torch.compile`` and for compileable (static) caches, whose length lives on the device; and under
+      vLLM's Transformers backend, whose attention function keeps the cache itself.
+    """
+    attn = model.config._attn_implementation
+    recordable = {f"output_{key}" for key in getattr(model, "_can_record_outputs", None) or {}}
+    unknown = [k for k in kwargs if k not in _PASSED_ON_KWARGS and k not in recordable and k not in attention_function_kwargs(attn)]
+    for name in unknown:
+        if isinstance(kwargs[name], Cache):
+            raise TypeError(
+                f"{type(model).__name__}.forward got a {type(kwargs[name]).__name__} as `{name}`, a name it does not read: "
+                f"with transformers {TRANSFORMERS_VERSION} the cache is passed as `{CACHE_OUTPUT_FIELD}`. Decoding with "
+                "the cache ignored would be silently wrong; if transformers renamed its cache argument again, "
+                "difftransformer must follow it."
+            )
+    if unknown:
+        raise TypeError(
+            f"{type(model).__name__}.forward got unexpected keyword argument(s) {', '.join(map(repr, unknown))} "
+            f"(transformers {TRANSFORMERS_VERSION}, attn_implementation={attn!r}): neither an input of the model nor an "
+            "argument of its attention backend, so it would be ignored."
+        )
+    if position_ids is None or str(attn).startswith("vllm") or torch.compiler.is_compiling():
+        return
+    if cache is None or (not getattr(cache, "is_compileable", False) and cache.get_seq_length() == 0):
+        start = int(position_ids.min())
+        if start > 0:
+            raise ValueError(
+                f"{type(model).__name__}.forward got position_ids starting at {start} but "
+                f"{'no cache' if cache is None else 'an empty cache'} (`{CACHE_OUTPUT_FIELD}`, transformers "
+                f"{TRANSFORMERS_VERSION}): a decoding step needs the cache that holds the {start} earlier tokens, or "
+                "the whole sequence from position 0. Was the cache passed under another name?"
+            )
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -213,9 +349,12 @@ class DiffTransformerAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * value_width, hidden, bias=bias)
 
-    def project(self, hidden_states, position_embeddings, past_key_values):
+    def project(self, hidden_states, position_embeddings, cache, kwargs):
         """→ rotated queries ``(B, T, 2H, d)`` in q_proj row order, and the cached keys and values
-        ``(B, Hkv·d / value_width, S, value_width)`` (this step's, appended to ``past_key_values``)."""
+        ``(B, Hkv·d / value_width, S, value_width)`` (this step's, appended to ``cache``).
+
+        A paged cache (continuous batching) is updated here from transformers 5.24 on, with the paged-attention
+        ``kwargs`` it fills in place; before, the attention function updates it (:meth:`attention_kwargs`)."""
         input_shape = hidden_states.shape[:-1]
         query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)  # (B, T, 2H, d)
         key = self.k_proj(hidden_states).view(*input_shape, -1, self.head_dim)  # (B, T, Hkv, d)
@@ -223,9 +362,17 @@ class DiffTransformerAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
         key = key.view(*input_shape, -1, self.value_width).transpose(1, 2)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.value_width).transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None and not (ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache)):
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         return query, key, value
+
+    @staticmethod
+    def attention_kwargs(cache, kwargs) -> dict:
+        """The kwargs for transformers' attention function: up to 5.23 a paged cache goes with them (the function
+        updates it, as Llama's attention does on those releases)."""
+        if ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache):
+            return {**kwargs, "cache": cache}
+        return kwargs
 
     def combine(self, attn_output, query, lam):
         """A kernel's output → the H differential heads ``(B, T, H, w)``, for ``query`` ``(B, T, 2H, w)`` as passed.
@@ -239,11 +386,11 @@ class DiffTransformerAttention(nn.Module):
             attn_output = differential_combine(attn_output, lam_out, self.pair_stride, dim=2)
         return attn_output
 
-    def uses_own_sdpa_kernel(self, query, attention_mask, kwargs) -> bool:
+    def uses_own_sdpa_kernel(self, query, attention_mask, cache) -> bool:
         """Whether this call runs a kernel of kernels_difftransformer.py instead of transformers' sdpa function:
         under ``"sdpa"`` only, and never with an additive float mask (a user's 4-D mask) or continuous batching (its
-        kernel writes the cache). Subclasses narrow it further."""
-        if self.config._attn_implementation != "sdpa" or kwargs.get("cache") is not None:
+        paged cache and packed sequences). Subclasses narrow it further."""
+        if self.config._attn_implementation != "sdpa" or isinstance(cache, PagedAttentionCache):
             return False
         return attention_mask is None or attention_mask.dtype == torch.bool
 
@@ -297,11 +444,11 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         q1, k1, q2, k2 = (p.to(dtype) for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
         return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
 
-    def uses_own_sdpa_kernel(self, query, attention_mask, kwargs) -> bool:
+    def uses_own_sdpa_kernel(self, query, attention_mask, cache) -> bool:
         """Off the CPU only decoding takes V1's kernel: there, prefill and training keep the padded call, which CUDA's
         flash / memory-efficient SDPA kernels run without writing any map (the blocked kernel is a CPU kernel,
         docs/performance.md)."""
-        if not super().uses_own_sdpa_kernel(query, attention_mask, kwargs):
+        if not super().uses_own_sdpa_kernel(query, attention_mask, cache):
             return False
         return query.device.type in BLOCKED_KERNEL_DEVICES or self.is_decode_step(query)
 
@@ -310,14 +457,14 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        query, key, value = self.project(hidden_states, position_embeddings, past_key_values)  # key/value (B, G, S, 2d)
+        if isinstance(cache, PagedAttentionCache):
+            cache = PackedGroupsPagedCache(cache)  # continuous batching: the paged cache seen as packed groups
+        query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, G, S, 2d)
         lam = self.lambda_full()
-        if isinstance(kwargs.get("cache"), PagedAttentionCache):
-            kwargs["cache"] = PackedGroupsPagedCache(kwargs["cache"])  # continuous batching: the kernel writes the cache
-        if self.uses_own_sdpa_kernel(query, attention_mask, kwargs):
+        if self.uses_own_sdpa_kernel(query, attention_mask, cache):
             attn_output = differential_sdpa_attention(query, key, value, attention_mask, lam, self.scaling, self.pair_stride)
             attn_weights = None
         else:
@@ -336,7 +483,7 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
                 dropout=0.0,
                 scaling=self.scaling,
                 diff_lambda=lam,
-                **kwargs,
+                **self.attention_kwargs(cache, kwargs),
             )
             attn_output = self.combine(attn_output, padded, lam)
         attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
@@ -356,12 +503,12 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         super().__init__(config, layer_idx, value_width=config.head_dim)
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
-    def own_sdpa_kernel(self, query, key, value, attention_mask, lam, kwargs) -> torch.Tensor | None:
+    def own_sdpa_kernel(self, query, key, value, attention_mask, lam, cache, kwargs) -> torch.Tensor | None:
         """The combined heads ``(B, T, H, d)`` from one of V2's own kernels under ``"sdpa"``, or None where
         transformers' attention function runs: a decode step runs the 2n query heads of a KV head as the rows of one
         SDPA head (the cache is read once, :func:`pair_decode_attention`); a float32 prompt of 256+ tokens runs causal
         attention in query blocks, which skips most hidden scores (:func:`causal_block_attention`)."""
-        if not self.uses_own_sdpa_kernel(query, attention_mask, kwargs):
+        if not self.uses_own_sdpa_kernel(query, attention_mask, cache):
             return None
         if self.is_decode_step(query, key, value, lam):
             return pair_decode_attention(query, key, value, lam, self.scaling, attention_mask)
@@ -375,12 +522,12 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        query, key, value = self.project(hidden_states, position_embeddings, past_key_values)  # key/value (B, G, S, d)
+        query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, G, S, d)
         lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
-        attn_output, attn_weights = self.own_sdpa_kernel(query, key, value, attention_mask, lam, kwargs), None
+        attn_output, attn_weights = self.own_sdpa_kernel(query, key, value, attention_mask, lam, cache, kwargs), None
         if attn_output is None:
             # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by
             # reading its forward's source for that lookup and call (and the scale from `scaling=self.scaling`).
@@ -396,7 +543,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
                 dropout=0.0,
                 scaling=self.scaling,
                 diff_lambda=lam,
-                **kwargs,
+                **self.attention_kwargs(cache, kwargs),
             )
             attn_output = self.combine(attn_output, query, lam)
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
@@ -420,7 +567,7 @@ class DiffTransformerDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
@@ -431,7 +578,7 @@ class DiffTransformerDecoderLayer(GradientCheckpointingLayer):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -479,7 +626,7 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffTransformerDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flex_attn = True
     # Every kernel call has equal q/k/v head sizes and the standard GQA mapping (tests/test_modeling_difftransformer.py
@@ -597,6 +744,7 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
         if config.diff_version == 1:  # V1 has no lambda_proj (its λ vectors and subln are replicated under TP)
             self._tp_plan.pop("layers.*.self_attn.lambda_proj", None)
 
+    @accepts_old_cache_name
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -604,28 +752,31 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> DiffTransformerModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_forward_arguments(self, kwargs, cache, position_ids)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
+        # Up to 5.23 a paged cache is the attention functions' business, not the mask's (as in Llama there).
+        paged_legacy = ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache)
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{MASK_CACHE_ARGUMENT: None if paged_legacy else cache},
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -635,12 +786,12 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return DiffTransformerModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return DiffTransformerModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_OUTPUT_FIELD: cache})
 
 
 class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin):
@@ -656,13 +807,14 @@ class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @accepts_old_cache_name
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -673,7 +825,7 @@ class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -688,7 +840,7 @@ class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin
         return DiffTransformerCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_OUTPUT_FIELD: getattr(outputs, CACHE_OUTPUT_FIELD)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             lambdas=outputs.lambdas,
