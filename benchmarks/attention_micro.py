@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from difftransformer.modeling_difftransformer import differential_combine
+from difftransformer.modeling_difftransformer import CACHE_NAME, differential_combine
 
 # Run as a script, the repository root is not on sys.path; the `ours_v1_padded` decode kind imports `benchmarks.*`.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -590,7 +590,7 @@ def _decode_setup(kind: str, past: int, batch: int, dtype: torch.dtype, hidden: 
     cache = DynamicCache(config=cfg)
     with torch.no_grad():
         prompt = torch.randn(batch, past, hidden, dtype=dtype)
-        module(prompt, rotary(prompt, torch.arange(past)[None]), None, past_key_values=cache)
+        module(prompt, rotary(prompt, torch.arange(past)[None]), None, **{CACHE_NAME: cache})
         step = torch.randn(batch, 1, hidden, dtype=dtype)
         pos = rotary(step, torch.tensor([[past]]))
     return module, cache, step, pos
@@ -608,7 +608,7 @@ def decode_op_counts(past: int = 128, batch: int = 1, dtype: torch.dtype = torch
         with torch.no_grad():
             counter = _OpCounter()
             with counter:
-                module(step, pos, None, past_key_values=cache)
+                module(step, pos, None, **{CACHE_NAME: cache})
             cache.crop(-1)
         result[kind] = {"ops": len(counter.names), "op_names": counter.names}
     return result
@@ -642,7 +642,7 @@ def time_around_ops(past: int = 128, batch: int = 1, dtype: torch.dtype = torch.
         module, cache, x, pos = mods[kind]
 
         def call():
-            module(x, pos, None, past_key_values=cache)
+            module(x, pos, None, **{CACHE_NAME: cache})
             cache.crop(-1)
         return call
 

@@ -174,20 +174,29 @@ def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, see
     return model
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+def _cuda_synchronized_clock() -> float:
+    """Elapsed seconds once every queued CUDA kernel has finished: GPU work is asynchronous, so an unsynchronized clock
+    would time the kernel launches, not the kernels."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time, "cuda": _cuda_synchronized_clock}
 _clock = time.perf_counter
 
 
 def set_clock(name: str) -> None:
-    """Every timing of this module uses ``wall`` (elapsed) or ``cpu`` (process CPU time) seconds."""
+    """Every timing of this module uses ``wall`` (elapsed), ``cpu`` (process CPU time) or ``cuda`` (elapsed, taken
+    after a ``torch.cuda.synchronize()``: benchmarks/gpu_check.py) seconds."""
     global _clock
     if name not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {name!r}")
     _clock = CLOCKS[name]
 
 
-def _ids(batch: int, seq: int, vocab: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+def _ids(batch: int, seq: int, vocab: int, seed: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Random token ids, the same on every device (drawn on the CPU, then moved to ``device``: the model's)."""
+    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,13 +208,15 @@ def prefill_workload(model, batch: int, seq: int) -> Callable[[], float]:
     """One prompt forward as ``generate`` runs it: fresh DynamicCache, logits for the last position only."""
     from transformers import DynamicCache
 
-    ids = _ids(batch, seq, model.config.vocab_size)
+    from difftransformer import CACHE_NAME
+
+    ids = _ids(batch, seq, model.config.vocab_size, device=model.device)
 
     def run() -> float:
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
             start = _clock()
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids, **{CACHE_NAME: cache}, use_cache=True, logits_to_keep=1)
             return _clock() - start
     return run
 
@@ -237,7 +248,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
 
     if compiled and cache != "static":
         raise ValueError("compiled decode needs cache='static' (generate only compiles with a static cache)")
-    ids = _ids(batch, prompt_len, model.config.vocab_size)
+    ids = _ids(batch, prompt_len, model.config.vocab_size, device=model.device)
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     if cache == "static":
         kwargs["cache_implementation"] = "static"
@@ -261,7 +272,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
 
 def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr: float = 1e-5) -> Callable[[], float]:
     """One optimisation step: forward with labels, backward, ``AdamW.step``, ``zero_grad``. Leaves eval mode set."""
-    ids = _ids(batch, seq, model.config.vocab_size)
+    ids = _ids(batch, seq, model.config.vocab_size, device=model.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def run() -> float:
@@ -727,7 +738,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run (default 128)")
     p.add_argument("--train-shape", default=None, help="training BATCHxLENGTH (default 4x512)")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall: elapsed time (default); cpu: "
-                   "process CPU time — with --threads 1 it leaves out time other processes hold the core (shared machines)")
+                   "process CPU time — with --threads 1 it leaves out time other processes hold the core (shared machines); "
+                   "cuda: elapsed time after torch.cuda.synchronize() (benchmarks/gpu_check.py's clock)")
     p.add_argument("--preset", choices=("smollm2",), default=None, help="smollm2: SmolLM2-135M's shape (30 layers, "
                    "hidden 576, 9 query / 3 KV heads, tied 49152-token vocabulary) against its upcycles (--models "
                    "llama,upcycle_v2,upcycle_v1), prefill 1x128,1x512,8x128, decode b1/b8 of 64 tokens after 128, "

@@ -47,6 +47,7 @@ def part_runs(name: str, model, batch: int, prompt_len: int) -> dict[str, Callab
     from transformers import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from difftransformer import CACHE_NAME
     from difftransformer.kernels_difftransformer import pair_decode_attention
 
     config = model.config
@@ -57,7 +58,7 @@ def part_runs(name: str, model, batch: int, prompt_len: int) -> dict[str, Callab
     position_ids = torch.full((batch, 1), prompt_len)
     cache = DynamicCache(config=config)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **{CACHE_NAME: cache}, use_cache=True)
     position_embeddings = model.model.rotary_emb(hidden, position_ids=position_ids)
     attns = [layer.self_attn for layer in model.model.layers]
     kv = [(layer.keys, layer.values) for layer in cache.layers]  # the prompt's, untouched by the cropping below
@@ -77,11 +78,11 @@ def part_runs(name: str, model, batch: int, prompt_len: int) -> dict[str, Callab
         return run
 
     def step():
-        model(token, past_key_values=cache, use_cache=True, position_ids=position_ids, logits_to_keep=1)
+        model(token, **{CACHE_NAME: cache}, use_cache=True, position_ids=position_ids, logits_to_keep=1)
 
     def attention():
         for a in attns:
-            a(hidden_states=hidden, position_embeddings=position_embeddings, attention_mask=None, past_key_values=cache)
+            a(hidden_states=hidden, position_embeddings=position_embeddings, attention_mask=None, **{CACHE_NAME: cache})
 
     if name == "llama":
         heads = query.transpose(1, 2)

@@ -17,6 +17,7 @@ from transformers import (
 from .configuration_difftransformer import DiffTransformerConfig
 from .integrations import register_integrations
 from .modeling_difftransformer import (
+    CACHE_NAME,
     DiffTransformerForCausalLM,
     DiffTransformerForQuestionAnswering,
     DiffTransformerForSequenceClassification,
@@ -43,6 +44,7 @@ for _auto_class, _model_class in _AUTO_CLASSES.items():
 register_integrations()  # PEFT default LoRA targets and Trainer's causal-LM table (see integrations.py)
 
 __all__ = [
+    "CACHE_NAME",
     "DiffTransformerConfig",
     "DiffTransformerPreTrainedModel",
     "DiffTransformerModel",

@@ -95,9 +95,10 @@ from .kernels_difftransformer import (
 # release uses, as that release's Llama does, and refuses what it would not read: a cache under another name, an
 # unknown keyword argument, or a decoding step whose cache is missing (see `check_forward_arguments`).
 TRANSFORMERS_VERSION = transformers.__version__
-# The name generate() passes the cache under and the name of the output field it reads back.
+# The name of the cache argument and output field in the installed release (what generate() passes and reads back,
+# and what code that calls a transformers model with a cache must use).
 CACHE_RENAMED = "cache" in {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
-CACHE_OUTPUT_FIELD = "cache" if CACHE_RENAMED else "past_key_values"
+CACHE_NAME = "cache" if CACHE_RENAMED else "past_key_values"
 # Where transformers announced the removal of the old name (`deprecate_kwarg("past_key_values", "5.40.0", ...)`).
 OLD_CACHE_NAME_REMOVED_IN = "5.40.0"
 # Up to 5.23 the attention functions (sdpa, flash, paged|eager) update a paged cache passed to them as `cache=`.
@@ -119,7 +120,7 @@ def accepts_old_cache_name(forward: Callable) -> Callable:
             if old is not None and kwargs.get("cache") is not None:
                 raise ValueError(
                     f"{type(self).__name__}.forward got both `cache` and `past_key_values`: pass the cache once, as "
-                    f"`{CACHE_OUTPUT_FIELD}` (transformers {TRANSFORMERS_VERSION})."
+                    f"`{CACHE_NAME}` (transformers {TRANSFORMERS_VERSION})."
                 )
             if CACHE_RENAMED and version.parse(TRANSFORMERS_VERSION) >= version.parse(OLD_CACHE_NAME_REMOVED_IN):
                 raise TypeError(
@@ -179,8 +180,8 @@ def check_forward_arguments(model, kwargs: dict, cache, position_ids) -> None:
       fails here instead of decoding every step without its past);
     * a decoding step without its past: positions that start after 0 while no cache holds the earlier tokens (the
       signature of a cache lost on the way, e.g. generate() passing it under a name the model does not read).
-      Skipped under ``torch.compile`` and for compileable (static) caches, whose length lives on the device; and under
-      vLLM's Transformers backend, whose attention function keeps the cache itself.
+      Skipped under ``torch.compile`` and for compileable (static) caches, whose length lives on the device; and for
+      continuous batching's paged cache and vLLM's Transformers backend, whose attention functions keep the cache.
     """
     attn = model.config._attn_implementation
     recordable = {f"output_{key}" for key in getattr(model, "_can_record_outputs", None) or {}}
@@ -189,7 +190,7 @@ def check_forward_arguments(model, kwargs: dict, cache, position_ids) -> None:
         if isinstance(kwargs[name], Cache):
             raise TypeError(
                 f"{type(model).__name__}.forward got a {type(kwargs[name]).__name__} as `{name}`, a name it does not read: "
-                f"with transformers {TRANSFORMERS_VERSION} the cache is passed as `{CACHE_OUTPUT_FIELD}`. Decoding with "
+                f"with transformers {TRANSFORMERS_VERSION} the cache is passed as `{CACHE_NAME}`. Decoding with "
                 "the cache ignored would be silently wrong; if transformers renamed its cache argument again, "
                 "difftransformer must follow it."
             )
@@ -199,14 +200,16 @@ def check_forward_arguments(model, kwargs: dict, cache, position_ids) -> None:
             f"(transformers {TRANSFORMERS_VERSION}, attn_implementation={attn!r}): neither an input of the model nor an "
             "argument of its attention backend, so it would be ignored."
         )
-    if position_ids is None or str(attn).startswith("vllm") or torch.compiler.is_compiling():
+    if position_ids is None or isinstance(cache, PagedAttentionCache) or str(attn).startswith("vllm"):
+        return  # continuous batching and vLLM hand the attention function their own cache
+    if torch.compiler.is_compiling():
         return
     if cache is None or (not getattr(cache, "is_compileable", False) and cache.get_seq_length() == 0):
         start = int(position_ids.min())
         if start > 0:
             raise ValueError(
                 f"{type(model).__name__}.forward got position_ids starting at {start} but "
-                f"{'no cache' if cache is None else 'an empty cache'} (`{CACHE_OUTPUT_FIELD}`, transformers "
+                f"{'no cache' if cache is None else 'an empty cache'} (`{CACHE_NAME}`, transformers "
                 f"{TRANSFORMERS_VERSION}): a decoding step needs the cache that holds the {start} earlier tokens, or "
                 "the whole sequence from position 0. Was the cache passed under another name?"
             )
@@ -452,6 +455,7 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
             return False
         return query.device.type in BLOCKED_KERNEL_DEVICES or self.is_decode_step(query)
 
+    @accepts_old_cache_name
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -517,6 +521,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
             return self.combine(causal_block_attention(heads, key, value, self.scaling).transpose(1, 2), query, lam)
         return None
 
+    @accepts_old_cache_name
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -562,6 +567,7 @@ class DiffTransformerDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @accepts_old_cache_name
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -791,7 +797,7 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return DiffTransformerModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_OUTPUT_FIELD: cache})
+        return DiffTransformerModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache})
 
 
 class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin):
@@ -840,7 +846,7 @@ class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin
         return DiffTransformerCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            **{CACHE_OUTPUT_FIELD: getattr(outputs, CACHE_OUTPUT_FIELD)},
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             lambdas=outputs.lambdas,

@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .modeling_difftransformer import CACHE_NAME
+
 PROBES = ("niah", "mqar", "icl")
 SCORINGS = ("logits", "generate")
 
@@ -421,10 +423,10 @@ def candidate_logprobs(model, tokenizer, prompt: str, candidates: Sequence[str])
         rest[i, : len(ids) - 1] = torch.tensor(ids[:-1], device=device)
         valid[i, : len(ids) - 1] = True
     mask = torch.cat([torch.ones(num, prompt_ids.shape[1], dtype=torch.long, device=device), valid.long()], 1)
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_NAME, None)
     if hasattr(cache, "batch_repeat_interleave"):
         cache.batch_repeat_interleave(num)
-        logits = model(input_ids=rest, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=rest, attention_mask=mask, **{CACHE_NAME: cache}, use_cache=True).logits
     else:  # a model without a transformers Cache: run the full sequences (same numbers, more compute)
         full = torch.cat([prompt_ids.expand(num, -1), rest], 1)
         logits = model(input_ids=full, attention_mask=mask, use_cache=False).logits[:, prompt_ids.shape[1] :]

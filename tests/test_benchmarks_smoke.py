@@ -182,7 +182,7 @@ def test_decode_parts_smoke_times_every_part_on_the_same_cache(tmp_path):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj"):
             getattr(layer.self_attn, name).register_forward_hook(lambda m, a, o, name=name: calls.append(name))
     model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda m, a, kw: cache_lengths.append(kw["past_key_values"].get_seq_length()), with_kwargs=True)
+        lambda m, a, kw: cache_lengths.append(kw["cache"].get_seq_length()), with_kwargs=True)
     layers = shape.num_hidden_layers
     for part, names in (("q_proj", ["q_proj"]), ("k_proj + v_proj", ["k_proj", "v_proj"]), ("o_proj", ["o_proj"]),
                         ("λ", ["lambda_proj"])):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-from difftransformer import DiffTransformerForCausalLM
+from difftransformer import CACHE_NAME, DiffTransformerForCausalLM
 from utils_difftransformer import CONTRACT_CALLS, left_padded_batch, tiny_config
 
 LAYOUTS = ["v1_gqa", "v1_mha", "v2_gqa", "v2_mha"]
@@ -90,7 +90,7 @@ def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantiz
         ids, max_new_tokens=20, do_sample=False, cache_implementation="quantized", cache_config=cache_config,
         return_dict_in_generate=True, output_scores=True,
     )
-    assert type(out.past_key_values).__name__ == "QuantizedCache"
+    assert type(getattr(out, CACHE_NAME)).__name__ == "QuantizedCache"
     uncached, _ = _greedy(model, ids, use_cache=False, max_new_tokens=20)
     assert torch.equal(out.sequences, uncached)
 
@@ -140,16 +140,16 @@ def test_cache_holds_exactly_a_llamas_bytes(layout):
     ids = torch.randint(3, cfg.vocab_size, (2, 9))
     ours, theirs = DynamicCache(config=cfg), DynamicCache(config=llama.config)
     with torch.no_grad():
-        model(ids, past_key_values=ours, use_cache=True)
-        llama(ids, past_key_values=theirs, use_cache=True)
+        model(ids, **{CACHE_NAME: ours}, use_cache=True)
+        llama(ids, **{CACHE_NAME: theirs}, use_cache=True)
     assert _cache_bytes(ours) == _cache_bytes(theirs) > 0
     # and one cache update per layer: the cache has exactly num_hidden_layers layers, each with 9 positions
     assert len(ours.layers) == cfg.num_hidden_layers and ours.get_seq_length() == 9
     ours_static = StaticCache(config=cfg, max_cache_len=16)
     theirs_static = StaticCache(config=llama.config, max_cache_len=16)
     with torch.no_grad():
-        model(ids, past_key_values=ours_static, use_cache=True)
-        llama(ids, past_key_values=theirs_static, use_cache=True)
+        model(ids, **{CACHE_NAME: ours_static}, use_cache=True)
+        llama(ids, **{CACHE_NAME: theirs_static}, use_cache=True)
     assert _cache_bytes(ours_static) == _cache_bytes(theirs_static) > 0
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, probes
+from difftransformer import CACHE_NAME, DiffTransformerConfig, DiffTransformerForCausalLM, probes
 from difftransformer.data import corpus_texts, train_tokenizer
 
 
@@ -135,9 +135,9 @@ def test_candidate_logprobs_match_full_sequence_scoring(tok, kind):
             self.inner, self.device = inner, inner.device
 
         def forward(self, **kwargs):
-            kwargs.pop("past_key_values", None)
+            kwargs.pop(CACHE_NAME, None)
             out = self.inner(**{**kwargs, "use_cache": False})
-            out.past_key_values = None
+            setattr(out, CACHE_NAME, None)
             return out
 
     torch.testing.assert_close(probes.candidate_logprobs(NoCache(model), tok, prompt, candidates), got, atol=1e-4, rtol=1e-4)
