@@ -26,7 +26,11 @@ setup(
         "gguf": ["gguf>=0.10"],
     },
     entry_points={
-        "console_scripts": ["difftransformer-convert=convert_scripts.convert:main"],
+        "console_scripts": [
+            "difftransformer-convert=convert_scripts.convert:main",
+            # refreshes the remote code of saved folders (docs/ecosystem.md#updating-a-saved-folders-code)
+            "difftransformer-update-code=difftransformer.hub:main_update_code",
+        ],
         # vLLM loads it in every process: DIFF V2 folders then serve on a native vLLM model (difftransformer/vllm_model.py)
         "vllm.general_plugins": ["difftransformer = difftransformer.vllm_plugin:register"],
     },

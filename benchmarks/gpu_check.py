@@ -633,7 +633,7 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
                 try:
                     if s.name not in built:
                         with torch.device(device):  # random init on the device: fast for the 1B-class shape
-                            built[s.name] = {m: bench.build_model(m, s.shape, dtype) for m in s.models}
+                            built[s.name] = {m: bench.build_model(m, s.shape, dtype).to(device) for m in s.models}
                     models = built[s.name]
                     bench.set_clock("cuda" if cuda else plan.clock)
                     if group == "memory":
@@ -729,7 +729,7 @@ def meta(profile: Profile, argv: list[str]) -> dict:
             "git_commit": commit, "git_dirty": dirty, "source_digest": source_digest(),
             "fp32_matmul_precision": torch.get_float32_matmul_precision(),
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "budget_s": profile.budget_s, "argv": argv, "elapsed_s": 0.0}
+            "budget_s": profile.budget_s, "argv": argv, "elapsed_s": 0.0, "finished": False}
 
 
 def summary_text(report: dict) -> str:
@@ -737,7 +737,8 @@ def summary_text(report: dict) -> str:
     m = report["meta"]
     lines = [f"GPU check ({m['mode']}) on {m['gpu'] or m['device']}: torch {m['versions']['torch']} (CUDA "
              f"{m['versions']['cuda']}), transformers {m['versions']['transformers']}, Python {m['versions']['python']}; "
-             f"commit {m['git_commit']} (dirty: {m['git_dirty']}), sources {m['source_digest']}; {m['elapsed_s']} s",
+             f"commit {m['git_commit']} (dirty: {m['git_dirty']}), sources {m['source_digest']}; {m['elapsed_s']} s"
+             + ("" if m.get("finished") else " (CUT SHORT: the run did not finish; what it reached is below)"),
              "", "checks: " + ", ".join(f"{k} {v}" for k, v in report["counts"].items())]
     tags = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "skipped": "SKIP", "absent": "ABSENT"}
     for c in report["checks"]:
@@ -775,11 +776,12 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, only: tup
     ``from_import``: the budget counts from this module's import (the command line) instead of from this call."""
     os.makedirs(out_dir, exist_ok=True)
     budget = Budget(profile.budget_s, _STARTED if from_import else None)
-    threads, recompile_limit = torch.get_num_threads(), torch._dynamo.config.recompile_limit
+    # Many models and shapes compile the same code: without room, dynamo would silently fall back to eager.
+    limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    threads, recompile_limit = torch.get_num_threads(), getattr(torch._dynamo.config, limit_name)
     if profile.threads:
         torch.set_num_threads(profile.threads)
-    # Many models and shapes compile the same code: without room, dynamo would silently fall back to eager.
-    torch._dynamo.config.recompile_limit = max(recompile_limit, 64)
+    setattr(torch._dynamo.config, limit_name, max(recompile_limit, 64))
     try:
         report = {"meta": meta(profile, list(argv or [])), "checks": [], "counts": {}, "speed": {}}
         rec = Recorder(report, out_dir, budget, log, profile.checks_share)
@@ -792,6 +794,7 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, only: tup
             run_generation_checks(rec, profile)
         if "speed" in only:
             run_speed(rec, profile)
+        report["meta"]["finished"] = True
         rec.save()
         text = summary_text(report)
         with open(os.path.join(out_dir, SUMMARY), "w") as f:
@@ -800,7 +803,7 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, only: tup
         return report
     finally:
         torch.set_num_threads(threads)
-        torch._dynamo.config.recompile_limit = recompile_limit
+        setattr(torch._dynamo.config, limit_name, recompile_limit)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

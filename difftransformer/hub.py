@@ -177,4 +177,76 @@ def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = N
         return api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message)
 
 
-__all__ = ["CITATION", "check_hub_folder", "model_card", "push_to_hub", "save_for_hub", "write_model_card"]
+def update_remote_code(folder: str | os.PathLike, check: bool = False) -> list[str]:
+    """Replace the source files of a saved folder by this package's, and complete its ``auto_map``.
+
+    A folder carries the modeling code of the release that saved it, and ``trust_remote_code=True`` runs that copy.
+    Code saved before difftransformer followed transformers 5.24's renaming of the cache argument decodes wrongly
+    there (every step without its past); this brings it up to date without touching the weights. Each file is written
+    to a temporary name and moved into place, so an interrupted update leaves every file whole. With ``check=True``
+    nothing is written. Returns the names of the files that differ(ed) from this package's.
+    """
+    from .modeling_difftransformer import _AUTO_MAP
+
+    folder = Path(folder)
+    config = _read_config(folder)
+    if config.get("model_type") != "difftransformer":
+        raise ValueError(
+            f"{folder}/config.json has model_type {config.get('model_type')!r}, not 'difftransformer': not a folder "
+            "this package saved (convert other checkpoints with difftransformer-convert)."
+        )
+    package = Path(__file__).resolve().parent
+    stale = [name for name in SOURCE_FILES if not (folder / name).is_file()
+             or (folder / name).read_bytes() != (package / name).read_bytes()]
+    auto_map = {"AutoConfig": "configuration_difftransformer.DiffTransformerConfig",
+                **{auto: f"modeling_difftransformer.{name}" for auto, name in _AUTO_MAP.items()}}
+    if (config.get("auto_map") or {}) != {**(config.get("auto_map") or {}), **auto_map}:
+        stale.append("config.json")
+    if check or not stale:
+        return stale
+    for name in stale:
+        target = folder / name
+        data = (package / name).read_bytes() if name != "config.json" else (
+            json.dumps({**config, "auto_map": {**(config.get("auto_map") or {}), **auto_map}}, indent=2, sort_keys=True)
+            + "\n"
+        ).encode("utf-8")
+        tmp = target.with_name(f".{name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    return stale
+
+
+def main_update_code(argv=None) -> int:
+    """``difftransformer-update-code FOLDER [FOLDER ...]``: the console script of :func:`update_remote_code`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="difftransformer-update-code",
+        description="Replace the remote code (configuration/modeling/kernels_difftransformer.py) of folders saved by "
+        "difftransformer with this installed release's, so they load correctly with trust_remote_code=True on "
+        "the transformers releases this release supports. Weights are not touched.",
+    )
+    parser.add_argument("folders", nargs="+", help="folders written by save_pretrained, difftransformer-convert or "
+                        "the upcycling example (download a Hub model's folder first, update it, push it again)")
+    parser.add_argument("--check", action="store_true", help="only report which files are out of date (exit 1 if any)")
+    args = parser.parse_args(argv)
+    outdated = False
+    for folder in args.folders:
+        try:
+            stale = update_remote_code(folder, check=args.check)
+        except ValueError as err:
+            print(f"difftransformer-update-code: {err}")
+            return 2
+        outdated |= bool(stale)
+        verb = "out of date" if args.check else "updated"
+        print(f"{folder}: {verb}: {', '.join(stale)}" if stale else f"{folder}: up to date")
+    return 1 if args.check and outdated else 0
+
+
+__all__ = [
+    "CITATION", "check_hub_folder", "model_card", "push_to_hub", "save_for_hub", "update_remote_code", "write_model_card",
+]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_update_code())

@@ -1,0 +1,167 @@
+"""Configuration of the Differential Transformer (DIFF V1, arXiv 2410.05258; DIFF V2, 2026).
+
+Config fields keep Llama's meaning so that every transformers utility (caches, masks, memory estimates,
+tensor-parallel plans) sees standard shapes:
+
+* ``num_attention_heads`` (``Hq``) counts *query heads of width* ``head_dim`` (``d``): one per softmax map.
+  A model has ``H = Hq / 2`` differential (output) heads.
+* ``num_key_value_heads`` (``Hkv``) counts cached key heads = cached value heads, width ``d``.
+* V1: ``G = Hkv / 2`` key/value groups, each holding ``K1, K2`` and a ``2d``-wide value; ``n = H / G``.
+* V2: ``G = Hkv`` groups; the two query heads of a pair share one KV head; ``n = H / G``.
+
+Every invariant is checked at construction; a bad combination raises ``ValueError`` naming the fields.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+SUPPORTED_DIFF_VERSIONS = (1, 2)
+
+
+@strict
+class DiffTransformerConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`DiffTransformerModel`]. Llama's fields plus:
+
+    diff_version (`int`, defaults to 1):
+        1: the paper's differential attention, `(softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d)) [V1;V2]` with a
+        per-layer scalar λ, per-head RMSNorm and `(1 − λinit)` scaling. 2: DIFF V2, adjacent query heads
+        over one shared KV head, `o_h = a_2h − sigmoid(x W_λ)_h · a_2h+1`, no per-head norm.
+    lambda_init (`float`, *optional*):
+        V1 only. Constant `λinit` for every layer; `None` (default) uses the paper's depth schedule
+        `0.8 − 0.6·exp(−0.3·l)` with 0-based layer index `l`.
+    lambda_std (`float`, defaults to 0.1):
+        V1 only. Standard deviation of the normal initialisation of `λq1, λk1, λq2, λk2`.
+    subln_eps (`float`, defaults to 1e-5):
+        V1 only. Epsilon of the per-head RMSNorm over the `2·head_dim` features of a differential head.
+
+    Example:
+
+    ```python
+    >>> from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
+    >>> config = DiffTransformerConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+    ...                                num_hidden_layers=4, intermediate_size=688, diff_version=1)
+    >>> model = DiffTransformerForCausalLM(config)
+    ```
+    """
+
+    model_type = "difftransformer"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # Same layout as Llama: with the group-major row order (SPEC §3) a contiguous column shard of
+    # q/k/v (and of lambda_proj in V2) holds whole KV groups, so every shard computes whole heads.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.lambda_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float | int | None = 0.0
+    mlp_bias: bool = False
+    diff_version: int | str = 1
+    lambda_init: float | None = None
+    lambda_std: float = 0.1
+    subln_eps: float = 1e-5
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if isinstance(self.diff_version, str):  # accept "1", "v1", "V2": normalised to the int that is saved
+            name = self.diff_version.strip().lower().removeprefix("v")
+            self.diff_version = int(name) if name.isdigit() else self.diff_version
+        if self.head_dim is None:
+            # An explicit head_dim may differ from hidden_size // Hq (as in Llama); a derived one must divide exactly.
+            if self.num_attention_heads and self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"`hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
+                    f"({self.num_attention_heads}); set `head_dim` explicitly or choose sizes that divide."
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        # Checked here, not only in `validate_architecture`, so that users get a plain ValueError
+        # (``@strict`` wraps validator errors in its own exception type).
+        self.validate_architecture()
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Every SPEC §0 invariant; runs at construction and from ``config.validate()``."""
+        v, hq, hkv, d = self.diff_version, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        if isinstance(v, bool) or v not in SUPPORTED_DIFF_VERSIONS:
+            raise ValueError(f"`diff_version` must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {v!r}.")
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
+        if hq % 2:
+            raise ValueError(
+                f"`num_attention_heads` must be even: it counts query heads, two (one pair) per differential head; got {hq}."
+            )
+        if d % 2:
+            raise ValueError(f"`head_dim` must be even (rotary embeddings rotate pairs of features); got {d}.")
+        num_heads = hq // 2
+        if v == 1:
+            if hkv % 2:
+                raise ValueError(
+                    f"`num_key_value_heads` must be even for diff_version=1: each KV group holds two key heads (K1, K2) "
+                    f"and two value halves; got {hkv}."
+                )
+            groups = hkv // 2
+        else:
+            groups = hkv
+        if num_heads % groups:
+            allowed = sorted({2 * g if v == 1 else g for g in range(1, num_heads + 1) if num_heads % g == 0})
+            raise ValueError(
+                f"diff_version={v}: the {num_heads} differential heads (num_attention_heads / 2) must split evenly into "
+                f"the {groups} KV groups (num_key_value_heads{' / 2' if v == 1 else ''}) so that both maps of a pair "
+                f"read the same group; num_key_value_heads must be one of {allowed}, got {hkv}."
+            )
+        if self.attention_dropout not in (None, 0, 0.0):
+            raise ValueError(
+                f"`attention_dropout` must be 0: the Differential Transformer defines no attention dropout; got {self.attention_dropout}."
+            )
+        if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
+            raise ValueError(f"`lambda_init` must be None (depth schedule) or in [0, 1); got {self.lambda_init}.")
+        if self.lambda_std < 0 or self.subln_eps <= 0:
+            raise ValueError(
+                f"`lambda_std` must be >= 0 and `subln_eps` > 0; got lambda_std={self.lambda_std}, subln_eps={self.subln_eps}."
+            )
+
+    # Derived sizes (SPEC §0); not serialised.
+    @property
+    def num_diff_heads(self) -> int:
+        """H: differential (output) heads."""
+        return self.num_attention_heads // 2
+
+    @property
+    def num_kv_groups(self) -> int:
+        """G: KV groups; every differential head reads exactly one."""
+        return self.num_key_value_heads // 2 if self.diff_version == 1 else self.num_key_value_heads
+
+
+__all__ = ["DiffTransformerConfig"]

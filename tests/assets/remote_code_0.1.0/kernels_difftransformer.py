@@ -1,0 +1,328 @@
+"""CPU kernels of differential attention, used under ``attn_implementation="sdpa"``.
+
+One zero-padded SDPA call (what every other backend receives, see modeling_difftransformer.py) computes V1's 2H maps
+over 2d-wide dot products, half of them zeros, and 2H outputs 2d wide: twice a Llama's attention arithmetic, because
+SDPA cannot combine two maps before multiplying by the value. Under "sdpa" V1 instead runs
+:func:`differential_sdpa_attention`:
+
+* one query token without autograd (decode): the 2n padded query rows of a KV group become the rows of ONE query
+  head (:func:`gqa_decode_attention`), so one fast SDPA call reads every byte of the packed cache once; V2's decode
+  step uses the same function for its 2n query heads per KV head;
+* otherwise: ``A1 − λ·A2`` is materialised per block of query rows against only the keys the block can see, then
+  multiplied once by the 2d-wide value (:class:`BlockedDifferentialAttention`); its backward recomputes each block's
+  maps from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
+
+V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` (the
+same one-call read of the cache, then the pair combine), and a float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH``
+tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's CPU flash kernel skip hidden causal
+scores that one call computes (all of them up to 512 keys).
+
+benchmarks/attention_micro.py measures V1's two kernels against every alternative, benchmarks/v2_prompt_attention.py
+the V2 prompt path against one SDPA call (docs/performance.md). This file is imported relatively by the modeling file,
+so ``save_pretrained`` copies it into every saved folder (Hub remote code).
+"""
+
+import torch
+import torch.nn.functional as F
+
+# At most this many query rows per block, and few enough that a block's scores (n heads × rows × keys) stay within
+# _BLOCK_SCORES float32 elements (1 MiB) per map and KV group, near the L2 cache.
+_BLOCK_ROWS = 128
+_BLOCK_SCORES = 1 << 18
+
+
+def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
+    """Attention of one query token per sequence with the query heads of each KV head run as the rows of ONE head.
+
+    ``query`` ``(B, 1, Hq, w)``, the layout a projection gives one token, with the standard GQA order (query head ``i``
+    reads KV head ``i // (Hq / G)``, so the heads of a KV group are contiguous and become its rows without a
+    transpose), ``key``/``value`` ``(B, G, S, w)``. One SDPA call of ``G`` heads with ``Hq / G`` query rows each: no
+    GQA expansion of the cache (``repeat_kv`` copies it; transformers' ``pack_gqa`` idea), no causal mask (one token
+    sees the whole cache; a padding or static-cache mask ``(B, 1, 1, S)`` broadcasts over the rows). Returns the
+    per-head outputs ``(B, 1, Hq, w)`` (the layout standard kernels return).
+    """
+    b, _, hq, w = query.shape
+    g = key.shape[1]
+    out = F.scaled_dot_product_attention(query.reshape(b, g, hq // g, w), key, value, attn_mask=attention_mask, scale=scaling)
+    return out.view(b, 1, hq, w)
+
+
+def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None):
+    """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2).
+
+    ``query`` ``(B, 1, 2H, d)`` as projected (adjacent heads pair and share a KV head), ``key``/``value``
+    ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. :func:`gqa_decode_attention` reads the cache once for the 2n heads of each
+    KV head; one ``unbind`` and one ``addcmul`` combine the pairs. Returns the H differential heads ``(B, 1, H, d)``.
+    """
+    b, _, hq, d = query.shape
+    first, second = gqa_decode_attention(query, key, value, scaling, attention_mask).view(b, hq // 2, 2, d).unbind(2)
+    return torch.addcmul(first, lam.view(b, hq // 2, 1), second, value=-1).view(b, 1, hq // 2, d)
+
+
+def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None):
+    """V1 attention of one query token. ``query`` ``(B, G, 2, n, d)`` (rows ``(c, r)`` of each KV group), ``key`` and
+    ``value`` the packed cache ``(B, G, S, 2d)``, ``lam`` the layer's λ. Returns ``(B, G, n, 2d)``.
+
+    The queries are zero-padded to ``[Q1|0]``, ``[0|Q2]`` (one broadcast multiply) and the group's 2n rows form one
+    query head of :func:`gqa_decode_attention`: every byte of the packed cache is read once.
+    """
+    b, g, _, n, d = query.shape
+    pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)  # (c, r, c', d)
+    rows = (query.unsqueeze(-2) * pad).reshape(b, 1, g * 2 * n, 2 * d)
+    out = gqa_decode_attention(rows, key, value, scaling, attention_mask).view(b, g, 2, n, 2 * d)
+    return torch.addcmul(out[:, :, 0], lam, out[:, :, 1], value=-1)
+
+
+def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: torch.device, n: int, block: int | None):
+    """Blocks ``[t0, t1)`` of query rows, how many keys each can see, and its additive float32 mask (or None).
+
+    Without a mask, transformers' sdpa convention applies: one query sees every key; ``t > 1`` queries are causal and
+    top-left aligned (square attention, or a prefill into an empty static cache). With a boolean mask (True = visible)
+    the mask decides and the queries are taken to be the last ``t`` of ``s`` positions, which only bounds the keys a
+    block reads (a causal model never lets a query see keys after its own position). Masks are 0 / −inf: adding them
+    is cheaper than ``masked_fill``, and ``exp(−inf)`` is fast where large finite negatives are slow.
+    """
+    if attention_mask is None and t == 1:
+        yield 0, 1, s, None
+        return
+    offset = 0 if attention_mask is None else s - t
+    block = block or max(16, min(_BLOCK_ROWS, _BLOCK_SCORES // (n * s)))
+    for t0 in range(0, t, block):
+        t1 = min(t, t0 + block)
+        visible = min(s, t1 + offset)
+        if attention_mask is not None:
+            hide = attention_mask[:, :, None, t0:t1, :visible].logical_not()  # over scores (B, G, n, Tb, Sv)
+        elif visible > t0 + 1:  # the block reaches the diagonal
+            hide = torch.arange(visible, device=device) > torch.arange(t0, t1, device=device)[:, None]
+        else:
+            yield t0, t1, visible, None
+            continue
+        yield t0, t1, visible, torch.zeros(hide.shape, device=device).masked_fill_(hide, float("-inf"))
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # softmax and sums in float32 (float64 stays float64)
+
+
+def _block_scores(q, k, mask, scaling):
+    """Float32 scores of one block and map: ``q`` ``(B, G, n, Tb, d)`` (the n heads of a group are rows of one matmul),
+    ``k`` ``(B, G, Sv, d)`` (a view of the packed cache), plus the block's additive mask."""
+    b, g, n, tb, d = q.shape
+    scores = torch.matmul((q * scaling).reshape(b, g, n * tb, d), k.transpose(-1, -2)).view(b, g, n, tb, -1)
+    acc = _accumulation_dtype(q.dtype)
+    if mask is None:
+        return scores.to(acc)
+    return scores.add_(mask) if scores.dtype == acc else torch.add(scores, mask.to(acc))
+
+
+def _softmax_with_stats(scores):
+    """In-place softmax plus the row statistics that recompute it, ``(max, log Σ exp(s − max))``. A fully hidden row
+    (a padding query) gets probabilities 0, hence output 0 as SDPA gives, with finite statistics."""
+    top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+    total = scores.sub_(top).exp_().sum(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny)
+    return scores.div_(total), torch.stack((top, total.log_()))
+
+
+def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats=None):
+    """``(A1 − λA2)·V`` block by block → ``(B, T, G, n, 2d)`` (the module's head layout: no copy follows). Fills
+    ``stats`` ``(2 maps, 2, B, G, n, T, 1)`` for the backward when given."""
+    b, g, n, t, d = q1.shape
+    k1, k2 = key[..., :d], key[..., d:]  # views of the packed cache
+    out = value.new_empty(b, t, g, n, 2 * d)
+    for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, block):
+        p1, st1 = _softmax_with_stats(_block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], mask, scaling))
+        p2, st2 = _softmax_with_stats(_block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], mask, scaling))
+        if stats is not None:
+            stats[0, ..., t0:t1, :], stats[1, ..., t0:t1, :] = st1, st2
+        diff = p1.addcmul_(p2, lam, value=-1).to(value.dtype)  # A1 − λ·A2: (B, G, n, Tb, Sv)
+        res = torch.matmul(diff.view(b, g, n * (t1 - t0), visible), value[:, :, :visible])
+        out[:, t0:t1] = res.view(b, g, n, t1 - t0, 2 * d).permute(0, 3, 1, 2, 4)
+    return out
+
+
+class BlockedDifferentialAttention(torch.autograd.Function):
+    """``O = (A1 − λA2)·V`` block by block, with a backward that recomputes each block's maps (flash-attention style).
+
+    Inputs: ``q1``, ``q2`` ``(B, G, n, T, d)``, the packed ``key``/``value`` ``(B, G, S, 2d)``, the scalar ``lam``;
+    output ``(B, T, G, n, 2d)``. Saved for backward: the inputs and ``O(T)`` row statistics, never a ``T×S`` map.
+    """
+
+    @staticmethod
+    def forward(ctx, q1, q2, key, value, lam, scaling, attention_mask, block):
+        b, g, n, t, _ = q1.shape
+        stats = torch.empty(2, 2, b, g, n, t, 1, dtype=_accumulation_dtype(q1.dtype), device=q1.device)
+        out = _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats)
+        ctx.save_for_backward(q1, q2, key, value, lam, stats, attention_mask)
+        ctx.scaling, ctx.block = scaling, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q1, q2, key, value, lam, stats, attention_mask = ctx.saved_tensors
+        scaling = ctx.scaling
+        b, g, n, t, d = q1.shape
+        k1, k2 = key[..., :d], key[..., d:]
+        dq1, dq2 = torch.empty_like(q1, memory_format=torch.contiguous_format), torch.empty_like(q2, memory_format=torch.contiguous_format)
+        acc = _accumulation_dtype(key.dtype)  # key/value gradients sum over blocks: float32 even for bf16
+        dkey = torch.zeros(key.shape, dtype=acc, device=key.device)
+        dvalue = torch.zeros(value.shape, dtype=acc, device=value.device)
+        dlam = torch.zeros((), dtype=_accumulation_dtype(lam.dtype), device=lam.device)
+        # With D = A1 − λA2 and dD = dO·Vᵀ: dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)), dS2 = −λ·P2 ∘ (dD − rowsum(dD ∘ P2)),
+        # dλ = −Σ dD ∘ P2. The factors −λ and 1/√d are applied to the small (rows × d) products.
+        factors = (scaling, -lam * scaling)
+        for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, ctx.block):
+            rows = n * (t1 - t0)
+            qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
+            kb = (k1[:, :, :visible], k2[:, :, :visible])
+            p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
+                 for c in (0, 1)]  # hidden scores are −inf: their P is exactly 0
+            grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, rows, 2 * d)
+            diff = torch.addcmul(p[0], p[1], lam, value=-1).to(value.dtype).view(b, g, rows, visible)
+            dvalue[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_b)  # sums the group's n heads
+            ddiff = torch.matmul(grad_b, value[:, :, :visible].transpose(-1, -2)).to(acc).view_as(p[0])
+            r1, r2 = (torch.einsum("...s,...s->...", ddiff, p[c]).unsqueeze(-1) for c in (0, 1))
+            dlam -= r2.sum()
+            ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff.sub_(r2).mul_(p[1]))
+            for c, dq, dk in ((0, dq1, dkey[..., :d]), (1, dq2, dkey[..., d:])):
+                dsc = ds[c].to(q1.dtype).view(b, g, rows, visible)
+                dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, n, t1 - t0, d)
+                dk[:, :, :visible] += torch.matmul(dsc.transpose(-1, -2), qb[c].reshape(b, g, rows, d)) * factors[c]
+        return dq1, dq2, dkey.to(key.dtype), dvalue.to(value.dtype), dlam.to(lam.dtype), None, None, None
+
+
+def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=None):
+    """``(B, G, n, T, d)`` queries of both maps over the packed ``(B, G, S, 2d)`` cache → ``(B, T, G, n, 2d)``.
+    ``attention_mask``: None (transformers' sdpa convention) or boolean, broadcastable to ``(B, 1, T, S)``;
+    ``block``: query rows per block (None: chosen from the key length)."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q1, q2, key, value, lam)):
+        return BlockedDifferentialAttention.apply(q1, q2, key, value, lam, scaling, attention_mask, block)
+    return _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block)
+
+
+# torch's CPU flash-attention kernel (the one behind SDPA for float32) and its backward, called directly for their
+# log-sum-exp output. Absent ops (another torch build) leave V2 on transformers' sdpa function.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the fastest of the
+# block sizes benchmarks/v2_prompt_attention.py compares, and the shortest length at which it saved time there at
+# batch 1, 2 and 4 in every committed run (docs/performance.md; at 128 tokens it cost up to 18% at batch 1). Smaller
+# blocks skip more of the diagonal squares' hidden scores, for one more pair of kernel calls each.
+_CAUSAL_BLOCK = 32
+CAUSAL_BLOCK_MIN_LENGTH = 256
+
+
+def _causal_blocks(t: int, block: int):
+    """``(t0, t1)`` query blocks; block ``[t0, t1)`` sees the keys ``[0, t0)`` in full and ``[t0, t1)`` causally."""
+    return [(t0, min(t, t0 + block)) for t0 in range(0, t, block)]
+
+
+def _causal_block_forward(query, key, value, scaling, block):
+    """→ ``out`` ``(B, Hq, T, d)`` and ``lse`` ``(B, Hq, T)`` (float32; float64 for float64 inputs): per block, one
+    causal flash call on the diagonal square and one unmasked call on the keys before it, merged by log-sum-exp."""
+    b, h, t, d = query.shape
+    out = query.new_empty(b, t, h, d).transpose(1, 2)  # the (B, T, Hq, d) memory the caller transposes back to
+    lse = torch.empty(query.shape[:3], dtype=_accumulation_dtype(query.dtype), device=query.device)
+    for t0, t1 in _causal_blocks(query.shape[2], block):
+        q = query[:, :, t0:t1]
+        o_diag, l_diag = _FLASH_CPU(q, key[:, :, t0:t1], value[:, :, t0:t1], 0.0, True, scale=scaling)
+        if t0 == 0:
+            out[:, :, t0:t1], lse[:, :, t0:t1] = o_diag, l_diag
+            continue
+        o_past, l_past = _FLASH_CPU(q, key[:, :, :t0], value[:, :, :t0], 0.0, False, scale=scaling)
+        total = torch.logaddexp(l_past, l_diag)
+        w_past, w_diag = (l_past - total).exp_().unsqueeze(-1), (l_diag - total).exp_().unsqueeze(-1)
+        out[:, :, t0:t1] = torch.mul(o_past, w_past).addcmul_(o_diag, w_diag)
+        lse[:, :, t0:t1] = total
+    return out, lse
+
+
+class CausalBlockAttention(torch.autograd.Function):
+    """Causal attention of a square prompt in blocks of query rows, flash-attention style on both passes.
+
+    torch's CPU flash kernel splits the keys into 512-wide blocks and skips only whole blocks above the diagonal, so at
+    up to 512 keys a causal call computes the full ``T×T`` scores. Here each block of ``_CAUSAL_BLOCK`` query rows takes
+    one causal call on its diagonal square and one unmasked call on the keys before it, merged exactly by their
+    log-sum-exps: about half the score arithmetic is skipped. The backward calls the kernel's own backward per part
+    with the merged output and log-sum-exp (what the flash backward needs: ``P = exp(S − lse)`` and
+    ``rowsum(dO ∘ O)`` of the whole row); the key and value gradients of the parts add up.
+    ``query`` ``(B, Hq, T, d)``, ``key``/``value`` ``(B, G, T, d)`` (GQA: query head ``i`` reads KV head ``i // (Hq/G)``).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling, block):
+        out, lse = _causal_block_forward(query, key, value, scaling, block)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.scaling, ctx.block = scaling, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq = torch.empty_like(query, memory_format=torch.contiguous_format)
+        dk, dv = torch.zeros_like(key), torch.zeros_like(value)
+        for t0, t1 in _causal_blocks(query.shape[2], ctx.block):
+            rows = (grad_out[:, :, t0:t1], query[:, :, t0:t1])
+            saved = (out[:, :, t0:t1], lse[:, :, t0:t1].contiguous())
+            parts = [(slice(t0, t1), True)] + ([(slice(0, t0), False)] if t0 else [])
+            for i, (keys, causal) in enumerate(parts):
+                g_q, g_k, g_v = _FLASH_CPU_BACKWARD(*rows, key[:, :, keys], value[:, :, keys], *saved, 0.0, causal, scale=ctx.scaling)
+                if i == 0:
+                    dq[:, :, t0:t1] = g_q
+                else:
+                    dq[:, :, t0:t1] += g_q
+                dk[:, :, keys] += g_k
+                dv[:, :, keys] += g_v
+        return dq, dk, dv, None, None
+
+
+def causal_block_attention(query, key, value, scaling, block=None):
+    """Causal attention of a square prompt (:class:`CausalBlockAttention`): ``query`` ``(B, Hq, T, d)``,
+    ``key``/``value`` ``(B, G, T, d)`` → ``(B, Hq, T, d)``, equal to SDPA with ``is_causal=True``; ``block``: query
+    rows per block (None: ``_CAUSAL_BLOCK``)."""
+    block = block or _CAUSAL_BLOCK
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+        return CausalBlockAttention.apply(query, key, value, scaling, block)
+    return _causal_block_forward(query, key, value, scaling, block)[0]
+
+
+def uses_causal_block_attention(query, key, attention_mask) -> bool:
+    """Whether :func:`causal_block_attention` runs for this V2 call: a CPU float32 square prompt of at least
+    ``CAUSAL_BLOCK_MIN_LENGTH`` tokens with no mask (transformers' sdpa convention for an unpadded causal prompt).
+    benchmarks/v2_prompt_attention.py times both paths."""
+    return (
+        _FLASH_CPU is not None
+        and _FLASH_CPU_BACKWARD is not None
+        and attention_mask is None
+        and query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and query.shape[2] == key.shape[2]
+        and query.shape[2] >= CAUSAL_BLOCK_MIN_LENGTH
+    )
+
+
+def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling, pair_stride):
+    """V1's kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, 2H, d)`` in the q_proj row order
+    ``(g, c, r)`` (unpadded), packed ``key``/``value`` ``(B, G, S, 2d)``, a boolean or no mask. Returns the combined
+    differential heads ``(B, T, H, 2d)``, equal to the padded-query path and to the eager formula."""
+    b, t, _, d = query.shape
+    g, n = key.shape[1], pair_stride
+    if t == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam))):
+        out = packed_decode_attention(query.view(b, g, 2, n, d), key, value, lam, scaling, attention_mask)
+        return out.view(b, 1, g * n, 2 * d)
+    heads = query.view(b, t, g, 2, n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d): a view
+    out = blocked_differential_attention(heads[:, :, 0], heads[:, :, 1], key, value, lam, scaling, attention_mask)
+    return out.view(b, t, g * n, 2 * d)
+
+
+__all__ = [
+    "BlockedDifferentialAttention",
+    "CausalBlockAttention",
+    "causal_block_attention",
+    "blocked_differential_attention",
+    "differential_sdpa_attention",
+    "gqa_decode_attention",
+    "packed_decode_attention",
+    "pair_decode_attention",
+    "uses_causal_block_attention",
+]
