@@ -680,8 +680,7 @@ def source_digest(root: str = _ROOT) -> str:
     (``python benchmarks/gpu_check.py --digest`` prints it for a local checkout)."""
     h = hashlib.sha256()
     pkg = os.path.join(root, "difftransformer")
-    for folder, dirs, files in sorted(os.walk(pkg)):
-        dirs.sort()
+    for folder, _, files in sorted(os.walk(pkg)):
         for name in sorted(f for f in files if f.endswith(".py")):
             path = os.path.join(folder, name)
             h.update(os.path.relpath(path, root).encode() + b"\0")
