@@ -13,10 +13,15 @@ Every invariant is checked at construction; a bad combination raises ``ValueErro
 """
 
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 SUPPORTED_DIFF_VERSIONS = (1, 2)
+POSITIVE_INT_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "max_position_embeddings",
+)
 
 
 @strict
@@ -115,9 +120,25 @@ class DiffTransformerConfig(PreTrainedConfig):
         v, hq, hkv, d = self.diff_version, self.num_attention_heads, self.num_key_value_heads, self.head_dim
         if isinstance(v, bool) or v not in SUPPORTED_DIFF_VERSIONS:
             raise ValueError(f"`diff_version` must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {v!r}.")
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
+        for name in POSITIVE_INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        for name in ("rms_norm_eps", "subln_eps"):
+            if isinstance(getattr(self, name), bool) or not getattr(self, name) > 0:
+                raise ValueError(f"`{name}` must be a positive number (a norm's epsilon), got {getattr(self, name)!r}.")
+        if not self.initializer_range >= 0:
+            raise ValueError(f"`initializer_range` must be >= 0 (a standard deviation), got {self.initializer_range!r}.")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"`hidden_act` must be one of transformers' activations ({', '.join(sorted(ACT2FN))}), got {self.hidden_act!r}.")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"`pad_token_id` must be None or a token id in [0, vocab_size = {self.vocab_size}) (the embedding's "
+                f"padding row), got {self.pad_token_id!r}."
+            )
+        theta = (self.rope_parameters or {}).get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
+            raise ValueError(f"`rope_parameters['rope_theta']` must be a positive number, got {theta!r}.")
         if hq % 2:
             raise ValueError(
                 f"`num_attention_heads` must be even: it counts query heads, two (one pair) per differential head; got {hq}."
@@ -147,10 +168,8 @@ class DiffTransformerConfig(PreTrainedConfig):
             )
         if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
             raise ValueError(f"`lambda_init` must be None (depth schedule) or in [0, 1); got {self.lambda_init}.")
-        if self.lambda_std < 0 or self.subln_eps <= 0:
-            raise ValueError(
-                f"`lambda_std` must be >= 0 and `subln_eps` > 0; got lambda_std={self.lambda_std}, subln_eps={self.subln_eps}."
-            )
+        if not self.lambda_std >= 0:
+            raise ValueError(f"`lambda_std` must be >= 0 (a standard deviation), got {self.lambda_std!r}.")
 
     # Derived sizes (SPEC §0); not serialised.
     @property

@@ -34,6 +34,19 @@ def test_derived_sizes(version, hkv, groups, n):
         (dict(num_key_value_heads=0), ["num_key_value_heads", "positive"]),
         (dict(lambda_init=1.5), ["lambda_init", "[0, 1)"]),
         (dict(subln_eps=0.0), ["subln_eps"]),
+        (dict(num_key_value_heads=-2), ["num_key_value_heads", "positive integer", "-2"]),
+        (dict(num_attention_heads=-8), ["num_attention_heads", "positive integer"]),
+        (dict(num_hidden_layers=0), ["num_hidden_layers", "positive integer"]),
+        (dict(vocab_size=0), ["vocab_size", "positive integer"]),
+        (dict(intermediate_size=-1), ["intermediate_size", "positive integer"]),
+        (dict(max_position_embeddings=0), ["max_position_embeddings", "positive integer"]),
+        (dict(rms_norm_eps=0.0), ["rms_norm_eps", "positive"]),
+        (dict(rms_norm_eps=-1e-5), ["rms_norm_eps", "positive"]),
+        (dict(initializer_range=-0.02), ["initializer_range", ">= 0"]),
+        (dict(lambda_std=-0.1), ["lambda_std", ">= 0"]),
+        (dict(hidden_act="swishy"), ["hidden_act", "silu", "'swishy'"]),
+        (dict(vocab_size=32, pad_token_id=40), ["pad_token_id", "vocab_size = 32"]),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), ["rope_theta", "positive"]),
     ],
 )
 def test_invalid_configs_raise_value_error_naming_fields(overrides, fields):
@@ -41,6 +54,17 @@ def test_invalid_configs_raise_value_error_naming_fields(overrides, fields):
         DiffTransformerConfig(**{**BASE, **overrides})
     for text in fields:
         assert text in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("hidden_size", "64"), ("num_attention_heads", 8.0), ("attention_bias", "yes"), ("num_key_value_heads", True)]
+)
+def test_wrong_types_raise_naming_the_field(field, value):
+    """huggingface_hub's @strict checks the declared types (its own exception type, whose message names the field);
+    a bool where a count is expected is refused by our validation."""
+    with pytest.raises(Exception, match=rf"{field}") as err:
+        DiffTransformerConfig(**{**BASE, field: value})
+    assert type(err.value).__name__ in ("StrictDataclassFieldValidationError", "ValueError")
 
 
 @pytest.mark.parametrize("name,version", [("v1", 1), ("V2", 2), ("2", 2), (1, 1)])

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -40,6 +41,7 @@ from .llama import (
     V1_INITS,
     calibrate_v1_output_scales,
     calibration_input_ids,
+    check_source_fields,
     describe_output_rms,
     plan_from_llama,
 )
@@ -266,7 +268,7 @@ def convert(
         tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
 
     # Source config.
-    config_where = f"{in_folder / 'config.json'}" if in_folder is not None else "the source config"
+    config_where = str(in_folder / "config.json") if in_folder is not None else str(in_path) if gguf else "the source config"
     if source.startswith("microsoft"):
         if model is not None:
             raise ConversionError("Microsoft sources are state dicts: pass a folder or a state dict with source_config.")
@@ -277,8 +279,11 @@ def convert(
         src_config = loaded.config if gguf else model.config
         _check_model_type(source, src_config.model_type)
     elif in_folder is not None:
-        _check_model_type(source, _read_config_json(in_folder).get("model_type"))
+        raw_config = _read_config_json(in_folder)
+        _check_model_type(source, raw_config.get("model_type"))
         with _config_errors(config_where):
+            if source in ("llama", "diffllama"):  # Llama-style fields, checked before transformers' class divides by them
+                check_source_fields(SimpleNamespace(**raw_config))
             src_config = AutoConfig.from_pretrained(in_folder)
     else:
         raise ConversionError(f"--from {source} takes a folder or a transformers model, not a bare state dict.")

@@ -26,7 +26,7 @@ import re
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..configuration_difftransformer import DiffTransformerConfig
+from ..configuration_difftransformer import POSITIVE_INT_FIELDS, DiffTransformerConfig
 from ..modeling_difftransformer import DiffTransformerForCausalLM, lambda_init_fn
 from .engine import (
     _DROPPABLE_BUFFER,
@@ -52,6 +52,30 @@ CALIBRATION_LENGTH = 256
 # duplicate: a layer's λ vectors are redrawn while 1 − λ < LAMBDA_MARGIN·(1 − λinit) (see _draw_lambdas).
 LAMBDA_MARGIN = 0.5
 _LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def check_source_fields(src) -> None:
+    """Every field of a Llama-style source config that the conversion reads, checked before any model is built: a
+    ``ValueError`` naming the field (the caller adds the file). Without it a negative head count reaches torch as a
+    tensor of negative size. ``src`` is a config object, or a ``SimpleNamespace`` of the raw config.json (checked
+    before transformers' own config class divides by a zero head count)."""
+    for name in POSITIVE_INT_FIELDS:
+        value = getattr(src, name, None)
+        if value is None and name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            continue  # optional in Llama-style configs: derived from the other fields
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    eps = getattr(src, "rms_norm_eps", None)
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0):
+        raise ValueError(f"`rms_norm_eps` must be a positive number, got {eps!r}.")
+    hq = src.num_attention_heads
+    if getattr(src, "head_dim", None) is None and src.hidden_size % hq:
+        raise ValueError(f"`hidden_size` ({src.hidden_size}) must be divisible by `num_attention_heads` ({hq}) when `head_dim` is not set.")
+    hq, hkv, head_dim = _head_counts(src)
+    if head_dim % 2:
+        raise ValueError(f"`head_dim` must be even (rotary embeddings rotate pairs of features), got {head_dim}.")
+    if hq % hkv:
+        raise ValueError(f"`num_attention_heads` ({hq}) must be a multiple of `num_key_value_heads` ({hkv}).")
 
 
 def _head_counts(src) -> tuple[int, int, int]:
@@ -97,9 +121,8 @@ def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | 
         )
     if diff_version not in (1, 2):
         raise ConversionError(f"--diff-version must be 1 or 2 for --from llama, got {diff_version!r}.")
+    check_source_fields(src)
     hq, hkv, head_dim = _head_counts(src)
-    if hq % hkv:
-        raise ConversionError(f"num_attention_heads ({hq}) must be a multiple of num_key_value_heads ({hkv}).")
     if getattr(src, "attention_dropout", 0.0) not in (None, 0, 0.0):
         raise ConversionError(f"attention_dropout={src.attention_dropout}: difftransformer defines no attention dropout; set it to 0.")
     method = resolve_v1_init(src, v1_init) if diff_version == 1 else None
@@ -172,6 +195,7 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
     ``v1_output_rms``: for ``duplicate``, ``ρ`` of shape ``(num_hidden_layers, num_attention_heads)`` (from
     :func:`calibrate_v1_output_scales`); ``None`` takes ``ρ = 1`` (uncalibrated).
     """
+    check_source_fields(src)
     source_shapes = {k: v for k, v in _meta_shapes(AutoModelForCausalLM, src).items()}
     config = config_from_llama(src, diff_version, source_shapes, v1_init, v1_subln_eps)
     method = resolve_v1_init(src, v1_init) if diff_version == 1 else None

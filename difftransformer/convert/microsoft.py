@@ -76,6 +76,12 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
                 "num_hidden_layers, num_heads (Microsoft's num_heads = differential heads, half a baseline "
                 "Transformer's); optional num_kv_heads (null = MHA), head_dim, rms_norm_eps, rope_theta, ..."
             )
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_heads", "num_kv_heads", "head_dim"):
+        value = cfg.get(name)
+        if value is None and name in ("num_kv_heads", "head_dim"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")  # the caller names the file
     E, H = cfg["hidden_size"], cfg["num_heads"]
     G = cfg.get("num_kv_heads") or H
     if H % G:
