@@ -39,12 +39,13 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
     transpose), ``key``/``value`` ``(B, G, S, w)``. One SDPA call of ``G`` heads with ``Hq / G`` query rows each: no
     GQA expansion of the cache (``repeat_kv`` copies it; transformers' ``pack_gqa`` idea), no causal mask (one token
     sees the whole cache; a padding or static-cache mask ``(B, 1, 1, S)`` broadcasts over the rows). Returns the
-    per-head outputs ``(B, 1, Hq, w)`` (the layout standard kernels return).
+    per-head outputs ``(B, 1, Hq, w)`` (the layout standard kernels return), contiguous: CUDA's SDPA kernels return
+    ``(B, G, rows, w)`` with the rows outermost in memory, which no view can regroup, so it is reshaped (a copy there).
     """
     b, _, hq, w = query.shape
     g = key.shape[1]
     out = F.scaled_dot_product_attention(query.reshape(b, g, hq // g, w), key, value, attn_mask=attention_mask, scale=scaling)
-    return out.view(b, 1, hq, w)
+    return out.reshape(b, 1, hq, w)
 
 
 def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None):

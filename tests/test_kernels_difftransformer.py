@@ -388,3 +388,28 @@ def test_v2_decode_steps_take_the_pair_kernel_and_equal_eager(monkeypatch):
     calls.clear()
     model(ids[:, :1]).logits.sum().backward()  # one token with autograd: no decode kernel
     assert not calls
+
+
+def test_decode_kernels_take_sdpa_outputs_in_the_memory_layout_of_cuda_kernels(monkeypatch):
+    """CUDA's SDPA kernels return ``(B, G, rows, w)`` stored rows-outermost (strides of a transposed tensor): a GPU run
+    of V1's and V2's decode kernels failed on a ``view`` of it. Here SDPA's result is given that layout on the CPU;
+    both decode kernels must still equal their results with the contiguous layout."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def rows_outermost(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, CUDA-kernel strides
+
+    gen = torch.Generator().manual_seed(0)
+    b, g, n, s, d = 2, 2, 2, 7, 8
+    query2 = torch.randn(b, 1, 2 * g * n, d, generator=gen)
+    key, value = torch.randn(b, g, s, d, generator=gen), torch.randn(b, g, s, d, generator=gen)
+    lam2 = torch.rand(b, 1, g * n, generator=gen)
+    query1 = torch.randn(b, g, 2, n, d, generator=gen)
+    key1, value1 = torch.randn(b, g, s, 2 * d, generator=gen), torch.randn(b, g, s, 2 * d, generator=gen)
+    expected = (kernels.pair_decode_attention(query2, key, value, lam2, d**-0.5),
+                kernels.packed_decode_attention(query1, key1, value1, torch.tensor(0.3), d**-0.5))
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", rows_outermost)
+    assert not rows_outermost(query2.reshape(b, g, -1, d), key, value).is_contiguous()
+    torch.testing.assert_close(kernels.pair_decode_attention(query2, key, value, lam2, d**-0.5), expected[0])
+    torch.testing.assert_close(kernels.packed_decode_attention(query1, key1, value1, torch.tensor(0.3), d**-0.5), expected[1])
