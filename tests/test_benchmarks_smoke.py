@@ -35,7 +35,7 @@ from benchmarks import decode_parts  # noqa: E402
 from benchmarks import profile_train  # noqa: E402
 from benchmarks import v2_prompt_attention as v2p  # noqa: E402
 from benchmarks.padded_sdpa import PADDED_SDPA  # noqa: E402
-from difftransformer.modeling_difftransformer import eager_attention_forward  # noqa: E402
+from difftransformer.modeling_difftransformer import CACHE_NAME, eager_attention_forward  # noqa: E402
 
 DOC = ROOT / "docs" / "performance.md"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -182,7 +182,7 @@ def test_decode_parts_smoke_times_every_part_on_the_same_cache(tmp_path):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj"):
             getattr(layer.self_attn, name).register_forward_hook(lambda m, a, o, name=name: calls.append(name))
     model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda m, a, kw: cache_lengths.append(kw["cache"].get_seq_length()), with_kwargs=True)
+        lambda m, a, kw: cache_lengths.append(kw.get("cache", kw.get(CACHE_NAME)).get_seq_length()), with_kwargs=True)
     layers = shape.num_hidden_layers
     for part, names in (("q_proj", ["q_proj"]), ("k_proj + v_proj", ["k_proj", "v_proj"]), ("o_proj", ["o_proj"]),
                         ("λ", ["lambda_proj"])):
