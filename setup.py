@@ -11,16 +11,19 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     packages=find_packages(include=["difftransformer", "difftransformer.*", "convert_scripts"]),
+    # Every lower bound is a version CI runs (tests/test_versions.py checks it): transformers' in the lowest-version
+    # run (scripts/setup_min.sh, .venv-vllm), the others' in the pinned run (requirements-dev.txt); CI also runs the
+    # newest releases these ranges allow (scripts/setup_latest.sh).
     install_requires=[
-        "torch>=2.6",
-        "transformers>=5.19,<6",  # 5.19: the lowest tested (scripts/test.sh, scripts/setup_min.sh); vLLM 0.32 pins it
-        "safetensors>=0.4",
-        "accelerate>=1.0",
+        "torch>=2.13",
+        "transformers>=5.19,<6",  # 5.19: vLLM 0.32's pin, the lowest-version run
+        "safetensors>=0.8",
+        "accelerate>=1.15",
         "tqdm",
     ],
     extras_require={
-        "train": ["tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15"],
-        "test": ["pytest>=8", "optimum-quanto>=0.2", "tokenizers>=0.20", "matplotlib>=3.7", "peft>=0.15", "gguf>=0.10",
+        "train": ["tokenizers>=0.23.3", "matplotlib>=3.7", "peft>=0.21.2"],
+        "test": ["pytest>=8", "optimum-quanto>=0.2", "tokenizers>=0.23.3", "matplotlib>=3.7", "peft>=0.21.2", "gguf>=0.10",
                  "parameterized"],  # parameterized: imported by transformers' common model tests
         # difftransformer-convert --input model.gguf (transformers' GGUF loader needs it)
         "gguf": ["gguf>=0.10"],

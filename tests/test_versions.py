@@ -1,0 +1,70 @@
+"""The declared version ranges are true: every lower bound in setup.py is a version CI installs, and the README's
+"Tested versions" line names exactly what the CI scripts install (scripts/setup.sh: requirements-dev.txt;
+scripts/setup_min.sh: setup.py's lowest transformers; scripts/setup_latest.sh: the newest releases, resolved per run)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BOUNDED = ("torch", "transformers", "peft", "accelerate", "safetensors", "tokenizers")
+
+
+def pins() -> dict[str, str]:
+    """requirements-dev.txt: what scripts/setup.sh installs (the pinned run)."""
+    found = {}
+    for line in (REPO / "requirements-dev.txt").read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==([0-9][^\s#]*)", line.strip())
+        if match:
+            found[match[1].lower()] = match[2]
+    return found
+
+
+def lower_bounds() -> dict[str, list[str]]:
+    """Every `name>=X` in setup.py (install_requires and extras), by package."""
+    bounds: dict[str, list[str]] = {}
+    for name, version in re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)', (REPO / "setup.py").read_text()):
+        bounds.setdefault(name.lower(), []).append(version)
+    return bounds
+
+
+def lowest_transformers() -> str:
+    """What scripts/setup_min.sh installs: the X.Y of setup.py's `transformers>=X.Y,` (any X.Y.* release)."""
+    script = (REPO / "scripts" / "setup_min.sh").read_text()
+    assert 'MIN=$(sed -n \'s/.*"transformers>=\\([0-9.]*\\),.*/\\1/p\' setup.py)' in script, "setup_min.sh reads setup.py"
+    return lower_bounds()["transformers"][0]
+
+
+def same_release(bound: str, installed: str) -> bool:
+    """`>=2.13` is run by 2.13.0, `>=0.23.3` by 0.23.3 (a bound names a release, trailing zeros aside)."""
+    def norm(v):
+        parts = [int(p) for p in v.split(".")]
+        while parts and parts[-1] == 0:
+            parts.pop()
+        return parts
+    return norm(bound) == norm(installed)
+
+
+@pytest.mark.parametrize("package", BOUNDED)
+def test_every_lower_bound_is_a_version_ci_runs(package):
+    bounds = lower_bounds().get(package)
+    assert bounds, f"setup.py declares no lower bound for {package}"
+    ci_runs = {pins()[package]} | ({lowest_transformers()} if package == "transformers" else set())
+    for bound in bounds:
+        assert any(same_release(bound, version) for version in ci_runs), (
+            f"setup.py: {package}>={bound}, but CI installs {sorted(ci_runs)} (raise the bound or test that version)"
+        )
+
+
+def test_readme_tested_versions_are_what_ci_installs():
+    text = (REPO / "README.md").read_text()
+    line = " ".join(text.split("Tested versions", 1)[1].split("\n\n", 1)[0].split())
+    installed = pins()
+    expected = [f"torch {installed['torch']}", f"transformers {lowest_transformers()}.0", f"{installed['transformers']} with",
+                *(f"{name} {installed[name]}" for name in ("peft", "accelerate", "tokenizers", "safetensors")),
+                "the newest releases"]
+    missing = [fragment for fragment in expected if fragment not in line]
+    assert not missing, (missing, line)
+    assert "scripts/setup_latest.sh" in (REPO / "scripts" / "test.sh").read_text()  # the newest run exists
+    assert "--upgrade-strategy eager" in (REPO / "scripts" / "setup_latest.sh").read_text()  # resolved, not pinned
