@@ -1,7 +1,7 @@
 """Micro-benchmark of DIFF V1 attention alone: one function per kernel strategy, timed per dtype, phase and length.
 
-The quantity every strategy computes is SPEC §1 (Ye et al., "Differential Transformer", arXiv 2410.05258, Eq. 1),
-for every differential head ``h = g·n + r`` of KV group ``g``::
+The quantity every strategy computes is V1's differential attention (Ye et al., "Differential Transformer", arXiv
+2410.05258, Eq. 1; docs/model.md, "What it computes"), for every differential head ``h = g·n + r`` of KV group ``g``::
 
     O_h = (softmax(Q1 K1ᵀ/√d + M) − λ·softmax(Q2 K2ᵀ/√d + M)) · [V_g,0 | V_g,1]        (T × 2d)
 
@@ -10,9 +10,10 @@ RMSNorm and ``(1 − λinit)`` come after and are common to all strategies; they
 ops around attention (:func:`decode_op_counts`, :func:`time_around_ops`).
 
 Inputs are laid out as the modeling file holds them right before its kernel call: the query after RoPE,
-``(B, T, 2H, d)`` with group-major rows ``(g, c, r)`` (SPEC §3), and the KV cache both as the current packed layout
-``(B, G, S, 2d)`` (``[K1 | K2]``, ``[V_g,0 | V_g,1]``) and as Llama's standard ``(B, 2G, S, d)`` (same bytes, a
-different cache layout): a strategy reads whichever layout it needs, as if the model cached that one.
+``(B, T, 2H, d)`` with group-major rows ``(g, c, r)`` (docs/model.md, "What it computes": the row order), and the KV
+cache both as the current packed layout ``(B, G, S, 2d)`` (``[K1 | K2]``, ``[V_g,0 | V_g,1]``) and as Llama's standard
+``(B, 2G, S, d)`` (same bytes, a different cache layout): a strategy reads whichever layout it needs, as if the model
+cached that one.
 
 Before it is timed, every strategy is checked against a float64 evaluation of the formula above
 (:func:`reference_attention`), so a fast but wrong strategy is reported as ``WRONG`` and never recommended.
@@ -47,16 +48,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import platform
+import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +66,8 @@ from difftransformer.modeling_difftransformer import CACHE_NAME, differential_co
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+from benchmarks import harness  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Max error allowed against the float64 reference, relative to max |reference|: float32 rounding of softmax
@@ -146,7 +145,7 @@ def make_inputs(
 
 
 def reference_attention(x: AttentionInputs) -> torch.Tensor:
-    """SPEC §1 in float64, written from the formula (not from any strategy): returns ``(B, T, H, 2d)``."""
+    """V1's differential attention (docs/model.md, "What it computes") in float64, written from the formula (not from any strategy): returns ``(B, T, H, 2d)``."""
     b, t, s, h, g, d = x.shape
     q = x.query.double().view(b, t, g, 2, x.n, d)  # (b, t, g, c, r, d)
     k = x.key_std.double().view(b, g, 2, s, d)  # (b, g, c, s, d)
@@ -397,57 +396,16 @@ def check_strategy(fn: Callable[[AttentionInputs], torch.Tensor] | str, x: Atten
 # ----------------------------------------------------------------------------------------------------------------
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
-_clock = time.perf_counter
+# --clock name → harness clock: ``cpu`` is this thread's CPU time (with --threads 1 it leaves out the time other
+# processes hold the core, which makes comparisons on a shared machine far less noisy).
+CLOCKS = {"wall": "wall", "cpu": "thread"}
 
 
 def set_clock(name: str) -> None:
-    """``wall`` (what a user waits) or ``cpu`` (this thread's CPU time: with ``--threads 1`` it leaves out the time
-    other processes hold the core, which makes comparisons on a shared machine far less noisy)."""
-    global _clock
+    """``wall`` (what a user waits) or ``cpu`` (this thread's CPU time) for every later timing of the process."""
     if name not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {name!r}")
-    _clock = CLOCKS[name]
-
-
-def _calibrate(fn: Callable[[], object], min_seconds: float) -> int:
-    """Calls per timing sample so that one sample lasts at least ``min_seconds`` (small decode calls take µs)."""
-    start = _clock()
-    fn()
-    once = max(_clock() - start, 1e-7)
-    return max(1, math.ceil(min_seconds / once))
-
-
-def time_interleaved(
-    fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1, min_seconds: float = 0.02, progress=None
-) -> dict[str, list[float]]:
-    """Seconds per call of every function, ``reps`` samples each, order rotated each repetition (module docstring)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    inner = {name: _calibrate(fn, min_seconds) for name, fn in fns.items()}
-    names = list(fns)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            start = _clock()
-            for _ in range(inner[name]):
-                fns[name]()
-            samples[name].append((_clock() - start) / inner[name])
-        if progress is not None:
-            progress.update(1)
-    return samples
-
-
-def summarize(samples: list[float]) -> dict:
-    """Median and spread of timing samples: ``iqr`` is (p75 − p25) / median."""
-    med = statistics.median(samples)
-    if len(samples) >= 4:
-        q = statistics.quantiles(samples, n=4)
-        iqr = (q[2] - q[0]) / med
-    else:
-        iqr = (max(samples) - min(samples)) / med if len(samples) > 1 else 0.0
-    return {"median_s": med, "iqr": iqr, "min_s": min(samples), "n": len(samples)}
+    harness.set_clock(CLOCKS[name])
 
 
 @dataclass
@@ -502,13 +460,13 @@ def run_case(case: Case, strategies: list[str], reps: int, block: int = 256, min
         if checks[name]["ok"]:
             fns[name] = _timed_call(fn, x, case.phase)
     fns = {"llama_sdpa": _timed_call(llama_sdpa, x, case.phase), **fns}
-    samples = time_interleaved(fns, reps, min_seconds=min_seconds, progress=progress)
+    samples = harness.time_interleaved(fns, reps, min_seconds=min_seconds, progress=progress)
     base = statistics.median(samples["llama_sdpa"])
     rows = {}
     for name in ["llama_sdpa", *strategies]:
         row = dict(checks.get(name, {}))
         if name in samples:
-            row.update(summarize(samples[name]))
+            row.update(harness.call_stats(samples[name]))
             row["ratio"] = row["median_s"] / base
         rows[name] = row
     return {"case": case.__dict__ | {"q_len": case.q_len, "label": case.label}, "rows": rows}
@@ -654,8 +612,8 @@ def time_around_ops(past: int = 128, batch: int = 1, dtype: torch.dtype = torch.
         **{f"attention step {kind}": step(kind) for kind in mods},
     }
     with torch.no_grad():
-        samples = time_interleaved(fns, reps, min_seconds=min_seconds)
-    return {name: summarize(s) for name, s in samples.items()}
+        samples = harness.time_interleaved(fns, reps, min_seconds=min_seconds)
+    return {name: harness.call_stats(s) for name, s in samples.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -691,17 +649,6 @@ def pivot_table(results: list[dict]) -> str:
             cells.append(f"{row['ratio']:.2f}" if "ratio" in row else ("✗" if row.get("ok") is False else "–"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -760,7 +707,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(results))
     print("\nTime relative to a same-config Llama's SDPA call (medians):\n")
     print(pivot_table(results))
-    out = {"machine": machine_info(), "args": vars(args), "results": results}
+    out = {"machine": harness.machine_info(torch.get_num_threads()), "args": vars(args), "results": results}
     if args.around:
         around = {}
         for dtype_name in dtypes:
@@ -774,9 +721,9 @@ def main(argv: list[str] | None = None) -> dict:
             for name, row in timing.items():
                 print(f"  {name:34s} {row['median_s'] * 1e6:9.1f} µs  (IQR {row['iqr'] * 100:.0f}%)")
         out["around"] = around
+    out["provenance"] = harness.provenance("attention_micro.py", argv)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        harness.write_json(args.json, out, "attention_micro.py", argv)
     return out
 
 

@@ -1,10 +1,12 @@
-"""End-to-end CPU benchmark: DiffTransformer V1 and V2 against same-config Llama and DiffLlama (issue 5).
+"""End-to-end CPU benchmark: DiffTransformer V1 and V2 against same-config Llama and DiffLlama.
 
 Builds four causal LMs with identical shapes and random weights — ``llama`` (transformers' ``LlamaForCausalLM``),
 ``diffllama`` (transformers' ``DiffLlamaForCausalLM``), ``ours_v1`` and ``ours_v2`` (``DiffTransformerForCausalLM``
-with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, SPEC §0) — all with ``attn_implementation="sdpa"``
-(for ours V1 that is the modeling file's blocked/packed differential kernel) — and optionally ``ours_v1_padded``
-(ours V1 with the previous path: one zero-padded SDPA call per layer, ``benchmarks/padded_sdpa.py``), and measures in one process, models interleaved (order rotated every repetition), after warm-up:
+with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, so it is not an upcycle: docs/model.md,
+"Configuration") — all with ``attn_implementation="sdpa"`` (for ours V1 that is the modeling file's blocked/packed
+differential kernel) — and optionally ``ours_v1_padded`` (ours V1 with the previous path: one zero-padded SDPA call per
+layer, ``benchmarks/padded_sdpa.py``), and measures in one process, models interleaved (order rotated every
+repetition), after warm-up:
 
 * prefill tokens/s: one forward with a fresh ``DynamicCache`` and ``logits_to_keep=1``, exactly what ``generate``
   runs for a prompt (default shapes 1×512, 1×2048, 8×256);
@@ -19,22 +21,19 @@ with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, SPEC §0) — al
   each measurement in its own process, forked from a server that imported torch but never computed, with glibc
   told to return freed tensors to the system (``MALLOC_MMAP_THRESHOLD_``) so RSS follows live tensors.
 
-Reports medians, spread (IQR / median) and ratios to Llama (time ratios: above 1 is slower), checks the issue's
-targets, prints a Markdown table and writes JSON and a PNG chart. ``--smoke`` runs tiny sizes once (CI).
-Timings on a shared machine are noisy: rerun when the spread is wide, and compare ratios from the same run only.
+Reports medians, spread (IQR / median) and ratios to Llama (time ratios: above 1 is slower), checks the targets
+(``TARGETS``; docs/performance.md), prints a Markdown table and writes JSON (with its provenance: commit, command,
+machine, versions) and a PNG chart; timing, statistics and provenance come from benchmarks/harness.py. ``--smoke``
+runs tiny sizes once (CI). Timings on a shared machine are noisy: rerun when the spread is wide, and compare ratios from the same run only.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import multiprocessing as mp
 import os
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -46,6 +45,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import quartiles, run_interleaved, set_clock, summarize  # noqa: E402,F401  (re-exported)
+
 MODELS = ("llama", "diffllama", "ours_v1", "ours_v2")
 # Not run by default: ours V1 with its previous sdpa path, one zero-padded SDPA call per layer (benchmarks/padded_sdpa.py);
 # and the upcycles of the Llama shape (docs/convert.md): V2 (every query head duplicated, exact) and V1 with the
@@ -55,7 +57,7 @@ EXTRA_MODELS = ("ours_v1_padded", *UPCYCLES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUPS = ("prefill", "decode", "decode_static", "decode_compiled", "train", "train_ckpt", "memory")
 MEMORY_WORKLOADS = ("prefill", "decode", "train")
-# Issue 5 targets: ratio to same-config Llama (medians, same run) per metric family, for V1 and V2.
+# Targets: ratio to same-config Llama (medians, same run) per metric family, for V1 and V2 (docs/performance.md).
 TARGETS = {
     "prefill": {"ours_v1": {512: 1.10, 2048: 1.25, None: 1.10}, "ours_v2": {None: 1.03}},
     "decode": {"ours_v1": {None: 1.05}, "ours_v2": {None: 1.03}},
@@ -63,7 +65,7 @@ TARGETS = {
     "memory": {"ours_v1": {None: 1.05}, "ours_v2": {None: 1.03}},
 }
 # Upcycles are judged against their source (the Llama row): V2 decode reads 7% more weights at SmolLM2's shape, so
-# 1.08 is the issue's decode target; prefill and training may cost at most 5% more than the FLOP floor of the shape.
+# 1.08 is its decode target; prefill and training may cost at most 5% more than the FLOP floor of the shape.
 UPCYCLE_DECODE_TARGET = {"upcycle_v2": 1.08}
 UPCYCLE_FLOP_SLACK = 1.05
 # Llama's own MLP ratio (LlamaConfig defaults: 11008 / 4096).
@@ -72,7 +74,7 @@ LLAMA_MLP_RATIO = 11008 / 4096
 
 @dataclass
 class Shape:
-    """Model shape shared by all four models (defaults: the issue's Llama-style config)."""
+    """Model shape shared by all four models (defaults: the Llama-style shape of docs/performance.md)."""
 
     hidden_size: int = 512
     num_hidden_layers: int = 8
@@ -174,26 +176,6 @@ def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, see
     return model
 
 
-def _cuda_synchronized_clock() -> float:
-    """Elapsed seconds once every queued CUDA kernel has finished: GPU work is asynchronous, so an unsynchronized clock
-    would time the kernel launches, not the kernels."""
-    torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time, "cuda": _cuda_synchronized_clock}
-_clock = time.perf_counter
-
-
-def set_clock(name: str) -> None:
-    """Every timing of this module uses ``wall`` (elapsed), ``cpu`` (process CPU time) or ``cuda`` (elapsed, taken
-    after a ``torch.cuda.synchronize()``: benchmarks/gpu_check.py) seconds."""
-    global _clock
-    if name not in CLOCKS:
-        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {name!r}")
-    _clock = CLOCKS[name]
-
-
 def _ids(batch: int, seq: int, vocab: int, seed: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
     """Random token ids, the same on every device (drawn on the CPU, then moved to ``device``: the model's)."""
     return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -215,9 +197,9 @@ def prefill_workload(model, batch: int, seq: int) -> Callable[[], float]:
     def run() -> float:
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            start = _clock()
+            start = harness.now()
             model(ids, **{CACHE_NAME: cache}, use_cache=True, logits_to_keep=1)
-            return _clock() - start
+            return harness.now() - start
     return run
 
 
@@ -232,7 +214,7 @@ class _StepClock:
     def __call__(self, input_ids, scores):
         if not self.stamps and self.on_first is not None:
             self.on_first()
-        self.stamps.append(_clock())
+        self.stamps.append(harness.now())
         return scores
 
 
@@ -263,7 +245,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
         clock = _StepClock(on_first_token)
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kwargs)
-        end = _clock()
+        end = harness.now()
         if out.shape[1] != prompt_len + new_tokens:
             raise RuntimeError(f"generate stopped early: {out.shape[1] - prompt_len} of {new_tokens} tokens")
         return end - clock.stamps[0]
@@ -280,53 +262,18 @@ def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr:
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         try:
-            start = _clock()
+            start = harness.now()
             loss = model(ids, labels=ids, use_cache=False).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return _clock() - start
+            return harness.now() - start
         finally:
             if checkpointing:
                 model.activation_checkpointing_disable()
             model.eval()
     run.optimizer = optimizer
     return run
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def quartiles(values: list[float]) -> tuple[float, float]:
-    """First and third quartiles of ``values``; their minimum and maximum below 4 values."""
-    if len(values) < 4:
-        return min(values), max(values)
-    q1, _, q3 = statistics.quantiles(values, n=4)
-    return q1, q3
-
-
-def summarize(samples: list[float]) -> dict:
-    """Median, spread (IQR / median; (max − min) / median below 4 samples) and the samples themselves."""
-    med = statistics.median(samples)
-    q1, q3 = quartiles(samples)
-    return {"median": med, "spread": (q3 - q1) / med if len(samples) > 1 else 0.0, "samples": samples}
-
-
-def run_interleaved(runs: dict[str, Callable[[], float]], reps: int, warmup: int, progress=None) -> dict[str, dict]:
-    """Warm every model up, then ``reps`` rounds over all models, the order rotated by one each round."""
-    for run in runs.values():
-        for _ in range(warmup):
-            run()
-    names = list(runs)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            samples[name].append(runs[name]())
-            if progress is not None:
-                progress.update(1)
-    return {name: summarize(s) for name, s in samples.items()}
 
 
 def _items(group: str, plan: Plan) -> list[dict]:
@@ -418,8 +365,7 @@ def _with_ratios(spec: dict, stats: dict[str, dict], unit: str) -> dict:
             row["tokens_per_s"] = spec["tokens"] / row["median"]
         samples = row.get("samples")
         if unit == "s" and row["ratio"] is not None and samples and base_samples and len(samples) == len(base_samples) >= 4:
-            per_round = [x / y for x, y in zip(samples, base_samples)]
-            row["paired_ratio"], row["paired_quartiles"] = statistics.median(per_round), list(quartiles(per_round))
+            row["paired_ratio"], row["paired_quartiles"] = harness.paired(samples, base_samples)
     return {k: v for k, v in spec.items() if k != "args"} | {"unit": unit, "models": stats}
 
 
@@ -527,7 +473,7 @@ def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan,
 
 
 def target_for(family: str, kind: str, length: int | None) -> float | None:
-    """Issue 5's ratio target for ``kind`` on a metric of ``family`` (prefill targets depend on the length)."""
+    """The ratio target for ``kind`` on a metric of ``family`` (prefill targets depend on the length)."""
     per_len = TARGETS.get(family, {}).get("ours_v1" if kind == "ours_v1_padded" else kind)
     if per_len is None:
         return None
@@ -624,11 +570,7 @@ def format_table(report: dict, paired: bool | None = None) -> str:
 def chart_figure(report: dict):
     """Per dtype, horizontal bars of every model's ratio to Llama per metric; each model's own target as a black tick
     across its bar, the paired ratio with its quartiles as a dot and whisker. Returns the matplotlib figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     dtypes = list(report["results"])
     others = [m for m in report["models"] if m != "llama"]
     n_items = max(len(r) for r in report["results"].values())
@@ -667,25 +609,7 @@ def chart_figure(report: dict):
 
 def write_chart(report: dict, path: str) -> None:
     """PNG of :func:`chart_figure`."""
-    import matplotlib.pyplot as plt
-
-    fig = chart_figure(report)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def machine_info(threads: int) -> dict:
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    import transformers
-
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_avg_start": os.getloadavg()}
+    harness.save_figure(chart_figure(report), path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -737,7 +661,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="decode prompt length (default 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run (default 128)")
     p.add_argument("--train-shape", default=None, help="training BATCHxLENGTH (default 4x512)")
-    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall: elapsed time (default); cpu: "
+    p.add_argument("--clock", default="wall", choices=("cpu", "cuda", "wall"), help="wall: elapsed time (default); cpu: "
                    "process CPU time — with --threads 1 it leaves out time other processes hold the core (shared machines); "
                    "cuda: elapsed time after torch.cuda.synchronize() (benchmarks/gpu_check.py's clock)")
     p.add_argument("--preset", choices=("smollm2",), default=None, help="smollm2: SmolLM2-135M's shape (30 layers, "
@@ -799,7 +723,7 @@ def main(argv: list[str] | None = None) -> dict:
         total += len(_items(g, plan)) * len(models) * plan.reps
     if "memory" in groups:
         total += len(MEMORY_WORKLOADS) * len(models) * max(1, min(plan.reps, 3))
-    report = {"machine": machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "models": models,
+    report = {"machine": harness.machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "models": models,
               "groups": groups, "results": {}}
     with tqdm(total=total * len(dtypes), desc="bench", file=sys.stderr) as bar:
         for dtype_name in dtypes:
@@ -819,12 +743,10 @@ def main(argv: list[str] | None = None) -> dict:
     table = format_table(report)
     print(table)
     print(f"\nmachine: {report['machine']}")
+    report = report | {"table": table, "provenance": harness.provenance("bench.py", argv)}
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report | {"table": table}, f, indent=1)
+        harness.write_json(args.json, report, "bench.py", argv)
     if args.png:
-        os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
         write_chart(report, args.png)
     return report
 

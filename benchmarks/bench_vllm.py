@@ -14,7 +14,8 @@ A measurement is one ``LLM.generate`` call of C requests (C = each ``--concurren
 greedy tokens each (EOS ignored). Reported: output tokens/s = C·new_tokens / wall time of the call, and the ratio of
 the V2's time to the Llama's (above 1: V2 slower; the goal is at most 1.10). Repetitions are interleaved (the order of
 the two models alternates), after one untimed warm-up call per model and concurrency; medians and the spread
-(IQR / median) are reported, with the V2's FLOP floor: its matmul FLOPs over the Llama's for one request's prompt and
+(IQR / median, benchmarks/harness.py; the files written before the harness took quartiles by the "inclusive" method)
+are reported, with the V2's FLOP floor: its matmul FLOPs over the Llama's for one request's prompt and
 generated tokens (``generation_flops`` in bench.py), the ratio an engine that is bound by arithmetic cannot beat. The
 greedy outputs of the two models are compared too (the upcycle is exact, so they agree except where float32 rounding
 flips a near-tie).
@@ -27,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -40,9 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: `benchmarks.*` needs the repository root
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import harness  # noqa: E402
 from benchmarks.bench import generation_flops  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
-GOAL = 1.10  # issue 11: V2 upcycle at most 1.10x the Llama's time
+GOAL = 1.10  # the V2 upcycle's goal: at most 1.10x the Llama's time (docs/serving.md)
 
 
 def _example():
@@ -66,13 +67,6 @@ def tiny_random_pair(workdir: Path) -> tuple[Path, Path]:
     if not (v2 / "config.json").is_file():
         _example().upcycle_v2(llama, v2)
     return llama, v2
-
-
-def spread(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return (q[2] - q[0]) / statistics.median(values)
 
 
 def run(args) -> dict:
@@ -135,8 +129,9 @@ def run(args) -> dict:
             total += c
         row = {"concurrency": c, "identical_outputs": f"{same}/{total}"}
         for name, ts in times.items():
-            row[name] = {"seconds": ts, "median_s": statistics.median(ts), "spread": spread(ts),
-                         "output_tokens_per_s": c * args.new_tokens / statistics.median(ts)}
+            stats = harness.summarize(ts)
+            row[name] = {"seconds": ts, "median_s": stats["median"], "spread": stats["spread"],
+                         "output_tokens_per_s": c * args.new_tokens / stats["median"]}
         row["time_ratio"] = row["diff_v2"]["median_s"] / row["llama"]["median_s"]
         row["flop_floor"] = flop_floor
         row["meets_goal"] = row["time_ratio"] <= GOAL
@@ -157,29 +152,18 @@ def run(args) -> dict:
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
                      "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
         "startup_s_both": startup_s,
-        "machine": {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "vllm": vllm.__version__, "transformers": transformers.__version__,
-                    "load_avg_start": os.getloadavg()},
+        "machine": harness.cpu_info() | {"python": platform.python_version(), "torch": torch.__version__,
+                                         "vllm": vllm.__version__, "transformers": transformers.__version__,
+                                         "load_avg_start": os.getloadavg()},
         "results": results,
     }
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
-    except OSError:
-        return platform.machine()
-
-
 def write_chart(report: dict, path: Path) -> bool:
     try:
-        import matplotlib
+        plt = harness.pyplot()
     except ImportError:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = report["results"]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     xs = range(len(rows))
@@ -199,8 +183,7 @@ def write_chart(report: dict, path: Path) -> bool:
                  + (f"; V2's FLOP floor ×{rows[0]['flop_floor']:.3f}" if "flop_floor" in rows[0] else ""), fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
     return True
 
 
@@ -236,9 +219,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     report = run(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"vllm_{args.name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(path, report, "bench_vllm.py", argv, indent=2)
     print(f"wrote {path}")
     if write_chart(report, path.with_suffix(".png")):
         print(f"wrote {path.with_suffix('.png')}")

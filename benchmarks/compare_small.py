@@ -27,7 +27,6 @@ flag overrides its preset value.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -37,6 +36,11 @@ import time
 
 import torch
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run as a script (or loaded from its file): `benchmarks.*` needs the repository root
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import harness  # noqa: E402
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis, data, probes
 
 MODELS = ("v1", "v2", "llama")
@@ -66,8 +70,8 @@ def build_configs(vocab_size: int, hidden_size: int, num_hidden_layers: int, num
                   num_key_value_heads: int, head_dim: int, intermediate_size: int, seq_len: int, tokenizer=None) -> dict:
     """Configs of the three models, parameter-matched.
 
-    V1 with the Llama's ``Hq, Hkv, d`` has the same projections (SPEC §0: DIFF with H heads vs a Transformer with
-    2H), plus λ and subln. V2's ``o_proj`` reads ``H·d = Hq·d/2`` features, ``E·Hq·d/2`` fewer weights than the
+    V1 with the Llama's ``Hq, Hkv, d`` has the same projections (docs/model.md, "Configuration": DIFF with H heads vs a
+    Transformer with 2H), plus λ and subln. V2's ``o_proj`` reads ``H·d = Hq·d/2`` features, ``E·Hq·d/2`` fewer weights than the
     Llama's, and ``lambda_proj`` adds ``E·Hq/2``; the MLP is widened by the nearest whole number of units
     (3·E weights each) so that the totals match to within one unit.
     """
@@ -313,11 +317,7 @@ def evaluate_model(model, tokenizer, probe_examples: dict, lens_examples: int, o
 
 
 def plot_curves(results: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for name, r in results.items():
         c = r["curves"]
@@ -332,16 +332,12 @@ def plot_curves(results: dict, path: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
     return path
 
 
 def plot_lens(results: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -357,8 +353,7 @@ def plot_lens(results: dict, path: str) -> str:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
     return path
 
 
@@ -492,8 +487,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     plot_curves(results, os.path.join(args.out, "loss_curves.png"))
     plot_lens(results, os.path.join(args.out, "shares.png"))
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    harness.write_json(os.path.join(args.out, "results.json"), {"meta": meta, "results": results}, "compare_small.py",
+                       args.argv)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write(markdown_report(results, meta))
     return {"meta": meta, "results": results}

@@ -1,4 +1,4 @@
-"""What each part of a V2 decode step costs against its source Llama's, timed without a profiler (issue 10, item 8).
+"""What each part of a V2 decode step costs against its source Llama's, timed without a profiler.
 
 A profiler adds time to every operator, and a decode step is hundreds of small ones; this script times the parts
 themselves. It builds the Llama and its V2 upcycle as ``bench.py`` does (random weights, SmolLM2's shape by default),
@@ -10,7 +10,8 @@ times every part of both models, the model order alternating), takes the process
 * ``q_proj``, ``k_proj + v_proj``, ``o_proj``: every layer's projections;
 * ``λ``: every layer's ``sigmoid(lambda_proj(x))`` (V2 only);
 * ``kernel``: every layer's attention over its cached keys and values: transformers' sdpa function for the Llama
-  (what its attention calls), ``pair_decode_attention`` for the V2 (SPEC §2's combine included).
+  (what its attention calls), ``pair_decode_attention`` for the V2 (with V2's pair combine: docs/model.md, "What it
+  computes").
 
 Every call that appends a token to the cache is followed, untimed, by cropping it off again, so every round sees the
 same cache. Reports per part the median per step (all layers) of each model and the median of the per-round
@@ -20,11 +21,9 @@ differences (V2 − Llama) as a share of the Llama's step, with their quartiles.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -35,7 +34,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, harness  # noqa: E402
 
 MODELS = ("llama", "upcycle_v2")
 PARTS = ("step", "attention", "q_proj", "k_proj + v_proj", "o_proj", "λ", "kernel")
@@ -69,9 +68,9 @@ def part_runs(name: str, model, batch: int, prompt_len: int) -> dict[str, Callab
     def timed(body, crop: bool = False):
         def run() -> float:
             with torch.no_grad():
-                start = time.process_time()
+                start = harness.now()
                 body()
-                seconds = time.process_time() - start
+                seconds = harness.now() - start
                 if crop:
                     cache.crop(-1)  # back to the prompt
             return seconds
@@ -131,12 +130,12 @@ def measure(shape: bench.Shape, batch: int, prompt_len: int, reps: int, warmup: 
     for part in PARTS:
         llama, v2 = samples["llama"][part], samples["upcycle_v2"][part]
         extra = [(b - a) / base_step for a, b in zip(llama, v2)]
-        q1, q3 = bench.quartiles(extra)
+        q1, q3 = harness.quartiles(extra)
         parts[part] = {"llama_s": statistics.median(llama), "upcycle_v2_s": statistics.median(v2),
                        "extra_share": statistics.median(extra), "extra_quartiles": [q1, q3],
                        "samples": {"llama": llama, "upcycle_v2": v2}}
-    return {"parts": parts, "step_ratio": statistics.median(b / a for a, b in zip(samples["llama"]["step"],
-                                                                               samples["upcycle_v2"]["step"]))}
+    step_ratio, _ = harness.paired(samples["upcycle_v2"]["step"], samples["llama"]["step"])
+    return {"parts": parts, "step_ratio": step_ratio}
 
 
 def format_table(result: dict) -> str:
@@ -167,18 +166,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    harness.set_clock("cpu")  # process CPU time
     shape, prompt_len, reps, warmup = bench.SMOLLM2, args.prompt_len, args.reps, args.warmup
     if args.smoke:
         shape, prompt_len, reps, warmup = bench.smoke_plan_and_shape()[1], 8, 2, 1
-    result = {"machine": bench.machine_info(args.threads), "shape": asdict(shape), "batch": args.batch,
+    result = {"machine": harness.machine_info(args.threads), "shape": asdict(shape), "batch": args.batch,
               "prompt_len": prompt_len, "reps": reps, **measure(shape, args.batch, prompt_len, reps, warmup)}
     table = format_table(result)
-    result["table"] = table
+    result |= {"table": table, "provenance": harness.provenance("decode_parts.py", argv)}
     print(table)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        harness.write_json(args.json, result, "decode_parts.py", argv)
     return result
 
 

@@ -1,4 +1,4 @@
-"""One prepared GPU check (issue 28): every attention backend's correctness, and speed against Llama, in one run.
+"""One prepared GPU check: every attention backend's correctness, and speed against Llama, in one run.
 
 GPU time is lent rarely and briefly, so everything worth knowing from one CUDA GPU is gathered by one command
 (``bash scripts/gpu_check.sh``, which calls ``python3 benchmarks/gpu_check.py --out DIR``) that finishes in a few
@@ -10,8 +10,8 @@ error — it raised, skipped — with the reason, absent — the backend's packa
 check never stops the others. The bounds are the CPU tests' (tests/utils_difftransformer.py, whose helpers are
 imported, not copied):
 
-* ``reference {layout}``: the float64 model on the device (``.double()``, eager) equals the explicit float64 SPEC
-  reference of the tests (on the CPU), within the CPU tests' float32 tolerance: it is a trustworthy reference;
+* ``reference {layout}``: the float64 model on the device (``.double()``, eager) equals the explicit float64
+  reference of the tests (tests/utils_difftransformer.py: docs/model.md, "What it computes") (on the CPU), within the CPU tests' float32 tolerance: it is a trustworthy reference;
 * ``forward {layout} {backend} {dtype}``: a left-padded batch's logits in fp32, bf16 and fp16 against the float64 model
   with the same weights, on the same device. fp32: the CPU tests' 2e-5; bf16 and fp16: the rounding model of the CPU
   tests (``RoundingModel``, 8 draws, 3 × the largest drawn error; fp16 with its own unit roundoff 2⁻¹¹);
@@ -28,7 +28,7 @@ Backends: eager, sdpa, flex_attention, and flash_attention_2 / flash_attention_3
 
 Speed (bf16 on the GPU), each model against a transformers ``LlamaForCausalLM`` of the same shape in the same
 process, interleaved and paired exactly as benchmarks/bench.py does (its workloads, ``time_group``, medians,
-quartiles and FLOP floors; the clock waits for the GPU: ``bench.CLOCKS["cuda"]``): prefill, decode with a dynamic
+quartiles and FLOP floors; the clock waits for the GPU: ``harness.CLOCKS["cuda"]``): prefill, decode with a dynamic
 cache and with a compiled static cache, a training step, and peak GPU memory (``torch.cuda.max_memory_allocated``
 growth over the resident model), at bench.py's shape, SmolLM2-135M's (against its V2 and V1 upcycles) and a
 1B-class layer shape. The cheap rows of every shape run first, the compiled decode last; a row that would start past
@@ -42,14 +42,12 @@ import argparse
 import copy
 import datetime
 import gc
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -65,7 +63,7 @@ for _path in (_ROOT, os.path.join(_ROOT, "tests")):  # benchmarks.bench, and the
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, harness  # noqa: E402
 from utils_difftransformer import (  # noqa: E402
     RoundingModel,
     bf16_error_bound,
@@ -338,7 +336,7 @@ def run_forward_checks(rec: Recorder, profile: Profile) -> None:
                     bound = bf16_error_bound(draws, spec, factor=ROUNDING_FACTOR)
                 case[dtype] = {"model": low, "exact": exact, "bound": bound}
             worst = max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e)
-            return {"max_err": worst, "bound": FP32_TOL, "detail": "float64 model on the device vs the SPEC reference "
+            return {"max_err": worst, "bound": FP32_TOL, "detail": "float64 model on the device vs the tests' float64 reference "
                     "(CPU), per weight dtype: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items())}
 
         ref_entry = rec.check(f"reference {layout}", reference)
@@ -565,7 +563,7 @@ def memory_rows(models: dict[str, torch.nn.Module], plan: bench.Plan) -> list[di
             run()
             torch.cuda.synchronize()
             growth = (torch.cuda.max_memory_allocated() - base) / 2**20
-            stats[kind] = bench.summarize([growth]) | {"resident_mib": base / 2**20}
+            stats[kind] = harness.summarize([growth]) | {"resident_mib": base / 2**20}
             del run
             gc.collect()
         rows.append(bench._with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, "MiB"))
@@ -635,7 +633,7 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
                         with torch.device(device):  # random init on the device: fast for the 1B-class shape
                             built[s.name] = {m: bench.build_model(m, s.shape, dtype).to(device) for m in s.models}
                     models = built[s.name]
-                    bench.set_clock("cuda" if cuda else plan.clock)
+                    harness.set_clock("cuda" if cuda else plan.clock)
                     if group == "memory":
                         rows = memory_rows(models, plan)
                     else:
@@ -675,44 +673,13 @@ def _one_item_plan(group: str, plan: bench.Plan, spec: dict) -> bench.Plan:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def source_digest(root: str = _ROOT) -> str:
-    """SHA-256 of the package's Python sources (paths and contents): names the code that ran where no .git came along
-    (``python benchmarks/gpu_check.py --digest`` prints it for a local checkout)."""
-    h = hashlib.sha256()
-    pkg = os.path.join(root, "difftransformer")
-    for folder, _, files in sorted(os.walk(pkg)):
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(folder, name)
-            h.update(os.path.relpath(path, root).encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(f.read() + b"\0")
-    return h.hexdigest()[:16]
-
-
-def git_state(root: str = _ROOT) -> tuple[str, str | bool]:
-    """(commit, dirty): ``GIT_COMMIT`` / ``GIT_DIRTY`` from the environment (a copy without .git), else git's answer,
-    else ("unknown", "unknown")."""
-    commit = os.environ.get("GIT_COMMIT")
-    dirty: str | bool = os.environ.get("GIT_DIRTY", "unknown")
-    if commit:
-        return commit, {"1": True, "true": True, "0": False, "false": False}.get(str(dirty).lower(), dirty)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=20, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, timeout=20, check=True).stdout
-        return commit, bool(status.strip())
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", "unknown"
-
-
 def meta(profile: Profile, argv: list[str]) -> dict:
     import transformers
 
     import difftransformer
 
     cuda = profile.device.startswith("cuda")
-    commit, dirty = git_state()
+    commit, dirty, _ = harness.git_state()
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "transformers": transformers.__version__, "difftransformer": difftransformer.__version__}
     for package in ("triton", "huggingface_hub", "tokenizers", "safetensors", "accelerate", "flash_attn"):
@@ -724,8 +691,8 @@ def meta(profile: Profile, argv: list[str]) -> dict:
     return {"mode": profile.mode, "device": profile.device,
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
-            "cpu": bench.machine_info(torch.get_num_threads())["cpu"], "versions": versions,
-            "git_commit": commit, "git_dirty": dirty, "source_digest": source_digest(),
+            "cpu": harness.cpu_info()["cpu"], "versions": versions,
+            "git_commit": commit, "git_dirty": dirty, "source_digest": harness.source_digest(),
             "fp32_matmul_precision": torch.get_float32_matmul_precision(),
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "budget_s": profile.budget_s, "argv": argv, "elapsed_s": 0.0, "finished": False}
@@ -755,7 +722,7 @@ def summary_text(report: dict) -> str:
         lines += ["", f"speed, {name} ({speed['dtype']}, clock {speed['clock']}): hidden {s['hidden_size']}, "
                   f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV, "
                   f"head_dim {s['head_dim']}, vocab {s['vocab_size']}, MLP {s['intermediate_size']}; "
-                  f"models {', '.join(shape['models'])} (targets: the CPU benchmark's, issue 5)"]
+                  f"models {', '.join(shape['models'])} (targets: the CPU benchmark's, bench.TARGETS)"]
         if ok:
             lines.append(bench.format_table({"models": shape["models"], "results": {speed["dtype"]: ok}}, paired=True))
         lines += [f"ERROR {r['item']}: {r['error'][:200]}" for r in shape["results"] if "error" in r]
@@ -782,7 +749,8 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, only: tup
         torch.set_num_threads(profile.threads)
     setattr(torch._dynamo.config, limit_name, max(recompile_limit, 64))
     try:
-        report = {"meta": meta(profile, list(argv or [])), "checks": [], "counts": {}, "speed": {}}
+        report = {"meta": meta(profile, list(argv or [])), "checks": [], "counts": {}, "speed": {},
+                  "provenance": harness.provenance("gpu_check.py", list(argv or []))}
         rec = Recorder(report, out_dir, budget, log, profile.checks_share)
         log(f"GPU check ({profile.mode}) on {report['meta']['gpu'] or profile.device}, versions "
             f"{report['meta']['versions']}, commit {report['meta']['git_commit']}")
@@ -827,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.digest:
-        print(source_digest())
+        print(harness.source_digest())
         return 0
     if args.summarize:
         with open(os.path.join(args.out, REPORT)) as f:

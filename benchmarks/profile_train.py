@@ -30,7 +30,6 @@ are somewhat above ``bench.py``'s; ratios of the large groups are what this scri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -45,7 +44,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, harness  # noqa: E402
 
 GROUPS = ("matmul", "attention", "other")
 MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
@@ -199,17 +198,15 @@ def main(argv: list[str] | None = None) -> dict:
         batch, seq = args.decode_batch, plan.prompt_len + plan.new_tokens
     shape.max_position_embeddings = max(shape.max_position_embeddings, seq)
     torch.set_num_threads(args.threads)
-    result = {"machine": bench.machine_info(args.threads), "shape": asdict(shape), "workload": args.workload,
+    result = {"machine": harness.machine_info(args.threads), "shape": asdict(shape), "workload": args.workload,
               "train_shape": [batch, seq] if args.workload == "train" else None,
               "decode": {"batch": batch, "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens}
               if args.workload == "decode" else None,
               "reps": args.reps, "models": profile_models(models, shape, batch, seq, args.reps, args.workload, plan)}
-    result["table"] = format_table(result, args.top)
+    result |= {"table": format_table(result, args.top), "provenance": harness.provenance("profile_train.py", argv)}
     print(result["table"])
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        harness.write_json(args.json, result, "profile_train.py", argv)
     return result
 
 

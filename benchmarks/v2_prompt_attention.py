@@ -14,13 +14,13 @@ prompt (prefill, and the forward + backward of training) this times, per call:
   takes it from ``CAUSAL_BLOCK_MIN_LENGTH`` tokens on; these rows justify both numbers.
 
 Both are first checked against float64 causal attention (output, and the query/key/value gradients for ``train``).
-Timing, medians and spread as in attention_micro.py (strategies interleaved, order rotated every repetition).
+Timing, medians and spread from benchmarks/harness.py, as in attention_micro.py (strategies interleaved, order rotated
+every repetition).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -32,7 +32,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.attention_micro import _KernelModule, machine_info, set_clock, summarize, time_interleaved  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.attention_micro import _KernelModule, set_clock  # noqa: E402
 from difftransformer import kernels_difftransformer as kernels  # noqa: E402
 
 TOLERANCE = 1e-5  # largest error relative to max |float64 reference|: float32 rounding of softmax sums over ≤ 2048 keys
@@ -103,13 +104,13 @@ def run(args) -> dict:
             bad = {name: e for name, e in errors.items() if not e <= TOLERANCE}
             if bad:
                 raise SystemExit(f"{phase} T={length}: error against float64 above {TOLERANCE}: {bad}")
-            samples = time_interleaved({name: call(fn, inputs, train) for name, fn in fns.items()}, args.reps,
-                                       min_seconds=args.min_time, progress=bar)
-            stats = {name: summarize(s) for name, s in samples.items()}
+            samples = harness.time_interleaved({name: call(fn, inputs, train) for name, fn in fns.items()}, args.reps,
+                                               min_seconds=args.min_time, progress=bar)
+            stats = {name: harness.call_stats(s) for name, s in samples.items()}
             ratios = {name: stats[name]["median_s"] / stats["sdpa"]["median_s"] for name in fns if name != "sdpa"}
             rows.append({"phase": phase, "length": length, "rel_err": errors, "stats": stats, "over_sdpa": ratios,
                          "modeling_file_uses_blocks": length >= kernels.CAUSAL_BLOCK_MIN_LENGTH})
-    return {"benchmark": "v2_prompt_attention", "machine": machine_info(),
+    return {"benchmark": "v2_prompt_attention", "machine": harness.machine_info(torch.get_num_threads()),
             "shape": {"batch": args.batch, "query_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
             "settings": {"reps": args.reps, "clock": args.clock, "threads": args.threads, "dtype": "float32",
                          "modeling_file_block": kernels._CAUSAL_BLOCK,
@@ -156,12 +157,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    report = run(args)
+    report = run(args) | {"provenance": harness.provenance("v2_prompt_attention.py", argv)}
     print(format_table(report))
     print("machine:", report["machine"])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        harness.write_json(args.json, report, "v2_prompt_attention.py", argv)
     return report
 
 

@@ -116,6 +116,10 @@ def main(argv=None) -> int:
         "calibration": calibration,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
     }
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout: benchmarks/harness.py records provenance
+    from benchmarks import harness
+
+    record["provenance"] = harness.provenance("measure_v1_init.py", argv)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {args.json}")

@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import bench  # noqa: E402
 from benchmarks import gpu_check  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -90,6 +91,9 @@ def test_smoke_records_versions_commit_and_device(smoke_report):
     int(meta["source_digest"], 16)  # a hex digest (not compared with a fresh one: the sources may change meanwhile)
     assert len(meta["source_digest"]) == 16
     assert meta["elapsed_s"] > 0 and meta["finished"] is True
+    provenance = smoke_report[0]["provenance"]  # what every result JSON records (benchmarks/harness.py)
+    assert provenance["script"] == "gpu_check.py" and provenance["command"] == "python benchmarks/gpu_check.py --smoke"
+    assert provenance["commit"] == meta["git_commit"] and provenance["versions"]["torch"] == torch.__version__
 
 
 def test_smoke_speed_rows_have_numbers_and_flop_floors(smoke_report):
@@ -167,11 +171,12 @@ def test_gpu_memory_rows_with_a_stand_in_allocator(monkeypatch):
 
 
 def test_git_commit_from_the_environment(monkeypatch):
+    """The GPU machine gets a copy without .git: the commit comes from GIT_COMMIT / GIT_DIRTY (harness.git_state)."""
     monkeypatch.setenv("GIT_COMMIT", "abc123")
     monkeypatch.setenv("GIT_DIRTY", "1")
-    assert gpu_check.git_state() == ("abc123", True)
+    assert harness.git_state() == ("abc123", True, [])
     monkeypatch.setenv("GIT_DIRTY", "unknown")
-    assert gpu_check.git_state() == ("abc123", "unknown")
+    assert harness.git_state() == ("abc123", "unknown", [])
 
 
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
