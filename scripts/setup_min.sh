@@ -23,7 +23,9 @@ fi
 . .venv-min/bin/activate
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q "transformers==$MIN.*" "accelerate==1.15.0" "safetensors==0.8.0" "tokenizers" "pytest==9.2.0" tqdm
+python -m pip install -q "transformers==$MIN.*" "accelerate==1.15.0" "safetensors==0.8.0" "tokenizers" "pytest==9.2.0" \
+    pytest-xdist tqdm matplotlib
+python -m pip install -q --no-deps "peft==0.21.2"
 python -m pip install -q --no-deps -e .
 python -c "import torch, transformers, difftransformer; print('ready (lowest supported): torch', torch.__version__, '| transformers', transformers.__version__)"
 echo .venv-min >&3

