@@ -119,11 +119,17 @@ def softmax_maps(
     return torch.softmax(scores, dim=-1)
 
 
-def split_pairs(maps: torch.Tensor, pair_stride: int, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def split_pairs(maps: torch.Tensor, pair_stride: int, dim: int = 1, noise_ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``2H`` softmax maps along ``dim`` into ``(A1, A2)``, each with the H differential heads in order
     ``h = g·n + r``. Same layout rule as the modeling file's ``differential_combine`` (V1: ``pair_stride = n``,
-    rows ``(g, c, r)``; V2: ``pair_stride = 1``, rows ``(h, c)``)."""
-    first, second = maps.unflatten(dim, (-1, 2, pair_stride)).unbind(dim + 1)
+    rows ``(g, c, r)``; V2: ``pair_stride = 1``, rows ``(h, c)``). With grouped differential attention
+    (``noise_ratio`` r > 1) each head's ``A2`` is its shared noise map (repeated for the r heads that share it)."""
+    if noise_ratio == 1:
+        first, second = maps.unflatten(dim, (-1, 2, pair_stride)).unbind(dim + 1)
+        return first.flatten(dim, dim + 1), second.flatten(dim, dim + 1)
+    blocks = maps.unflatten(dim, (-1, pair_stride + pair_stride // noise_ratio))
+    first = blocks.narrow(dim + 1, 0, pair_stride)
+    second = blocks.narrow(dim + 1, pair_stride, pair_stride // noise_ratio).repeat_interleave(noise_ratio, dim + 1)
     return first.flatten(dim, dim + 1), second.flatten(dim, dim + 1)
 
 
@@ -185,7 +191,7 @@ def attention_maps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
             handle.remove()
     layers = []
     for module, diff, lam in zip(modules, out.attentions, out.lambdas):
-        a1, a2 = split_pairs(softmax_maps(module, **captured[module.layer_idx]), module.pair_stride)
+        a1, a2 = split_pairs(softmax_maps(module, **captured[module.layer_idx]), module.pair_stride, noise_ratio=module.noise_ratio)
         layers.append(LayerMaps(module.layer_idx, {"diff": diff.float(), "softmax1": a1, "softmax2": a2}, lam.float()))
     return layers
 

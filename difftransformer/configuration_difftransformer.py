@@ -8,6 +8,8 @@ tensor-parallel plans) sees standard shapes:
 * ``num_key_value_heads`` (``Hkv``) counts cached key heads = cached value heads, width ``d``.
 * V1: ``G = Hkv / 2`` key/value groups, each holding ``K1, K2`` and a ``2d``-wide value; ``n = H / G``.
 * V2: ``G = Hkv`` groups; the two query heads of a pair share one KV head; ``n = H / G``.
+* Grouped differential attention (GDA, arXiv 2510.06949): ``num_noise_heads`` (``N``) of the ``Hq`` query heads are
+  noise maps, each shared by ``r = H / N`` signal maps; ``H = Hq − N``. ``N = Hq / 2`` (the default) is ``r = 1``.
 
 Every invariant is checked at construction; a bad combination raises ``ValueError`` naming the fields.
 """
@@ -18,6 +20,9 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 SUPPORTED_DIFF_VERSIONS = (1, 2)
+# MLP activations with weights of their own (a module under ``mlp.act_fn``), beside transformers' ``ACT2FN``:
+# Motif's PolyNorm, ``w0·N(x³) + w1·N(x²) + w2·N(x) + b`` (modeling_difftransformer.py).
+PARAMETRIZED_ACTIVATIONS = ("poly_norm",)
 POSITIVE_INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "max_position_embeddings",
@@ -40,6 +45,14 @@ class DiffTransformerConfig(PreTrainedConfig):
         V1 only. Standard deviation of the normal initialisation of `λq1, λk1, λq2, λk2`.
     subln_eps (`float`, defaults to 1e-5):
         V1 only. Epsilon of the per-head RMSNorm over the `2·head_dim` features of a differential head.
+    num_noise_heads (`int`, *optional*):
+        Grouped differential attention (arXiv 2510.06949): how many of the `num_attention_heads` query heads are
+        noise maps (the second softmax of a head), each shared by `r = (num_attention_heads − num_noise_heads) /
+        num_noise_heads` signal maps: `O_h = (A_h − λ A_noise(h)) V`. `None` (default): `num_attention_heads / 2`,
+        i.e. `r = 1`, one noise map per head (the paper's DIFF V1 / DIFF V2). Row order: docs/model.md.
+    lambda_init_layer_offset (`int`, defaults to 0):
+        V1 only. The depth schedule reads `λinit = 0.8 − 0.6·exp(−0.3·(l + lambda_init_layer_offset))`; Motif's
+        checkpoints use −1 (layer 0 gets `λinit ≈ −0.0099`).
 
     Example:
 
@@ -95,6 +108,8 @@ class DiffTransformerConfig(PreTrainedConfig):
     lambda_init: float | None = None
     lambda_std: float = 0.1
     subln_eps: float = 1e-5
+    num_noise_heads: int | None = None
+    lambda_init_layer_offset: int = 0
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -129,8 +144,11 @@ class DiffTransformerConfig(PreTrainedConfig):
                 raise ValueError(f"`{name}` must be a positive number (a norm's epsilon), got {getattr(self, name)!r}.")
         if not self.initializer_range >= 0:
             raise ValueError(f"`initializer_range` must be >= 0 (a standard deviation), got {self.initializer_range!r}.")
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(f"`hidden_act` must be one of transformers' activations ({', '.join(sorted(ACT2FN))}), got {self.hidden_act!r}.")
+        if self.hidden_act not in ACT2FN and self.hidden_act not in PARAMETRIZED_ACTIVATIONS:
+            raise ValueError(
+                f"`hidden_act` must be one of transformers' activations ({', '.join(sorted(ACT2FN))}) or "
+                f"{', '.join(PARAMETRIZED_ACTIVATIONS)}, got {self.hidden_act!r}."
+            )
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"`pad_token_id` must be None or a token id in [0, vocab_size = {self.vocab_size}) (the embedding's "
@@ -139,9 +157,11 @@ class DiffTransformerConfig(PreTrainedConfig):
         theta = (self.rope_parameters or {}).get("rope_theta") if isinstance(self.rope_parameters, dict) else None
         if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
             raise ValueError(f"`rope_parameters['rope_theta']` must be a positive number, got {theta!r}.")
-        if hq % 2:
+        noise = self.num_noise_heads
+        if noise is None and hq % 2:
             raise ValueError(
                 f"`num_attention_heads` must be even: it counts query heads, two (one pair) per differential head; got {hq}."
+                " (With grouped differential attention set `num_noise_heads`.)"
             )
         if d % 2:
             raise ValueError(f"`head_dim` must be even (rotary embeddings rotate pairs of features); got {d}.")
@@ -155,7 +175,9 @@ class DiffTransformerConfig(PreTrainedConfig):
             groups = hkv // 2
         else:
             groups = hkv
-        if num_heads % groups:
+        if noise is not None:
+            self._validate_noise_heads(v, hq, hkv, groups, noise)
+        elif num_heads % groups:
             allowed = sorted({2 * g if v == 1 else g for g in range(1, num_heads + 1) if num_heads % g == 0})
             raise ValueError(
                 f"diff_version={v}: the {num_heads} differential heads (num_attention_heads / 2) must split evenly into "
@@ -166,16 +188,56 @@ class DiffTransformerConfig(PreTrainedConfig):
             raise ValueError(
                 f"`attention_dropout` must be 0: the Differential Transformer defines no attention dropout; got {self.attention_dropout}."
             )
+        offset = self.lambda_init_layer_offset
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise ValueError(f"`lambda_init_layer_offset` must be an integer (added to the layer index), got {offset!r}.")
+        if offset and v != 1:
+            raise ValueError(
+                f"`lambda_init_layer_offset` applies to diff_version=1 only (V2 has no λinit); got {offset} with "
+                f"diff_version={v}: set it to 0."
+            )
         if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
             raise ValueError(f"`lambda_init` must be None (depth schedule) or in [0, 1); got {self.lambda_init}.")
         if not self.lambda_std >= 0:
             raise ValueError(f"`lambda_std` must be >= 0 (a standard deviation), got {self.lambda_std!r}.")
 
+    @staticmethod
+    def _validate_noise_heads(v: int, hq: int, hkv: int, groups: int, noise) -> None:
+        """Grouped differential attention: ``N = num_noise_heads`` noise maps, ``H = Hq − N`` signal maps, ``r = H / N``
+        an integer, and the KV groups ``G`` dividing ``N`` (so each noise head and its ``r`` signal heads read one group)."""
+        if isinstance(noise, bool) or not isinstance(noise, int) or noise <= 0:
+            raise ValueError(f"`num_noise_heads` must be None (num_attention_heads / 2) or a positive integer, got {noise!r}.")
+        kv = f"num_key_value_heads{' / 2' if v == 1 else ''}"
+        fitting = [k for k in range(1, hq) if hq % k == 0 and k % groups == 0]
+        if noise >= hq or hq % noise:
+            raise ValueError(
+                f"`num_noise_heads` ({noise}) must divide num_attention_heads ({hq}) and be smaller: the "
+                f"num_attention_heads - num_noise_heads signal heads are r per noise head, r a positive integer. With "
+                f"{groups} KV groups ({kv}) it must be one of {fitting} or None (= num_attention_heads / 2)."
+            )
+        if noise % groups:
+            kv_allowed = sorted({2 * g if v == 1 else g for g in range(1, noise + 1) if noise % g == 0})
+            raise ValueError(
+                f"diff_version={v}: the {noise} noise heads (num_noise_heads) must split evenly into the {groups} KV "
+                f"groups ({kv}) so that every noise head and its signal heads read one group; num_key_value_heads "
+                f"must be one of {kv_allowed}, got {hkv} (or num_noise_heads one of {fitting})."
+            )
+
     # Derived sizes (SPEC §0); not serialised.
     @property
+    def noise_heads(self) -> int:
+        """N: noise maps (query heads whose softmax is subtracted); ``Hq / 2`` unless ``num_noise_heads`` is set."""
+        return self.num_noise_heads if self.num_noise_heads is not None else self.num_attention_heads // 2
+
+    @property
+    def noise_ratio(self) -> int:
+        """r: signal maps per noise map (1 for the paper's DIFF V1 / V2)."""
+        return self.num_diff_heads // self.noise_heads
+
+    @property
     def num_diff_heads(self) -> int:
-        """H: differential (output) heads."""
-        return self.num_attention_heads // 2
+        """H: differential (output) heads = signal maps, ``Hq − N``."""
+        return self.num_attention_heads - self.noise_heads
 
     @property
     def num_kv_groups(self) -> int:

@@ -12,6 +12,11 @@ SDPA cannot combine two maps before multiplying by the value. Under "sdpa" V1 in
   multiplied once by the 2d-wide value (:class:`BlockedDifferentialAttention`); its backward recomputes each block's
   maps from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
 
+Grouped differential attention (``num_noise_heads``, docs/model.md) runs through the same kernels: a KV group's
+noise rows are fewer than its signal rows (``m = n / r``), each noise map is computed once and subtracted from its r
+signal maps (in the blocked kernel's backward, the r signal gradients of a noise map are summed before its softmax
+backward).
+
 V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` (the
 same one-call read of the cache, then the pair combine), and a float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH``
 tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's CPU flash kernel skip hidden causal
@@ -48,30 +53,54 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
     return out.reshape(b, 1, hq, w)
 
 
-def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None):
+def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None, noise_ratio=1):
     """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2).
 
     ``query`` ``(B, 1, 2H, d)`` as projected (adjacent heads pair and share a KV head), ``key``/``value``
     ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. :func:`gqa_decode_attention` reads the cache once for the 2n heads of each
     KV head; one ``unbind`` and one ``addcmul`` combine the pairs. Returns the H differential heads ``(B, 1, H, d)``.
+    With ``noise_ratio`` r > 1 (grouped differential attention) the query heads come in blocks ``[signal × r, noise]``
+    and ``o_h = a_h − λ_h·a_noise(h)``: the block's one noise output is subtracted from its r signal outputs.
     """
     b, _, hq, d = query.shape
-    first, second = gqa_decode_attention(query, key, value, scaling, attention_mask).view(b, hq // 2, 2, d).unbind(2)
-    return torch.addcmul(first, lam.view(b, hq // 2, 1), second, value=-1).view(b, 1, hq // 2, d)
+    out = gqa_decode_attention(query, key, value, scaling, attention_mask)
+    if noise_ratio == 1:
+        first, second = out.view(b, hq // 2, 2, d).unbind(2)
+        return torch.addcmul(first, lam.view(b, hq // 2, 1), second, value=-1).view(b, 1, hq // 2, d)
+    r = noise_ratio
+    blocks = out.view(b, hq // (r + 1), r + 1, d)  # (B, N, [signal × r, noise], d)
+    heads = hq // (r + 1) * r
+    combined = torch.addcmul(blocks[:, :, :r], lam.view(b, hq // (r + 1), r, 1), blocks[:, :, r:], value=-1)
+    return combined.view(b, 1, heads, d)
 
 
-def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None):
-    """V1 attention of one query token. ``query`` ``(B, G, 2, n, d)`` (rows ``(c, r)`` of each KV group), ``key`` and
-    ``value`` the packed cache ``(B, G, S, 2d)``, ``lam`` the layer's λ. Returns ``(B, G, n, 2d)``.
+def query_padding(signal_rows: int, noise_rows: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The 0/1 pattern that zero-pads V1 queries to ``2d``, shape ``(signal_rows + noise_rows, 2, 1)``: a KV group's
+    signal rows (its first map) become ``[Q | 0]``, its noise rows ``[0 | Q]``. Multiply a ``(..., rows, 1, d)`` view of
+    the group's query rows by it and flatten the last two axes."""
+    eye = torch.eye(2, dtype=dtype, device=device)
+    return torch.cat([eye[:1].expand(signal_rows, 2), eye[1:].expand(noise_rows, 2)]).view(-1, 2, 1)
 
-    The queries are zero-padded to ``[Q1|0]``, ``[0|Q2]`` (one broadcast multiply) and the group's 2n rows form one
+
+def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None, noise_ratio=1):
+    """V1 attention of one query token. ``query`` ``(B, G, 2, n, d)`` (rows ``(c, r)`` of each KV group), or
+    ``(B, G, n + m, d)``: each group's n signal rows, then its ``m = n / noise_ratio`` noise rows (grouped differential
+    attention; signal row j subtracts noise row j // r). ``key`` and ``value`` the packed cache ``(B, G, S, 2d)``,
+    ``lam`` the layer's λ. Returns ``(B, G, n, 2d)``.
+
+    The queries are zero-padded to ``[Q1|0]``, ``[0|Q2]`` (one broadcast multiply) and the group's rows form one
     query head of :func:`gqa_decode_attention`: every byte of the packed cache is read once.
     """
-    b, g, _, n, d = query.shape
-    pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)  # (c, r, c', d)
-    rows = (query.unsqueeze(-2) * pad).reshape(b, 1, g * 2 * n, 2 * d)
-    out = gqa_decode_attention(rows, key, value, scaling, attention_mask).view(b, g, 2, n, 2 * d)
-    return torch.addcmul(out[:, :, 0], lam, out[:, :, 1], value=-1)
+    b, g = query.shape[:2]
+    d = query.shape[-1]
+    query = query.reshape(b, g, -1, d)  # (B, G, n + m, d)
+    rows = query.shape[2]
+    m = rows // (noise_ratio + 1)
+    n = rows - m
+    padded = (query.unsqueeze(-2) * query_padding(n, m, query.dtype, query.device)).reshape(b, 1, g * rows, 2 * d)
+    out = gqa_decode_attention(padded, key, value, scaling, attention_mask).view(b, g, rows, 2 * d)
+    signal = out[:, :, :n].view(b, g, m, noise_ratio, 2 * d)
+    return torch.addcmul(signal, lam, out[:, :, n:, None], value=-1).view(b, g, n, 2 * d)
 
 
 def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: torch.device, n: int, block: int | None):
@@ -125,17 +154,20 @@ def _softmax_with_stats(scores):
 
 
 def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats=None):
-    """``(A1 − λA2)·V`` block by block → ``(B, T, G, n, 2d)`` (the module's head layout: no copy follows). Fills
-    ``stats`` ``(2 maps, 2, B, G, n, T, 1)`` for the backward when given."""
+    """``(A1 − λA2)·V`` block by block → ``(B, T, G, n, 2d)`` (the module's head layout: no copy follows). ``q2`` has
+    ``m = n / r`` heads per group (r = 1 unless grouped): signal head j subtracts noise head j // r. Fills ``stats``
+    ``(stats1 (2, B, G, n, T, 1), stats2 (2, B, G, m, T, 1))`` for the backward when given."""
     b, g, n, t, d = q1.shape
+    m = q2.shape[2]
     k1, k2 = key[..., :d], key[..., d:]  # views of the packed cache
     out = value.new_empty(b, t, g, n, 2 * d)
     for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, block):
         p1, st1 = _softmax_with_stats(_block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], mask, scaling))
         p2, st2 = _softmax_with_stats(_block_scores(q2[:, :, :, t0:t1], k2[:, :, :visible], mask, scaling))
         if stats is not None:
-            stats[0, ..., t0:t1, :], stats[1, ..., t0:t1, :] = st1, st2
-        diff = p1.addcmul_(p2, lam, value=-1).to(value.dtype)  # A1 − λ·A2: (B, G, n, Tb, Sv)
+            stats[0][..., t0:t1, :], stats[1][..., t0:t1, :] = st1, st2
+        # A1 − λ·A2: (B, G, n, Tb, Sv); a noise map is shared by the r signal maps of its block of rows
+        diff = p1.view(b, g, m, n // m, t1 - t0, visible).addcmul_(p2.unsqueeze(3), lam, value=-1).view_as(p1).to(value.dtype)
         res = torch.matmul(diff.view(b, g, n * (t1 - t0), visible), value[:, :, :visible])
         out[:, t0:t1] = res.view(b, g, n, t1 - t0, 2 * d).permute(0, 3, 1, 2, 4)
     return out
@@ -144,55 +176,65 @@ def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, st
 class BlockedDifferentialAttention(torch.autograd.Function):
     """``O = (A1 − λA2)·V`` block by block, with a backward that recomputes each block's maps (flash-attention style).
 
-    Inputs: ``q1``, ``q2`` ``(B, G, n, T, d)``, the packed ``key``/``value`` ``(B, G, S, 2d)``, the scalar ``lam``;
-    output ``(B, T, G, n, 2d)``. Saved for backward: the inputs and ``O(T)`` row statistics, never a ``T×S`` map.
+    Inputs: ``q1`` ``(B, G, n, T, d)``, ``q2`` ``(B, G, m, T, d)`` (``m = n``, or ``n / r`` noise heads for grouped
+    differential attention), the packed ``key``/``value`` ``(B, G, S, 2d)``, the scalar ``lam``; output
+    ``(B, T, G, n, 2d)``. Saved for backward: the inputs and ``O(T)`` row statistics, never a ``T×S`` map.
     """
 
     @staticmethod
     def forward(ctx, q1, q2, key, value, lam, scaling, attention_mask, block):
         b, g, n, t, _ = q1.shape
-        stats = torch.empty(2, 2, b, g, n, t, 1, dtype=_accumulation_dtype(q1.dtype), device=q1.device)
+        acc = _accumulation_dtype(q1.dtype)
+        stats = tuple(torch.empty(2, b, g, heads, t, 1, dtype=acc, device=q1.device) for heads in (n, q2.shape[2]))
         out = _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats)
-        ctx.save_for_backward(q1, q2, key, value, lam, stats, attention_mask)
+        ctx.save_for_backward(q1, q2, key, value, lam, *stats, attention_mask)
         ctx.scaling, ctx.block = scaling, block
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q1, q2, key, value, lam, stats, attention_mask = ctx.saved_tensors
+        q1, q2, key, value, lam, stats1, stats2, attention_mask = ctx.saved_tensors
+        stats = (stats1, stats2)
         scaling = ctx.scaling
         b, g, n, t, d = q1.shape
+        m = q2.shape[2]
         k1, k2 = key[..., :d], key[..., d:]
         dq1, dq2 = torch.empty_like(q1, memory_format=torch.contiguous_format), torch.empty_like(q2, memory_format=torch.contiguous_format)
         acc = _accumulation_dtype(key.dtype)  # key/value gradients sum over blocks: float32 even for bf16
         dkey = torch.zeros(key.shape, dtype=acc, device=key.device)
         dvalue = torch.zeros(value.shape, dtype=acc, device=value.device)
         dlam = torch.zeros((), dtype=_accumulation_dtype(lam.dtype), device=lam.device)
-        # With D = A1 − λA2 and dD = dO·Vᵀ: dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)), dS2 = −λ·P2 ∘ (dD − rowsum(dD ∘ P2)),
-        # dλ = −Σ dD ∘ P2. The factors −λ and 1/√d are applied to the small (rows × d) products.
+        # With D = A1 − λA2 and dD = dO·Vᵀ: dS1 = P1 ∘ (dD − rowsum(dD ∘ P1)), dS2 = −λ·P2 ∘ (dD2 − rowsum(dD2 ∘ P2)),
+        # dλ = −Σ dD2 ∘ P2, where dD2 = dD (r = 1) or the sum of dD over the r signal maps that share a noise map.
+        # The factors −λ and 1/√d are applied to the small (rows × d) products.
         factors = (scaling, -lam * scaling)
+        heads = (n, m)
         for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, ctx.block):
-            rows = n * (t1 - t0)
+            tb = t1 - t0
             qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
             kb = (k1[:, :, :visible], k2[:, :, :visible])
-            p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c, 0, ..., t0:t1, :]).sub_(stats[c, 1, ..., t0:t1, :]).exp_()
+            p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c][0, ..., t0:t1, :]).sub_(stats[c][1, ..., t0:t1, :]).exp_()
                  for c in (0, 1)]  # hidden scores are −inf: their P is exactly 0
-            grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, rows, 2 * d)
-            diff = torch.addcmul(p[0], p[1], lam, value=-1).to(value.dtype).view(b, g, rows, visible)
+            grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, n * tb, 2 * d)
+            diff = p[0].view(b, g, m, n // m, tb, visible).addcmul(p[1].unsqueeze(3), lam, value=-1)
+            diff = diff.to(value.dtype).view(b, g, n * tb, visible)
             dvalue[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_b)  # sums the group's n heads
             ddiff = torch.matmul(grad_b, value[:, :, :visible].transpose(-1, -2)).to(acc).view_as(p[0])
-            r1, r2 = (torch.einsum("...s,...s->...", ddiff, p[c]).unsqueeze(-1) for c in (0, 1))
+            ddiff2 = ddiff if m == n else ddiff.view(b, g, m, n // m, tb, visible).sum(3)
+            r1, r2 = (torch.einsum("...s,...s->...", dd, p[c]).unsqueeze(-1) for c, dd in ((0, ddiff), (1, ddiff2)))
             dlam -= r2.sum()
-            ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff.sub_(r2).mul_(p[1]))
+            ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff2.sub_(r2).mul_(p[1]))
             for c, dq, dk in ((0, dq1, dkey[..., :d]), (1, dq2, dkey[..., d:])):
+                rows = heads[c] * tb
                 dsc = ds[c].to(q1.dtype).view(b, g, rows, visible)
-                dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, n, t1 - t0, d)
+                dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, heads[c], tb, d)
                 dk[:, :, :visible] += torch.matmul(dsc.transpose(-1, -2), qb[c].reshape(b, g, rows, d)) * factors[c]
         return dq1, dq2, dkey.to(key.dtype), dvalue.to(value.dtype), dlam.to(lam.dtype), None, None, None
 
 
 def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=None):
-    """``(B, G, n, T, d)`` queries of both maps over the packed ``(B, G, S, 2d)`` cache → ``(B, T, G, n, 2d)``.
+    """``(B, G, n, T, d)`` queries of both maps over the packed ``(B, G, S, 2d)`` cache → ``(B, T, G, n, 2d)``; ``q2``
+    may have ``n / r`` heads per group (grouped differential attention: signal head j subtracts noise head j // r).
     ``attention_mask``: None (transformers' sdpa convention) or boolean, broadcastable to ``(B, 1, T, S)``;
     ``block``: query rows per block (None: chosen from the key length)."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q1, q2, key, value, lam)):
@@ -302,17 +344,18 @@ def uses_causal_block_attention(query, key, attention_mask) -> bool:
     )
 
 
-def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling, pair_stride):
-    """V1's kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, 2H, d)`` in the q_proj row order
-    ``(g, c, r)`` (unpadded), packed ``key``/``value`` ``(B, G, S, 2d)``, a boolean or no mask. Returns the combined
-    differential heads ``(B, T, H, 2d)``, equal to the padded-query path and to the eager formula."""
+def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
+    """V1's kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, Hq, d)`` in the q_proj row order (per KV
+    group its ``n = pair_stride`` signal rows, then its ``n / noise_ratio`` noise rows; ``(g, c, r)`` when r = 1),
+    unpadded, packed ``key``/``value`` ``(B, G, S, 2d)``, a boolean or no mask. Returns the combined differential heads
+    ``(B, T, H, 2d)``, equal to the padded-query path and to the eager formula."""
     b, t, _, d = query.shape
     g, n = key.shape[1], pair_stride
     if t == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam))):
-        out = packed_decode_attention(query.view(b, g, 2, n, d), key, value, lam, scaling, attention_mask)
+        out = packed_decode_attention(query.view(b, g, -1, d), key, value, lam, scaling, attention_mask, noise_ratio)
         return out.view(b, 1, g * n, 2 * d)
-    heads = query.view(b, t, g, 2, n, d).permute(0, 2, 3, 4, 1, 5)  # (B, G, 2, n, T, d): a view
-    out = blocked_differential_attention(heads[:, :, 0], heads[:, :, 1], key, value, lam, scaling, attention_mask)
+    heads = query.view(b, t, g, -1, d).permute(0, 2, 3, 1, 4)  # (B, G, n + m, T, d): a view
+    out = blocked_differential_attention(heads[:, :, :n], heads[:, :, n:], key, value, lam, scaling, attention_mask)
     return out.view(b, t, g * n, 2 * d)
 
 
@@ -325,5 +368,6 @@ __all__ = [
     "gqa_decode_attention",
     "packed_decode_attention",
     "pair_decode_attention",
+    "query_padding",
     "uses_causal_block_attention",
 ]

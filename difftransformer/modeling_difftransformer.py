@@ -25,6 +25,17 @@ backward). The eager path materialises ``A1 − λ·A2`` whole and returns the d
 V2 is standard GQA attention over all 2H query heads, adjacent query heads (2h, 2h+1) forming a pair over one
 shared KV head; ``λ`` is computed per token and head by ``lambda_proj``.
 
+Grouped differential attention (GDA, arXiv 2510.06949; ``num_noise_heads``) lets r signal maps share one noise map,
+``O_h = (A_h − λ A_noise(h))·V``. The row order generalises the one above (r = 1 is exactly it), shown for V1 with
+G = 2 groups, n = 4 signal heads and m = 1 noise head per group (r = 4)::
+
+    q_proj rows, per KV group g: its n signal rows, then its m = n / r noise rows
+        | g0 s0 | g0 s1 | g0 s2 | g0 s3 | g0 noise0 | g1 s0 | g1 s1 | g1 s2 | g1 s3 | g1 noise0 |
+    signal head h = g·n + j subtracts noise row j // r of group g.
+
+V2 orders the query heads of each noise map as ``[signal × r, noise]`` (r = 1: the adjacent pairs). Every kernel
+handles r > 1; docs/model.md, "Grouped differential attention".
+
 Deliberate deviations from Microsoft's reference code: rotate-half RoPE (transformers' convention) instead of
 interleaved, group-major query rows (convert_scripts handle both), no attention dropout.
 """
@@ -80,6 +91,7 @@ from .kernels_difftransformer import (
     differential_sdpa_attention,
     packed_decode_attention,
     pair_decode_attention,
+    query_padding,
     uses_causal_block_attention,
 )
 
@@ -216,11 +228,12 @@ def check_forward_arguments(model, kwargs: dict, cache, position_ids) -> None:
 
 
 def lambda_init_fn(layer_idx: int) -> float:
-    """λinit(l) = 0.8 − 0.6·exp(−0.3·l), 0-based layer index (paper §2.1; layer 0 → 0.2)."""
+    """λinit(l) = 0.8 − 0.6·exp(−0.3·l), 0-based layer index (paper §2.1; layer 0 → 0.2). The model passes
+    ``l + lambda_init_layer_offset`` (Motif: −1)."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
-def differential_combine(maps: torch.Tensor, lam: torch.Tensor, pair_stride: int, dim: int) -> torch.Tensor:
+def differential_combine(maps: torch.Tensor, lam: torch.Tensor, pair_stride: int, dim: int, noise_ratio: int = 1) -> torch.Tensor:
     """The differential step of the paper, ``A1 − λ·A2``, for every differential head.
 
     ``maps`` holds one entry per softmax map along axis ``dim`` (2H entries: the maps themselves, shape
@@ -229,9 +242,19 @@ def differential_combine(maps: torch.Tensor, lam: torch.Tensor, pair_stride: int
     V1 rows are ordered (g, c, r), so ``pair_stride = n``; V2 rows are (h, c), so ``pair_stride = 1``.
     ``lam`` must broadcast against one map entry (a scalar for V1; per token and head for V2).
     Returns the H differential entries in head order ``h = g·n + r`` along ``dim``.
+
+    Grouped differential attention (``noise_ratio`` r > 1): each block holds ``pair_stride`` signal entries, then
+    ``pair_stride / r`` noise entries; signal entry j of a block subtracts noise entry j // r (V1: a block is a KV
+    group, ``pair_stride = n``; V2: a block is ``[signal × r, noise]``, ``pair_stride = r``). ``lam`` broadcasts against
+    the ``pair_stride`` signal entries of a block, as the first map's entries above.
     """
-    first, second = maps.unflatten(dim, (-1, 2, pair_stride)).unbind(dim + 1)
-    return torch.addcmul(first, lam, second, value=-1).flatten(dim, dim + 1)  # one kernel: first − λ·second
+    if noise_ratio == 1:
+        first, second = maps.unflatten(dim, (-1, 2, pair_stride)).unbind(dim + 1)
+        return torch.addcmul(first, lam, second, value=-1).flatten(dim, dim + 1)  # one kernel: first − λ·second
+    blocks = maps.unflatten(dim, (-1, pair_stride + pair_stride // noise_ratio))
+    first = blocks.narrow(dim + 1, 0, pair_stride)
+    second = blocks.narrow(dim + 1, pair_stride, pair_stride // noise_ratio).repeat_interleave(noise_ratio, dim + 1)
+    return torch.addcmul(first, lam, second, value=-1).flatten(dim, dim + 1)
 
 
 def eager_attention_forward(
@@ -256,9 +279,10 @@ def eager_attention_forward(
     if attention_mask is not None:
         scores = scores + attention_mask
     maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)  # (B, 2H, T, S)
-    lam = diff_lambda if diff_lambda.dim() == 0 else diff_lambda.transpose(1, 2)[:, :, None, :, None]
-    diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1)  # (B, H, T, S)
-    values = repeat_kv(value, module.num_key_value_groups // 2)  # (B, H, S, w): head h reads group h // n
+    r = getattr(module, "noise_ratio", 1)
+    lam = diff_lambda if diff_lambda.dim() == 0 else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
+    diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1, noise_ratio=r)  # (B, H, T, S)
+    values = repeat_kv(value, module.num_key_value_groups * r // (r + 1))  # (B, H, S, w): head h reads group h // n
     attn_output = torch.matmul(diff_maps, values).transpose(1, 2).contiguous()  # (B, T, H, w)
     return attn_output, diff_maps
 
@@ -320,6 +344,52 @@ class DiffTransformerHeadRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+class DiffTransformerPolyNorm(nn.Module):
+    """Motif's PolyNorm activation (``hidden_act="poly_norm"``), over the last dimension:
+
+        ``y = w0·N(x³) + w1·N(x²) + w2·N(x) + b``,  ``N(z) = z / sqrt(mean(z²) + eps)``
+
+    with learnable ``weight`` (3,) (initialised to 1/3 each) and ``bias`` (1,) (0), computed in float32 (or the
+    input's wider dtype) and cast back, eps 1e-6 (fixed, as in Motif's code). Reference: vLLM
+    ``vllm/model_executor/layers/layernorm.py`` ``PolyNorm`` (the one Motif's models use).
+    """
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((3,), 1.0 / 3.0))
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf, w, b = x.to(dtype), self.weight.to(dtype), self.bias.to(dtype)
+
+        def norm(z):
+            return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.eps)
+
+        return (w[0] * norm(xf.pow(3)) + w[1] * norm(xf.pow(2)) + w[2] * norm(xf) + b).to(x.dtype)
+
+    def extra_repr(self):
+        return f"eps={self.eps}"
+
+
+class DiffTransformerPolyNormMLP(nn.Module):
+    """Llama's gated MLP, ``down(act(gate(x)) ⊙ up(x))``, with PolyNorm as ``act`` (``hidden_act="poly_norm"``): an
+    activation with weights of its own, saved as ``mlp.act_fn.weight`` and ``mlp.act_fn.bias`` (Motif's names).
+    Every other activation uses transformers' ``LlamaMLP``."""
+
+    def __init__(self, config: DiffTransformerConfig):
+        super().__init__()
+        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        self.act_fn = DiffTransformerPolyNorm()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 class DiffTransformerAttention(nn.Module):
     """What V1 and V2 share: the q/k/v/o projections, rotary embeddings, the KV cache, the choice of V1's/V2's own sdpa
     kernels and the combination of a standard kernel's per-map outputs. The subclasses add λ and call the kernel in
@@ -332,6 +402,7 @@ class DiffTransformerAttention(nn.Module):
 
     diff_version: int
     pair_stride: int  # distance between the two maps of a head in the kernel's query-head order (differential_combine)
+    noise_ratio: int  # r: signal maps per noise map (1 unless grouped differential attention)
 
     def __init__(self, config: DiffTransformerConfig, layer_idx: int, value_width: int):
         super().__init__()
@@ -340,8 +411,10 @@ class DiffTransformerAttention(nn.Module):
         self.head_dim = config.head_dim
         self.value_width = value_width
         self.num_heads = config.num_diff_heads  # H, differential heads
-        # Query heads (one per softmax map) per KV head *as passed to the kernel*: 2n for both versions.
-        self.num_key_value_groups = 2 * (self.num_heads // config.num_kv_groups)
+        self.noise_ratio = config.noise_ratio
+        # Query heads (one per softmax map) per KV head *as passed to the kernel*: 2n for both versions (n + n / r with
+        # grouped differential attention).
+        self.num_key_value_groups = config.num_attention_heads // config.num_kv_groups
         self.scaling = self.head_dim**-0.5  # 1/sqrt(d), not 1/sqrt(2d): each map is a d-wide dot product
         self.is_causal = True
         self.attention_dropout = 0.0
@@ -385,8 +458,9 @@ class DiffTransformerAttention(nn.Module):
         combined heads already."""
         attn_output = attn_output.reshape(*query.shape[:2], -1, query.shape[-1])
         if attn_output.shape[2] == query.shape[2]:
-            lam_out = lam if lam.dim() == 0 else lam[..., None, None]  # V2's λ (B, T, H) against (B, T, H, 2, 1, w)
-            attn_output = differential_combine(attn_output, lam_out, self.pair_stride, dim=2)
+            # V2's λ (B, T, H) against the signal outputs of each block, (B, T, H / pair_stride, pair_stride, w)
+            lam_out = lam if lam.dim() == 0 else lam.unflatten(-1, (-1, self.pair_stride))[..., None]
+            attn_output = differential_combine(attn_output, lam_out, self.pair_stride, dim=2, noise_ratio=self.noise_ratio)
         return attn_output
 
     def uses_own_sdpa_kernel(self, query, attention_mask, cache) -> bool:
@@ -433,8 +507,11 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
             raise ValueError(VLLM_V1_ERROR)
         super().__init__(config, layer_idx, value_width=2 * config.head_dim)
         d = self.head_dim
-        self.pair_stride = self.num_key_value_groups // 2  # n: q_proj rows are ordered (g, c, r)
-        self.lambda_init = config.lambda_init if config.lambda_init is not None else lambda_init_fn(layer_idx)
+        self.pair_stride = self.num_heads // config.num_kv_groups  # n: q_proj rows are ordered (g, c, r)
+        if config.lambda_init is not None:
+            self.lambda_init = config.lambda_init
+        else:
+            self.lambda_init = lambda_init_fn(layer_idx + config.lambda_init_layer_offset)
         self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
         self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
         self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
@@ -469,12 +546,15 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, G, S, 2d)
         lam = self.lambda_full()
         if self.uses_own_sdpa_kernel(query, attention_mask, cache):
-            attn_output = differential_sdpa_attention(query, key, value, attention_mask, lam, self.scaling, self.pair_stride)
+            attn_output = differential_sdpa_attention(
+                query, key, value, attention_mask, lam, self.scaling, self.pair_stride, self.noise_ratio
+            )
             attn_weights = None
         else:
-            # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, c, r) → (g, c, r, c', d).
-            pad = torch.eye(2, dtype=query.dtype, device=query.device).view(2, 1, 2, 1)
-            padded = (query.unflatten(2, (-1, 2, self.pair_stride, 1)) * pad).reshape(*query.shape[:2], -1, 2 * self.head_dim)
+            # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, j) → (g, j, c', d), a group's
+            # n signal rows first (c' = 0 carries them), then its noise rows.
+            pad = query_padding(self.pair_stride, self.num_key_value_groups - self.pair_stride, query.dtype, query.device)
+            padded = (query.unflatten(2, (-1, self.num_key_value_groups, 1)) * pad).reshape(*query.shape[:2], -1, 2 * self.head_dim)
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
@@ -501,10 +581,10 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
     ``Diff-Transformer/Diff-Transformer-V2/``."""
 
     diff_version = 2
-    pair_stride = 1  # q_proj rows are ordered (h, c)
 
     def __init__(self, config: DiffTransformerConfig, layer_idx: int):
         super().__init__(config, layer_idx, value_width=config.head_dim)
+        self.pair_stride = self.noise_ratio  # q_proj rows are ordered (h, c); blocks [signal × r, noise] when grouped
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
     def own_sdpa_kernel(self, query, key, value, attention_mask, lam, cache, kwargs) -> torch.Tensor | None:
@@ -515,7 +595,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         if not self.uses_own_sdpa_kernel(query, attention_mask, cache):
             return None
         if self.is_decode_step(query, key, value, lam):
-            return pair_decode_attention(query, key, value, lam, self.scaling, attention_mask)
+            return pair_decode_attention(query, key, value, lam, self.scaling, attention_mask, self.noise_ratio)
         heads = query.transpose(1, 2)  # (B, 2H, T, d)
         if kwargs.get("is_causal") is not False and uses_causal_block_attention(heads, key, attention_mask):
             return self.combine(causal_block_attention(heads, key, value, self.scaling).transpose(1, 2), query, lam)
@@ -563,7 +643,7 @@ class DiffTransformerDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = DiffTransformerPolyNormMLP(config) if config.hidden_act == "poly_norm" else LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -652,6 +732,9 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         if isinstance(module, DiffTransformerV1Attention):
             for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
+        elif isinstance(module, DiffTransformerPolyNorm):
+            init.constant_(module.weight, 1.0 / 3.0)
+            init.zeros_(module.bias)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

@@ -2,7 +2,8 @@
 
 The reference is deliberately written differently from the model: a Python loop over differential heads,
 materialised softmaxes, and head indices computed from the SPEC §3 row order (no repeat_kv, no packing, no
-zero-padded queries), straight from the state dict.
+zero-padded queries), straight from the state dict. Grouped differential attention (``num_noise_heads``) uses the same
+loop: each head recomputes its shared noise map from the row order of docs/model.md.
 """
 
 import math
@@ -41,10 +42,22 @@ LAYOUTS = {
     "v2_mha": (2, 8, 4),  # H=4, G=4, n=1
     "v2_gqa": (2, 8, 2),  # H=4, G=2, n=2
 }
+# Grouped differential attention (docs/model.md): (diff_version, num_attention_heads, num_key_value_heads,
+# num_noise_heads). r = H / N signal heads share a noise head; m = N / G noise heads per KV group.
+GDA_LAYOUTS = {
+    "v1_gda4": (1, 10, 4, 2),  # H=8, N=2, r=4, G=2, m=1 (Motif-2-12.7B's topology, scaled down)
+    "v1_gda2_m2": (1, 12, 4, 4),  # H=8, N=4, r=2, G=2, m=2 (two noise heads per KV group)
+    "v2_gda4": (2, 10, 2, 2),  # H=8, N=2, r=4, G=2, m=1
+    "v2_gda2_m2": (2, 12, 2, 4),  # H=8, N=4, r=2, G=2, m=2
+}
 
 
 def tiny_config(layout="v1_gqa", **overrides) -> DiffTransformerConfig:
-    version, hq, hkv = LAYOUTS[layout]
+    if layout in GDA_LAYOUTS:
+        version, hq, hkv, noise = GDA_LAYOUTS[layout]
+        overrides = {"num_noise_heads": noise, **overrides}
+    else:
+        version, hq, hkv = LAYOUTS[layout]
     kwargs = dict(
         vocab_size=97,
         hidden_size=48,
@@ -71,6 +84,12 @@ def _rms(x, weight, eps, rnd=_exact):
     return rnd(rnd(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * weight)
 
 
+def _poly_norm(x, weight, bias, eps=1e-6):
+    """Motif's PolyNorm (docs/model.md): w0·N(x³) + w1·N(x²) + w2·N(x) + b, N(z) = z / sqrt(mean(z²) + eps)."""
+    terms = [z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps) for z in (x**3, x**2, x)]
+    return weight[0] * terms[0] + weight[1] * terms[1] + weight[2] * terms[2] + bias
+
+
 def _rope(x, positions, theta):
     # x: (T, d) one head; rotate-half convention (transformers' Llama).
     d = x.shape[-1]
@@ -86,10 +105,18 @@ def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx, rnd=_
 
     ``rnd`` is applied to every intermediate a low-precision implementation rounds (identity by default; see
     :class:`RoundingModel`). Differentiable with respect to the tensors of ``sd``.
-    Returns (output (T, E), differential maps (H, T, T), lambda (scalar or (T, H)))."""
-    d, H = cfg.head_dim, cfg.num_attention_heads // 2
+    Returns (output (T, E), differential maps (H, T, T), lambda (scalar or (T, H))).
+
+    Grouped differential attention (``num_noise_heads`` N set, docs/model.md): H = Hq − N heads, r = H / N, each head
+    subtracts the map of its noise head ``k = h // r``. V1: per KV group g, q_proj holds the group's n signal rows,
+    then its m = N / G noise rows; V2: noise head k owns rows ``k(r+1) … k(r+1) + r``, the last one its noise map. With
+    r = 1 these are the indices above (V1 ``(2g + c)·n + r``, V2 ``2h, 2h + 1``)."""
+    d = cfg.head_dim
+    N = getattr(cfg, "num_noise_heads", None) or cfg.num_attention_heads // 2
+    H = cfg.num_attention_heads - N
+    ratio = H // N
     G = cfg.num_key_value_heads // 2 if cfg.diff_version == 1 else cfg.num_key_value_heads
-    n = H // G
+    n, m = H // G, N // G
     theta = cfg.rope_parameters["rope_theta"]
     W = lambda name: rnd(sd[prefix + name].double())  # noqa: E731  (rnd on a weight: rounds its gradient)
     q_all = rnd(x @ W("q_proj.weight").T).view(x.shape[0], -1, d)
@@ -105,16 +132,17 @@ def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx, rnd=_
 
     outs, maps = [], []
     if cfg.diff_version == 1:
-        lam_init = cfg.lambda_init if cfg.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+        depth = layer_idx + getattr(cfg, "lambda_init_layer_offset", 0)
+        lam_init = cfg.lambda_init if cfg.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * depth)
         lam = (
             torch.exp((W("lambda_q1") * W("lambda_k1")).sum())
             - torch.exp((W("lambda_q2") * W("lambda_k2")).sum())
             + lam_init
         )
         for h in range(H):
-            g, r = divmod(h, n)
-            a1 = softmax_map((2 * g + 0) * n + r, 2 * g + 0)
-            a2 = softmax_map((2 * g + 1) * n + r, 2 * g + 1)
+            g, j = divmod(h, n)
+            a1 = softmax_map(g * (n + m) + j, 2 * g + 0)  # = (2g + 0)·n + j when r = 1
+            a2 = softmax_map(g * (n + m) + n + j // ratio, 2 * g + 1)  # = (2g + 1)·n + j when r = 1
             value = torch.cat([v_all[:, 2 * g], v_all[:, 2 * g + 1]], dim=-1)  # (S, 2d), half 0 first
             diff = rnd(a1 - lam * a2)
             o = rnd(_rms(rnd(diff @ value), W("subln.weight"), cfg.subln_eps, rnd) * (1 - lam_init))
@@ -124,7 +152,8 @@ def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx, rnd=_
         lam = rnd(torch.sigmoid(rnd(x @ W("lambda_proj.weight").T)))  # (T, H)
         for h in range(H):
             g = h // n
-            m1, m2 = softmax_map(2 * h, g), softmax_map(2 * h + 1, g)
+            k, j = divmod(h, ratio)  # noise head k, signal j of its block (r = 1: k = h, j = 0)
+            m1, m2 = softmax_map(k * (ratio + 1) + j, g), softmax_map(k * (ratio + 1) + ratio, g)
             a1, a2 = rnd(m1 @ v_all[:, g]), rnd(m2 @ v_all[:, g])  # standard kernels: one output per map
             outs.append(rnd(a1 - lam[:, h : h + 1] * a2))
             maps.append(m1 - lam[:, h : h + 1] * m2)
@@ -159,7 +188,8 @@ def reference_forward(model, input_ids, attention_mask=None, position_ids=None, 
             x = rnd(x + attn)
             h = _rms(x, W(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps, rnd)
             gate, up = rnd(h @ W(p + "mlp.gate_proj.weight").T), rnd(h @ W(p + "mlp.up_proj.weight").T)
-            x = rnd(x + rnd(rnd(rnd(torch.nn.functional.silu(gate)) * up) @ W(p + "mlp.down_proj.weight").T))
+            act = _poly_norm(gate, W(p + "mlp.act_fn.weight"), W(p + "mlp.act_fn.bias")) if cfg.hidden_act == "poly_norm" else torch.nn.functional.silu(gate)
+            x = rnd(x + rnd(rnd(rnd(act) * up) @ W(p + "mlp.down_proj.weight").T))
         x = _rms(x, W("model.norm.weight"), cfg.rms_norm_eps, rnd)
         head = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
         logits.append(rnd(x @ W(head).T))
