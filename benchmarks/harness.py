@@ -229,6 +229,13 @@ def machine_info(threads: int | None = None) -> dict:
     return info
 
 
+def measured_code_changes(commit: str, script: str, root: str = ROOT) -> list[str]:
+    """The commits after ``commit`` (reachable from HEAD, not from ``commit``), oldest first, that changed the code
+    ``script``'s results measure (``MEASURED_CODE``): empty while a result of ``commit`` is current. Raises
+    ``subprocess.CalledProcessError`` where ``commit`` is not in this repository's history."""
+    return _git("log", "--format=%H", "--reverse", f"{commit}..HEAD", "--", *MEASURED_CODE[script], root=root).split()
+
+
 def _git(*args: str, root: str = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20, check=True).stdout
 

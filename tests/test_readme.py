@@ -1,5 +1,6 @@
 """README.md is a front page: at most 250 lines, its Python example runs as pasted, its CI command is CI's, its links
-point at files that exist, and it says nothing about the machines the project was developed on."""
+point at files that exist, and it says nothing about "this machine" (a reader has another). The numbers it and the
+docs quote are checked against their result JSONs, with their provenance, by tests/test_doc_numbers.py."""
 
 import re
 import subprocess
@@ -9,32 +10,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-MACHINE_AND_HISTORY_PHRASES = ("this machine", "this project's machines", "this cpu", "earlier run", "previous run",
-                               "latest run", "earlier measurement")
+# "This machine" means nothing to a reader: a doc names the CPU (or GPU) a result ran on, as its JSON records it.
+# (Provenance is welcome: "measured at commit X, before Y", "an earlier run".)
+MACHINE_PHRASES = ("this machine", "this project's machines", "this cpu")
 
 
-def test_docs_speak_of_the_project_not_of_its_machines_or_history():
-    for doc in sorted((ROOT / "docs").glob("*.md")):
+def test_docs_speak_of_the_project_not_of_its_machines():
+    docs = sorted((ROOT / "docs").glob("*.md"))
+    assert len(docs) >= 9, docs
+    for doc in docs:
         text = doc.read_text().lower()
-        for phrase in MACHINE_AND_HISTORY_PHRASES:
+        for phrase in MACHINE_PHRASES:
             assert phrase not in text, (doc.name, phrase)
-        assert "placeholder" not in text and "pending" not in text, doc.name
 
 
 def test_docs_relative_links_and_images_exist():
+    checked = {}
     for doc in sorted((ROOT / "docs").glob("*.md")):
-        for target in re.findall(r"\]\(((?:\.\./|\./)?[\w./-]+\.(?:md|png|py|json|sh))(?:#[^)]*)?\)", doc.read_text()):
+        targets = re.findall(r"\]\(((?:\.\./|\./)?[\w./-]+\.(?:md|png|py|json|sh))(?:#[^)]*)?\)", doc.read_text())
+        for target in targets:
             assert (doc.parent / target).resolve().exists(), (doc.name, target)
+        checked[doc.name] = len(targets)
+    # the loop found the links: the docs that link to others still do
+    assert sum(checked.values()) >= 4 and checked["performance.md"] >= 2 and checked["analysis.md"], checked
 
 
 def test_readme_is_a_front_page():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
-    assert "PENDING" not in readme  # every number is filled in from a committed result
-    for phrase in MACHINE_AND_HISTORY_PHRASES:
+    for phrase in MACHINE_PHRASES:
         assert phrase not in readme.lower(), phrase
-    for target in re.findall(r"\]\(((?:docs|benchmarks|examples|scripts|tests)/[^)#]+)", readme):
+    targets = re.findall(r"\]\(((?:docs|benchmarks|examples|scripts|tests)/[^)#]+)", readme)
+    for target in targets:
         assert (ROOT / target).exists(), target
+    assert len(targets) >= 15, targets  # the loop found the README's links
 
 
 def test_ci_runs_the_readme_test_command():

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Re-measure the README's performance table on the current code, then rewrite every table the docs build from it.
+#
+#   bash scripts/remeasure_readme.sh            # about 20-25 minutes on 2 idle cores
+#
+# The README's table is benchmarks/bench.py at the Llama-style shape (hidden 512, 8 layers, 8 query / 4 KV heads of
+# width 64, vocabulary 32000; random weights): Llama, DiffLlama, ours V1 and ours V2, one thread, CPU-time clock,
+# 5 interleaved repetitions after one warm-up, rows prefill 1x512 / 1x2048 / 8x256, decode batch 1 and 8 with a
+# dynamic cache and with a compiled static cache (128 new tokens after 128), a training step 4x512 with and without
+# gradient checkpointing, and peak memory. fp32 and bf16 run side by side, one process per core (each times its own
+# CPU seconds). The estimate: the committed fp32 and bf16 runs (with ours_v1_padded as a fifth model and the
+# uncompiled static-cache rows) hold about 24 and 19 CPU-minutes of timed work and warm-up; without those, about 15
+# and 12, plus compiling (compiled decode: 4 models x 2 batch sizes) and the memory rows, a few minutes each.
+#
+#   REMEASURE_SMOKE=1 bash scripts/remeasure_readme.sh   # the same commands at --smoke sizes into a temporary folder,
+#                                                        # no compiled decode, docs untouched (tests/test_doc_numbers.py)
+#
+# It writes benchmarks/results/bench_t1cpu_{fp32,bf16}.json and .png (the JSONs record commit, command, machine and
+# versions), then runs `python benchmarks/doc_tables.py --write`, which rewrites every table block of the README and
+# docs/ from its JSON, and `python benchmarks/doc_tables.py`, which checks every table and quoted number (what
+# tests/test_doc_numbers.py checks). Sentences that quote these JSONs' numbers in prose are named by that check when
+# the new numbers differ: edit them, then commit the JSONs, PNGs and docs together.
+#
+# Run it on a quiet machine with the measured code committed: the JSONs name the commit, and a measured file that
+# differs from it is flagged in every table that quotes the result.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=benchmarks/results
+groups=prefill,decode,decode_compiled,train,train_ckpt,memory
+smoke=()
+if [ -n "${REMEASURE_SMOKE:-}" ]; then
+    OUT=$(mktemp -d)
+    groups=prefill,decode,train,train_ckpt,memory
+    smoke=(--smoke)
+fi
+
+measured=$("$PY" -c "import sys; sys.path.insert(0, '.'); from benchmarks import harness; print(' '.join(harness.MEASURED_CODE['bench.py']))")
+if ! git diff --quiet HEAD -- $measured; then
+    echo "the measured code differs from HEAD (git diff HEAD -- $measured): commit it first" >&2
+    [ -n "${REMEASURE_SMOKE:-}" ] || exit 2
+fi
+
+common=(--models llama,diffllama,ours_v1,ours_v2 --only $groups --threads 1 --clock cpu --reps 5 --warmup 1 "${smoke[@]}")
+start=$(date +%s)
+"$PY" benchmarks/bench.py --dtype fp32 "${common[@]}" --json $OUT/bench_t1cpu_fp32.json --png $OUT/bench_t1cpu_fp32.png \
+    > /tmp/remeasure_fp32.log 2>&1 &
+fp32=$!
+"$PY" benchmarks/bench.py --dtype bf16 "${common[@]}" --json $OUT/bench_t1cpu_bf16.json --png $OUT/bench_t1cpu_bf16.png \
+    > /tmp/remeasure_bf16.log 2>&1 &
+bf16=$!
+status=0
+wait $fp32 || { echo "fp32 run failed: /tmp/remeasure_fp32.log" >&2; status=1; }
+wait $bf16 || { echo "bf16 run failed: /tmp/remeasure_bf16.log" >&2; status=1; }
+echo "measured in $(( ($(date +%s) - start) / 60 )) minutes"
+[ $status -eq 0 ] || exit $status
+grep -h -A20 "^\*\*" /tmp/remeasure_fp32.log /tmp/remeasure_bf16.log || true
+if [ -n "${REMEASURE_SMOKE:-}" ]; then
+    ls "$OUT"
+    exit 0
+fi
+
+"$PY" benchmarks/doc_tables.py --write
+"$PY" benchmarks/doc_tables.py
