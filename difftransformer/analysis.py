@@ -18,10 +18,10 @@ the softmax maps for standard ones; the lens switches the model to eager attenti
 afterwards. The two raw softmax maps of a differential head are not returned by the model, so a forward
 pre-hook on every ``DiffTransformerAttention`` captures its inputs (hidden states after the input RMSNorm,
 rotary ``cos``/``sin``, additive mask) and :func:`softmax_maps` recomputes ``q``/``k`` with the module's own
-projections and transformers' ``apply_rotary_pos_emb``. With the SPEC §3 row order the standard GQA rule
-(query head ``i`` reads key head ``i // (Hq/Hkv)``) gives exactly the paper's pairing for both versions;
-:func:`split_pairs` then separates the maps of every differential head ``h = g·n + r`` (V1 rows ``(g, c, r)``,
-V2 rows ``(h, c)``). ``tests/test_analysis.py`` checks that ``A1 − λ·A2`` recomputed this way equals the
+projections and transformers' ``apply_rotary_pos_emb``. With the row order of docs/model.md ("What it computes")
+the standard GQA rule (query head ``i`` reads key head ``i // (Hq/Hkv)``) gives exactly the paper's pairing for both
+versions; :func:`split_pairs` then separates the maps of every differential head ``h = g·n + r`` (V1 rows
+``(g, c, r)``, V2 rows ``(h, c)``). ``tests/test_analysis.py`` checks that ``A1 − λ·A2`` recomputed this way equals the
 model's own differential maps.
 
 Shares (:func:`attention_shares`). For one query row with weights ``w`` over key positions, the key positions
@@ -64,7 +64,7 @@ def is_differential(model) -> bool:
 
 
 def _diff_attention_modules(model) -> list[torch.nn.Module]:
-    # By class name, not isinstance: under trust_remote_code the class is a second copy (SPEC §7b).
+    # By class name, not isinstance: under trust_remote_code the class is a second copy (docs/ecosystem.md, "Hub").
     mods = [m for m in model.modules() if any(c.__name__ == "DiffTransformerAttention" for c in type(m).__mro__)]
     return sorted(mods, key=lambda m: m.layer_idx)
 
@@ -102,8 +102,8 @@ def softmax_maps(
     """Every softmax map of one ``DiffTransformerAttention`` call, float32 ``(B, 2H, T, S)`` in q_proj row order.
 
     Recomputes ``softmax(q kᵀ/√d + M)`` from the module's inputs with its own ``q_proj``/``k_proj`` and
-    transformers' rotate-half RoPE (SPEC §1, §2). Query head ``i`` reads key head ``i // (Hq/Hkv)``: with the
-    SPEC §3 row order this is the paper's pairing for V1 (query ``(g, c, r)`` reads key ``(g, c)``) and for V2
+    transformers' rotate-half RoPE (docs/model.md, "What it computes"). Query head ``i`` reads key head
+    ``i // (Hq/Hkv)``: with the row order of docs/model.md this is the paper's pairing for V1 (query ``(g, c, r)`` reads key ``(g, c)``) and for V2
     (query ``2h + c`` reads key ``h // n``). No cache: the lens runs one full forward.
     """
     bsz, q_len, _ = hidden_states.shape

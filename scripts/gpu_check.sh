@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 28; docs/performance.md, "GPU check"): on a machine with one CUDA GPU and no network,
+# The prepared GPU check (docs/performance.md, "GPU check"): on a machine with one CUDA GPU and no network,
 # install the carried wheels, then run benchmarks/gpu_check.py: every attention backend's correctness against a
 # float64 reference on the device, and speed against a same-shape Llama. Under 8 minutes; writes gpu_check.json,
 # gpu_check.txt (one line per check, then the speed tables) and gpu_check.log into the output folder.

@@ -3,7 +3,7 @@
 * ``benchmarks/bench.py --smoke`` and ``benchmarks/attention_micro.py --smoke`` run (the commands of
   docs/performance.md), producing every table row, the JSON and the PNG;
 * every attention strategy of the micro-benchmark (among them ``ours``, the modeling file's blocked/packed V1 kernel,
-  and ``padded_sdpa``, its previous path) equals the float64 evaluation of SPEC §1, whose own correctness is checked
+  and ``padded_sdpa``, its previous path) equals the float64 evaluation of V1's attention (docs/model.md, "What it computes"), whose own correctness is checked
   against the modeling file's eager path, and a wrong strategy is flagged;
 * ``ours_v1_padded`` (``benchmarks/padded_sdpa.py``) really runs the previous one-padded-SDPA-call path, and gives
   the logits of ``ours_v1``.

@@ -1,5 +1,5 @@
 """Damaged input files get a one-line error naming the file and what is wrong, exit code 2 from the command line, and
-leave no output or temporary folder behind (issue 12 item 6)."""
+leave no output or temporary folder behind (docs/convert.md: damaged input files)."""
 
 import json
 import os

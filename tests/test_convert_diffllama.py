@@ -1,4 +1,4 @@
-"""transformers DiffLlama ↔ difftransformer V1 (SPEC §6): equal logits, exact round trip, subln folding."""
+"""transformers DiffLlama ↔ difftransformer V1 (docs/convert.md): equal logits, exact round trip, subln folding."""
 
 import pytest
 import torch

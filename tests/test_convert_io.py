@@ -1,4 +1,4 @@
-"""What every conversion guarantees (issue 3): strict key/shape checks, clear format errors, input never
+"""What every conversion guarantees (docs/convert.md): strict key/shape checks, clear format errors, input never
 overwritten, no half-written output, sharding, pickle opt-in, side files, remote code, the CLI and the docs."""
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Llama / Mistral / Qwen2 → difftransformer (SPEC §6): exact V2 upcycling, approximate V1 upcycling, config."""
+"""Llama / Mistral / Qwen2 → difftransformer (docs/convert.md): exact V2 upcycling, approximate V1 upcycling, config."""
 
 import pytest
 import torch
@@ -86,7 +86,7 @@ def test_in_memory_model_and_bf16_output(tmp_path):
 
 
 def test_upcycle_to_v1_trains(tmp_path):
-    """Llama → V1 is approximate (SPEC §6); the converted model must train: loss falls on a tiny batch."""
+    """Llama → V1 is approximate (docs/convert.md); the converted model must train: loss falls on a tiny batch."""
     source = llama_like("llama", 8, 4, seed=2)
     result = convert("llama", source, tmp_path / "v1", diff_version=1, seed=7, progress=False)
     assert not result.exact and any("continued training" in n for n in result.notes)

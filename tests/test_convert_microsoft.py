@@ -1,4 +1,4 @@
-"""Microsoft reference modules → difftransformer (SPEC §6), checked against an independent float64 model.
+"""Microsoft reference modules → difftransformer (docs/convert.md), checked against an independent float64 model.
 
 The reference below re-implements Microsoft's layout from its description (microsoft/unilm
 ``Diff-Transformer/multihead_diffattn.py``, ``multihead_flashdiff_1.py``, ``Diff-Transformer-V2/

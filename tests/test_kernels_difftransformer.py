@@ -1,6 +1,6 @@
 """V1's kernel under ``attn_implementation="sdpa"`` (blocked materialisation, packed decode) against eager.
 
-The forward of every backend is already compared with the float64 SPEC reference in test_modeling; here: the
+The forward of every backend is already compared with the float64 reference (tests/utils_difftransformer.py) in test_modeling; here: the
 kernel's own gradients (float64 gradcheck), its masking conventions, several blocks per call, and, inside a model,
 eager's logits, generations and parameter gradients in float32 and bfloat16.
 """
@@ -343,7 +343,7 @@ def test_v2_prompt_lengths_take_the_causal_block_path_and_equal_eager(dtype, mon
 @pytest.mark.parametrize("n", [1, 3])  # differential heads per KV head
 def test_v2_pair_decode_equals_the_formula(n):
     """V2's decode kernel: ``o_h = softmax(q_2h·Kᵀ/√d)·V − λ_h·softmax(q_2h+1·Kᵀ/√d)·V`` over KV head ``⌊h/n⌋``
-    (SPEC §2), in float64, without a mask and with a boolean padding mask ``(B, 1, 1, S)``."""
+    (docs/model.md, "What it computes"), in float64, without a mask and with a boolean padding mask ``(B, 1, 1, S)``."""
     b, g, s, d = 2, 2, 9, 8
     gen = torch.Generator().manual_seed(n)
     query = torch.randn(b, 1, 2 * g * n, d, dtype=torch.float64, generator=gen)  # as projected: (B, 1, 2H, d)

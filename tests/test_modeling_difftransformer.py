@@ -1,4 +1,5 @@
-"""Forward-pass correctness of DIFF V1 and V2 against the float64 SPEC reference, for every attention backend."""
+"""Forward-pass correctness of DIFF V1 and V2 against the explicit float64 reference of tests/utils_difftransformer.py
+(the equations of docs/model.md), for every attention backend."""
 
 import math
 
@@ -149,7 +150,7 @@ def test_backends_bfloat16_within_the_rounding_model(layout, attn):
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
 def test_bfloat16_bound_catches_a_wrong_kernel(layout):
     """The bound is tight enough to matter: scores scaled by 1/√(2d) instead of 1/√d (a classic differential-attention
-    slip, seed note 003) leave it."""
+    slip: the maps' width is d, not 2d) leave it."""
     model, ids, mask, exact, bound = _bf16_case(layout)
     for m in model.modules():
         if isinstance(m, DiffTransformerAttention):
@@ -223,7 +224,7 @@ def _pairing_case(version, hq, hkv, seed=0):
 
     Tokens are one-hot inputs x_t = e_t. Identity rotary (cos = 1, sin = 0). Each softmax map is made to point at
     a distinct position p(h, c); the expected output is then V(x_p(h,0)) − λ·V(x_p(h,1)) per head, computed from
-    the SPEC §3 index rules on the value weights alone.
+    the row order of docs/model.md on the value weights alone.
     """
     torch.manual_seed(seed)
     d, H = 8, hq // 2
@@ -344,7 +345,7 @@ ROPE_SCALINGS = {
 
 @pytest.mark.parametrize("rope_type", sorted(ROPE_SCALINGS))
 def test_rope_scaling_is_transformers_own(rope_type, tmp_path):
-    """Every rope scaling type of transformers: a V2 upcycle (exact, SPEC §6) gives its Llama's logits over 40
+    """Every rope scaling type of transformers: a V2 upcycle (exact, docs/convert.md) gives its Llama's logits over 40
     positions, beyond the 16 "original" ones where the scalings differ from the default."""
     from difftransformer.convert import convert
 

@@ -1,7 +1,8 @@
-"""Shared test helpers: tiny configs and an explicit float64 implementation of SPEC §1–§3.
+"""Shared test helpers: tiny configs and an explicit float64 implementation of the equations and
+row order of docs/model.md ("What it computes").
 
 The reference is deliberately written differently from the model: a Python loop over differential heads,
-materialised softmaxes, and head indices computed from the SPEC §3 row order (no repeat_kv, no packing, no
+materialised softmaxes, and head indices computed from that row order (no repeat_kv, no packing, no
 zero-padded queries), straight from the state dict. Grouped differential attention (``num_noise_heads``) uses the same
 loop: each head recomputes its shared noise map from the row order of docs/model.md.
 """
@@ -101,7 +102,7 @@ def _rope(x, positions, theta):
 
 
 def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx, rnd=_exact):
-    """SPEC §1 (V1) / §2 (V2) for one sequence. x: (T, E) float64; allowed: (T, S=T) bool.
+    """V1 / V2 attention of docs/model.md for one sequence. x: (T, E) float64; allowed: (T, S=T) bool.
 
     ``rnd`` is applied to every intermediate a low-precision implementation rounds (identity by default; see
     :class:`RoundingModel`). Differentiable with respect to the tensors of ``sd``.

@@ -1,8 +1,8 @@
 """Tensor-parallel inference: every process holds a slice of every layer (`base_model_tp_plan`).
 
 `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` shards q/k/v (and V2's `lambda_proj`)
-column-wise and `o_proj` row-wise, MLP likewise, embeddings by vocabulary rows. With the SPEC §3 row order a
-contiguous shard holds whole KV groups, so every process computes whole differential heads; V1's λ vectors and
+column-wise and `o_proj` row-wise, MLP likewise, embeddings by vocabulary rows. With the row order of docs/model.md
+("What it computes") a contiguous shard holds whole KV groups, so every process computes whole differential heads; V1's λ vectors and
 `subln` are replicated. `tp_size` must divide the number of KV groups (V1: `num_key_value_heads / 2`, V2:
 `num_key_value_heads`).
 
