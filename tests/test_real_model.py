@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from difftransformer import analysis
 from difftransformer import upcycle as up
 from difftransformer.convert import convert
-from test_convert_gguf import ANSWER, IDS, QUESTION, logits
-from test_upcycle import distillation_trainer, kd_loss_on
+from difftransformer.integrations import LambdaCheckpointCallback
+from utils_upcycle import IDS, QUESTION, distillation_trainer, kd_loss_on, logits
+from utils_upcycle import SMOLLM2_ANSWER as ANSWER
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -157,7 +158,7 @@ def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smoll
     assert any("lora_" in n for n in trainable) and any(n.endswith("lambda_q1") for n in trainable)
     lam_before = model.get_base_model().layer_lambdas().clone()
     before = kd_loss_on(model, teacher, blocks[:4])
-    trainer = distillation_trainer(model, teacher, blocks, tmp_path, distill_weight=1.0,
+    trainer = distillation_trainer(model, teacher, blocks, tmp_path, distill_weight=1.0, callbacks=[LambdaCheckpointCallback()],
                                    args=dict(max_steps=4, learning_rate=2e-3, per_device_train_batch_size=2,
                                              save_strategy="steps", save_steps=4))
     trainer.train()

@@ -1,4 +1,4 @@
-"""Upcycling (difftransformer/upcycle.py, examples/upcycle.py, benchmarks/compare_upcycled.py) and λ in Trainer
+"""Upcycling (difftransformer/upcycle/, examples/upcycle.py, benchmarks/compare_upcycled.py) and λ in Trainer
 checkpoints of a V1 PeftModel (difftransformer/integrations.py).
 
 They run on a tiny random Llama (``upcycle.smoke_source``) converted to V1 and V2 by the real converter; the real
@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,12 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
+from difftransformer import telemetry  # noqa: E402
 from difftransformer import upcycle as up  # noqa: E402
 from difftransformer.data import LMBlockDataset, corpus_files  # noqa: E402
 from difftransformer.hub import check_hub_folder  # noqa: E402
-from difftransformer.integrations import enable_lambda_training  # noqa: E402
+from difftransformer.integrations import LambdaCheckpointCallback, enable_lambda_training, save_adapter  # noqa: E402
+from utils_upcycle import distillation_trainer, kd_loss_on  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "upcycle.py"
@@ -123,19 +126,6 @@ def test_held_out_texts_are_never_trained_on():
 # ----------------------------------------------------------------------------------------------- trainer
 
 
-def distillation_trainer(model, teacher, blocks, tmp_path, **kwargs):
-    args = dict(output_dir=str(tmp_path / "t"), max_steps=4, per_device_train_batch_size=2, learning_rate=3e-3,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
-    args.update(kwargs.pop("args", {}))
-    return up.DistillationTrainer(model=model, args=TrainingArguments(**args), train_dataset=LMBlockDataset(blocks),
-                                  teacher=teacher, **kwargs)
-
-
-def kd_loss_on(model, teacher, batch):
-    with torch.no_grad():
-        return up.distillation_loss(model(input_ids=batch).logits, teacher(input_ids=batch).logits).item()
-
-
 @pytest.mark.parametrize("version,method,lr", [(1, "full", 3e-4), (1, "lora", 3e-3), (2, "lora", 3e-2)])
 def test_a_few_distillation_steps_lower_the_loss(source, students, tmp_path, version, method, lr):
     blocks = up.training_blocks(source.tokenizer, 32, max_blocks=8)
@@ -190,9 +180,13 @@ def test_lambda_trains_at_its_own_learning_rate(source, students, tmp_path, vers
         optimizer = trainer.create_optimizer()
         grouped = [{by_id[id(p)] for p in g["params"]} for g in optimizer.param_groups]
         assert sum(len(g) for g in grouped) == sum(p.requires_grad for p in model.parameters())  # every trainable once
-        lam_groups = [g for g, names in zip(optimizer.param_groups, grouped) if names & lam_names]
-        assert all({by_id[id(p)] for p in g["params"]} <= lam_names for g in lam_groups) or scale == 1.0
-        assert {g["lr"] for g in lam_groups} == {1e-3 * scale}
+        lam_groups = [names for names in grouped if names & lam_names]
+        assert set().union(*lam_groups) >= lam_names
+        assert {g["lr"] for g, names in zip(optimizer.param_groups, grouped) if names & lam_names} == {1e-3 * scale}
+        if scale == 1.0:  # λ stays in the Trainer's own groups, beside other parameters
+            assert all(names - lam_names for names in lam_groups)
+        else:  # λ in groups of its own
+            assert all(names <= lam_names for names in lam_groups)
     with pytest.raises(ValueError, match="lambda_lr_scale"):
         distillation_trainer(model, source.model, blocks, tmp_path, lambda_lr_scale=0.0)
 
@@ -272,15 +266,21 @@ def _lora_v1():
     return model
 
 
+def _lambda_args(out, **kwargs):
+    values = dict(max_steps=4, save_steps=2, learning_rate=0.05, per_device_train_batch_size=4, report_to="none",
+                  use_cpu=True, disable_tqdm=True, seed=0)
+    return TrainingArguments(str(out), **{**values, **kwargs})
+
+
 def test_trainer_checkpoints_of_a_v1_peft_model_keep_and_restore_lambda(tmp_path):
-    """issue 10: a Trainer checkpoint of a V1 PeftModel includes λ (save_steps and trainer.save_model()), and
-    resume_from_checkpoint / PeftModel.from_pretrained restore it, with nothing beyond enable_lambda_training."""
+    """With LambdaCheckpointCallback, every Trainer checkpoint of a V1 PeftModel holds λ of its step;
+    PeftModel.from_pretrained restores it, and resume_from_checkpoint continues with it (a fresh model whose λ were
+    moved elsewhere ends where the uninterrupted run ended). save_adapter writes a final folder with λ."""
     initial = _tiny_v1().layer_lambdas()
-    args = TrainingArguments(str(tmp_path / "out"), max_steps=4, save_steps=2, learning_rate=0.05, per_device_train_batch_size=4,
-                             report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
     model = _lora_v1()
     record = _RecordLambdas(model)
-    trainer = Trainer(model=model, args=args, train_dataset=_Rows(), callbacks=[record])
+    trainer = Trainer(model=model, args=_lambda_args(tmp_path / "out"), train_dataset=_Rows(),
+                      callbacks=[record, LambdaCheckpointCallback()])
     trainer.train()
     final = model.get_base_model().layer_lambdas()
     assert not torch.allclose(final, initial, atol=1e-3)  # λ trained
@@ -288,27 +288,37 @@ def test_trainer_checkpoints_of_a_v1_peft_model_keep_and_restore_lambda(tmp_path
         saved = load_file(tmp_path / "out" / f"checkpoint-{step}" / "adapter_model.safetensors")
         keys = sorted(k for k in saved if "lambda_" in k)
         assert len(keys) == 2 * 4  # 2 layers × lambda_q1/k1/q2/k2
+        assert any("lora_A" in k for k in saved)  # PEFT's own adapter is still there
         loaded = PeftModel.from_pretrained(_tiny_v1(), tmp_path / "out" / f"checkpoint-{step}")
         torch.testing.assert_close(loaded.get_base_model().layer_lambdas(), record.at[step])
-    trainer.save_model(str(tmp_path / "final"))
-    assert any("lambda_q1" in k for k in load_file(tmp_path / "final" / "adapter_model.safetensors"))
-    torch.testing.assert_close(PeftModel.from_pretrained(_tiny_v1(), tmp_path / "final").get_base_model().layer_lambdas(), final)
+    folder = save_adapter(model, tmp_path / "final")
+    assert any("lambda_q1" in k for k in load_file(folder / "adapter_model.safetensors"))
+    torch.testing.assert_close(PeftModel.from_pretrained(_tiny_v1(), folder).get_base_model().layer_lambdas(), final)
 
-    # Resuming from step 2 in a fresh model restores λ there and ends where the uninterrupted run ended.
+    # Resuming from step 2 in a fresh model whose λ were moved: the checkpoint's λ come back, and the run ends where
+    # the uninterrupted one did.
     resumed = _lora_v1()
+    with torch.no_grad():
+        for name, param in resumed.named_parameters():
+            if "lambda_" in name:
+                param.add_(0.3)
+    assert not torch.allclose(resumed.get_base_model().layer_lambdas(), record.at[2], atol=1e-2)
     check = _RecordLambdas(resumed)
-    Trainer(model=resumed, args=args, train_dataset=_Rows(), callbacks=[check]).train(
-        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    Trainer(model=resumed, args=_lambda_args(tmp_path / "out"), train_dataset=_Rows(),
+            callbacks=[check, LambdaCheckpointCallback()]).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     torch.testing.assert_close(check.at[3], record.at[3], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(resumed.get_base_model().layer_lambdas(), final, rtol=1e-5, atol=1e-6)
 
 
-def test_without_enable_lambda_training_no_lambda_is_saved(tmp_path):
-    """The binding is per instance: a PeftModel that did not ask for λ training saves PEFT's adapter only."""
-    model = get_peft_model(_tiny_v1(), LoraConfig(target_modules=["q_proj", "v_proj"]))
-    model.save_pretrained(tmp_path)
-    assert not any("lambda_" in k for k in load_file(tmp_path / "adapter_model.safetensors"))
-    assert "save_pretrained" not in vars(model)
+def test_lambda_training_patches_nothing_and_needs_the_callback_for_checkpoints(tmp_path):
+    """enable_lambda_training only switches λ on: the PeftModel keeps PEFT's own save_pretrained (adapter only), and
+    without LambdaCheckpointCallback a checkpoint has no λ (so resuming would silently restart λ)."""
+    model = _lora_v1()
+    assert "save_pretrained" not in vars(model) and type(model).save_pretrained is PeftModel.save_pretrained
+    model.save_pretrained(tmp_path / "plain")
+    assert not any("lambda_" in k for k in load_file(tmp_path / "plain" / "adapter_model.safetensors"))
+    Trainer(model=model, args=_lambda_args(tmp_path / "out", max_steps=2), train_dataset=_Rows()).train()
+    assert not any("lambda_" in k for k in load_file(tmp_path / "out" / "checkpoint-2" / "adapter_model.safetensors"))
 
 
 # ----------------------------------------------------------------------------------------------- the whole job
@@ -347,8 +357,22 @@ def test_report_holds_what_it_claims(smoke_run, source):
     for name in held:
         assert f"{report['after']['perplexity'][name]:.3f} ({report['ratio_to_teacher']['after'][name]:.3f})" in md
     assert all(item["prompt"] in md for item in report["teacher"]["chat"])
-    png = out / "training_curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    for name in ("training_curves.png", "telemetry.png"):
+        png = out / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+    # Telemetry: logged at step 0 and every telemetry_steps; the duplicated V1 heads start with equal maps and LoRA on
+    # q_proj separates them; the last record is the saved model's, recomputed on the same probe batch.
+    tel = report["telemetry"]
+    assert (tel["before_step"], tel["after_step"]) == (0, settings.max_steps)
+    assert tel["before"]["map_separation"] == pytest.approx([0.0, 0.0], abs=1e-6)
+    assert min(tel["after"]["map_separation"]) > 1e-4
+    probe = held["validation"][:2, :32]
+    for name, values in telemetry.probe_metrics(saved, probe).items():  # merged LoRA: rounding may flip a few near-zero entries
+        assert tel["after"][name] == pytest.approx(values, rel=1e-4, abs=1e-3 if name == "negative_share" else 1e-6), name
+    steps = [e["step"] for e in report["training"]["log_history"] if "diffattn/map_separation" in e]
+    assert steps == [0, 2, 4]
+    prov = report["provenance"]
+    assert len(prov["commit"]) == 40 and isinstance(prov["dirty"], bool) and prov["machine"]["cpu"] and prov["command"]
     # The greedy chat answer of the saved model is the one reported.
     answer = up.chat(saved, source.tokenizer, settings.prompts[:1], settings.max_new_tokens)[0]["answer"]
     assert answer == report["after"]["chat"][0]["answer"]
@@ -388,7 +412,7 @@ def test_an_interrupted_run_resumes_to_the_same_model(smoke_run, source, tmp_pat
 def test_resuming_with_other_settings_is_refused(source, tmp_path):
     settings = smoke_settings(tmp_path, diff_version=1)
     (tmp_path / "run" / "checkpoints" / "checkpoint-2").mkdir(parents=True)
-    (tmp_path / "run" / "run_settings.json").write_text(json.dumps({**up.asdict(settings), "diff_version": 2}))
+    (tmp_path / "run" / "run_settings.json").write_text(json.dumps({**asdict(settings), "diff_version": 2}))
     with pytest.raises(SystemExit, match="diff_version: checkpoint 2 vs now 1"):
         up.run_upcycle(settings, source=source, log=lambda *_: None)
 
@@ -426,7 +450,7 @@ def test_cli_help_bad_flags_and_smoke_run(tmp_path, capsys):
 def test_compare_upcycled_smoke(tmp_path):
     bench = _load("compare_upcycled", REPO / "benchmarks" / "compare_upcycled.py")
     results = bench.main(["--size", "smoke", "--out", str(tmp_path), "--no-progress", "--threads", "1"])
-    assert set(results["runs"]) == {"llama", "v2", "v1"}
+    assert set(results["runs"]) == {"llama", "v2", "v1", "v1_eps1"}
     assert all(set(per_seed) == {0, 1} for per_seed in results["runs"].values())
     llama, v2 = results["runs"]["llama"][0]["before"], results["runs"]["v2"][0]["before"]
     # V2 is exact: before fine-tuning it is the source, perplexity and probe answers alike.
@@ -440,7 +464,22 @@ def test_compare_upcycled_smoke(tmp_path):
     assert stats["mean"] == pytest.approx(sum(values) / 2) and stats["std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2))
     for name in ("results.json", "results.md", "comparison.png"):
         assert (tmp_path / name).is_file()
-    assert "python benchmarks/compare_upcycled.py --size smoke" in (tmp_path / "results.md").read_text()
+    md = (tmp_path / "results.md").read_text()
+    assert "python benchmarks/compare_upcycled.py --size smoke" in md
+    assert results["meta"]["provenance"]["commit"] in md and "nearly inert" in md
+    # The V1 layout with a nearly inert per-head norm starts closer to the source than the paper's V1.
+    start = {m: results["summary"][m]["before"]["ppl_validation"]["mean"] for m in ("llama", "v1", "v1_eps1")}
+    assert abs(start["v1_eps1"] - start["llama"]) < abs(start["v1"] - start["llama"])
+    # Telemetry of every upcycle, before (step 0) and after: the duplicated and exact conversions start with equal
+    # maps; the summary is the mean over seeds of each seed's mean over layers.
+    for name in ("v2", "v1", "v1_eps1"):
+        tel = results["summary"][name]["telemetry"]
+        assert (tel["before"]["step"], tel["after"]["step"]) == (0, bench.SIZES["smoke"]["steps"])
+        assert tel["before"]["map_separation"]["layer_max"]["mean"] == pytest.approx(0.0, abs=1e-6)
+        per_seed = [r["train"]["telemetry"][-1]["metrics"]["map_separation"] for r in results["runs"][name].values()]
+        assert tel["after"]["map_separation"]["layer_mean"]["mean"] == pytest.approx(
+            sum(sum(v) / len(v) for v in per_seed) / len(per_seed))
+    assert "telemetry" not in results["summary"]["llama"]
 
 
 # ----------------------------------------------------------------------------------------------- GGUF source

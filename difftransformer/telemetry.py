@@ -1,0 +1,252 @@
+"""Training telemetry for differential attention: what users training DIFF models ask about (how λ behaves per
+layer, microsoft/unilm#1699; loss spikes that come with gradient-norm spikes, microsoft/unilm#1718).
+
+:class:`DiffAttentionTelemetryCallback` is a ``transformers.TrainerCallback``. Every ``every`` optimizer steps (and
+at step 0 and the last step) it runs one forward of the model on a fixed *probe batch* (eager attention, eval mode,
+no gradients) and logs through ``Trainer.log``, so every reporting integration (TensorBoard, W&B, ...) and
+``trainer_state.json``'s ``log_history`` receive the values, per layer ``l`` (``{prefix}/{name}/layer_{l:02d}``) and
+averaged over layers (``{prefix}/{name}``):
+
+* ``lambda`` (V1: the layer's λ) or ``lambda_mean`` and ``lambda_std`` (V2: ``sigmoid(x W_λ)`` over every token and
+  head of the probe batch);
+* ``negative_share``: the fraction of the differential maps' entries ``A1 − λ·A2`` below zero, over the entries a
+  query may attend to (causal: key ≤ query), every head;
+* ``first_token_mass``: the differential maps' weight on the first token, averaged over heads and query positions
+  1 … T−1 (position 0 can attend to nothing else). A row of a differential map sums to ``1 − λ``;
+* ``map_separation``: how far apart the two softmax maps of a head are, the total-variation distance
+  ``½·Σ_k |A1[q, k] − A2[q, k]|`` averaged over heads and query positions. 0 when the maps are equal (as right
+  after the ``duplicate`` V1 and the exact V2 conversions, where every head's two maps are its source head's map), 1
+  when they attend to disjoint keys;
+
+and ``grad_norm_spikes``: how many of the gradient norms the Trainer has logged so far exceed ``spike_factor`` × the
+median of the ``spike_window`` logged before them (:func:`grad_norm_spikes`; the Trainer logs the pre-clipping norm
+every ``logging_steps``, so ``logging_steps=1`` checks every step). It is logged with each probe, and at once when a
+logged norm is a spike (with ``{prefix}/grad_norm_spike_ratio``, the norm over that median).
+
+The maps come from :func:`difftransformer.analysis.attention_maps` (the model's own differential maps through
+``output_attentions``, and ``A1``, ``A2`` recomputed from each layer's q/k projections, tested to reproduce
+``A1 − λ·A2``). A model without differential attention (the source Llama of a comparison) gets the spike count only.
+
+The callback logs through the Trainer, which callbacks are not given: attach it with ``callback.attach(trainer)``
+(which also adds it to the trainer's callbacks). :func:`plot_telemetry` draws a ``log_history`` as one PNG.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+PREFIX = "diffattn"
+MAP_METRICS = ("negative_share", "first_token_mass", "map_separation")
+
+
+def _unwrap(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def is_differential(model) -> bool:
+    return getattr(getattr(_unwrap(model), "config", None), "model_type", None) == "difftransformer"
+
+
+@torch.no_grad()
+def probe_metrics(model, probe_input_ids: torch.Tensor) -> dict[str, list[float]]:
+    """The per-layer telemetry of a difftransformer model (plain or PEFT-wrapped) on ``probe_input_ids``
+    ``(B, T)`` (unpadded, no cache): ``{"lambda": [...]}`` (V1) or ``{"lambda_mean": [...], "lambda_std": [...]}``
+    (V2), and ``negative_share``, ``first_token_mass``, ``map_separation`` (module docstring), one float per layer."""
+    from .analysis import attention_maps
+
+    base = _unwrap(model)
+    was_training = base.training
+    base.eval()
+    try:
+        layers = attention_maps(base, probe_input_ids.to(base.device))
+    finally:
+        base.train(was_training)
+    out: dict[str, list[float]] = {}
+    for layer in layers:
+        for name, value in _layer_metrics(layer).items():
+            out.setdefault(name, []).append(value)
+    return out
+
+
+def _layer_metrics(layer) -> dict[str, float]:
+    diff, a1, a2 = (layer.maps[k].double() for k in ("diff", "softmax1", "softmax2"))  # (B, H, T, S)
+    t, s = diff.shape[-2:]
+    allowed = torch.ones(t, s, dtype=torch.bool, device=diff.device).tril(s - t)  # key ≤ query
+    lam = layer.lam.double()
+    metrics = {"lambda": float(lam)} if lam.dim() == 0 else {
+        "lambda_mean": float(lam.mean()), "lambda_std": float(lam.std(unbiased=False))}
+    metrics["negative_share"] = float(((diff < 0) & allowed).sum() / (allowed.sum() * diff.shape[0] * diff.shape[1]))
+    metrics["first_token_mass"] = float(diff[..., 1:, 0].mean()) if t > 1 else float("nan")
+    metrics["map_separation"] = float(0.5 * (a1 - a2).abs().sum(-1).mean())
+    return metrics
+
+
+def grad_norm_spikes(log_history: list[dict], factor: float = 3.0, window: int = 20, min_history: int = 5) -> list[dict]:
+    """The logged gradient norms that are spikes: ``norm > factor × median`` of the up to ``window`` norms logged
+    before it, once at least ``min_history`` precede it. Returns ``[{"step", "grad_norm", "median", "ratio"}]`` in
+    log order (one entry per ``log_history`` record that holds ``grad_norm``)."""
+    norms = [(e.get("step"), float(e["grad_norm"])) for e in log_history if e.get("grad_norm") is not None]
+    spikes = []
+    for i, (step, norm) in enumerate(norms):
+        previous = [n for _, n in norms[max(0, i - window):i]]
+        if len(previous) >= min_history:
+            median = statistics.median(previous)
+            if norm > factor * median:
+                spikes.append({"step": step, "grad_norm": norm, "median": median, "ratio": norm / median})
+    return spikes
+
+
+def flatten(metrics: dict[str, list[float]], prefix: str = PREFIX, per_layer: bool = True) -> dict[str, float]:
+    """``{name: per-layer list}`` → the logged keys: ``{prefix}/{name}`` (mean over layers) and, with ``per_layer``,
+    ``{prefix}/{name}/layer_{l:02d}``."""
+    flat = {}
+    for name, values in metrics.items():
+        flat[f"{prefix}/{name}"] = sum(values) / len(values)
+        if per_layer:
+            flat.update({f"{prefix}/{name}/layer_{i:02d}": v for i, v in enumerate(values)})
+    return flat
+
+
+def unflatten(entry: dict, prefix: str = PREFIX) -> dict[str, list[float]]:
+    """The per-layer lists of one logged record (the inverse of :func:`flatten` with ``per_layer``)."""
+    out: dict[str, dict[int, float]] = {}
+    for key, value in entry.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == prefix and parts[2].startswith("layer_"):
+            out.setdefault(parts[1], {})[int(parts[2][len("layer_"):])] = value
+    return {name: [by_layer[i] for i in sorted(by_layer)] for name, by_layer in out.items()}
+
+
+class DiffAttentionTelemetryCallback(TrainerCallback):
+    """Logs differential-attention telemetry on a fixed probe batch every ``every`` steps (module docstring).
+
+    ``probe_input_ids``: ``(B, T)`` token ids, unpadded (e.g. two held-out blocks of 128 tokens: one eager forward
+    with every map of that batch in memory). Attach with ``callback.attach(trainer)``."""
+
+    def __init__(self, probe_input_ids: torch.Tensor, every: int = 10, spike_factor: float = 3.0, spike_window: int = 20,
+                 spike_min_history: int = 5, per_layer: bool = True, prefix: str = PREFIX):
+        if probe_input_ids.dim() != 2 or probe_input_ids.shape[1] < 2:
+            raise ValueError(f"`probe_input_ids` must be (batch, tokens) with tokens >= 2, got {tuple(probe_input_ids.shape)}.")
+        if not isinstance(every, int) or every <= 0:
+            raise ValueError(f"`every` must be a positive integer, got {every!r}.")
+        if spike_factor <= 1.0:
+            raise ValueError(f"`spike_factor` must be > 1, got {spike_factor!r}.")
+        self.probe_input_ids = probe_input_ids
+        self.every = every
+        self.spike = {"factor": spike_factor, "window": spike_window, "min_history": spike_min_history}
+        self.per_layer = per_layer
+        self.prefix = prefix
+        self.trainer = None
+
+    def attach(self, trainer) -> DiffAttentionTelemetryCallback:
+        """Log through ``trainer`` (and add this callback to it unless it is there already)."""
+        self.trainer = trainer
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        return self
+
+    def _spikes(self, state) -> list[dict]:
+        return grad_norm_spikes(state.log_history, **self.spike)
+
+    def _probe_and_log(self, model, state) -> None:
+        if self.trainer is None:
+            raise RuntimeError("DiffAttentionTelemetryCallback logs through the Trainer: call callback.attach(trainer).")
+        logs = flatten(probe_metrics(model, self.probe_input_ids), self.prefix, self.per_layer) if is_differential(model) else {}
+        logs[f"{self.prefix}/grad_norm_spikes"] = len(self._spikes(state))
+        self._log(logs)
+
+    def _log(self, logs: dict) -> None:
+        # Trainer.log resets control.should_log (its callback handler does, for every on_log): restored, so that the
+        # Trainer's own log of this step (the loss, due after on_step_end) still happens.
+        should_log = self.trainer.control.should_log
+        self.trainer.log(logs)
+        self.trainer.control.should_log = should_log
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:  # a fresh start: the model before any update (a resumed run has its step 0 logged)
+            self._probe_and_log(model, state)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0 or state.global_step >= state.max_steps:
+            self._probe_and_log(model, state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or logs.get("grad_norm") is None or self.trainer is None:
+            return
+        spikes = self._spikes(state)  # `logs` is the last record of state.log_history already
+        if spikes and spikes[-1]["step"] == state.global_step and spikes[-1]["grad_norm"] == float(logs["grad_norm"]):
+            self._log({f"{self.prefix}/grad_norm_spikes": len(spikes), f"{self.prefix}/grad_norm_spike_ratio": spikes[-1]["ratio"]})
+
+
+def telemetry_records(log_history: list[dict], prefix: str = PREFIX) -> list[dict]:
+    """The probe records of a ``log_history``: ``[{"step": s, "metrics": {name: per-layer list}}]`` in order."""
+    return [{"step": e["step"], "metrics": unflatten(e, prefix)} for e in log_history
+            if f"{prefix}/grad_norm_spikes" in e and f"{prefix}/grad_norm_spike_ratio" not in e]
+
+
+def plot_telemetry(log_history: list[dict], path: str | os.PathLike, title: str = "", prefix: str = PREFIX,
+                   spike_factor: float = 3.0, spike_window: int = 20, spike_min_history: int = 5) -> Path:
+    """One PNG: per-layer λ, map separation, negative share and first-token mass over the probed steps (one line per
+    layer, coloured by depth), and the logged gradient norm with its spikes marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in telemetry_records(log_history, prefix) if r["metrics"]]
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4.2), dpi=100)
+    panels = (("lambda" if records and "lambda" in records[0]["metrics"] else "lambda_mean", "λ (V1) / mean λ over probe tokens (V2)"),
+              ("map_separation", "map separation ½Σ|A1 − A2|"), ("negative_share", "share of negative A1 − λA2 entries"),
+              ("first_token_mass", "weight of A1 − λA2 on the first token"))
+    for ax, (name, label) in zip(axes, panels):
+        per_step = [r["metrics"].get(name, []) for r in records]
+        layers = len(per_step[0]) if per_step else 0
+        for layer in range(layers):
+            ax.plot(steps, [values[layer] for values in per_step], color=plt.cm.viridis(layer / max(1, layers - 1)), linewidth=1)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    _grad_norm_panel(axes[-1], log_history, spike_factor, spike_window, spike_min_history)
+    if records:
+        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, max(1, len(records[0]["metrics"].get("map_separation", [0])) - 1))),
+                     ax=axes[:4].tolist(), label="layer", fraction=0.02, pad=0.01)
+    fig.suptitle(title, fontsize=10)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _grad_norm_panel(ax, log_history, factor, window, min_history) -> None:
+    norms = [(e["step"], e["grad_norm"]) for e in log_history if e.get("grad_norm") is not None]
+    if norms:
+        ax.plot(*zip(*norms), "-", color="tab:blue", linewidth=1, label="grad norm (before clipping)")
+    spikes = grad_norm_spikes(log_history, factor, window, min_history)
+    if spikes:
+        ax.plot([s["step"] for s in spikes], [s["grad_norm"] for s in spikes], "v", color="tab:red",
+                label=f"spike: > {factor:g}× median of the previous {window}")
+    ax.set_title(f"gradient norm: {len(spikes)} spike(s)", fontsize=9)
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    if norms:
+        ax.legend(fontsize=7)
+
+
+__all__ = [
+    "DiffAttentionTelemetryCallback",
+    "MAP_METRICS",
+    "PREFIX",
+    "flatten",
+    "grad_norm_spikes",
+    "plot_telemetry",
+    "probe_metrics",
+    "telemetry_records",
+    "unflatten",
+]
