@@ -184,13 +184,44 @@ def test_a_llama_checkpoint_is_refused_with_a_pointer_to_the_converter(tmp_path)
         AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
 
 
-def test_empty_state_dict_initialises_every_tensor_like_a_new_model():
-    """transformers' own way to build a model through from_pretrained (its common tests use it)."""
-    cfg = tiny_config("v2_gqa")
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_empty_state_dict_initialises_every_tensor_like_a_new_model(layout):
+    """transformers' own way to build a model through from_pretrained (its common tests use it): every tensor is
+    missing, so every one is initialised as docs/model.md ("Loading") says: projections and embeddings
+    N(0, initializer_range) (the padding row zero), norms (V1's subln too) ones, V1's λ vectors N(0, lambda_std).
+    Checked by their statistics: each matrix's standard deviation within 25% of its std (at least 192 draws: about
+    5 standard errors) and its mean within 5 standard errors of 0; the λ vectors pooled (96 draws) within 35%."""
+    cfg = tiny_config(layout)
     torch.manual_seed(0)
     model, info = DiffTransformerForCausalLM.from_pretrained(None, config=cfg, state_dict={}, output_loading_info=True)
     assert set(info["missing_keys"]) >= {k for k in model.state_dict() if k != "lm_head.weight"}
-    assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in model.parameters())
+    lambdas, checked = [], set()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all() and p.device.type == "cpu", name
+        p = p.detach().double()
+        if name.endswith(("norm.weight", "layernorm.weight", "subln.weight")):
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif name.rsplit(".", 1)[-1] in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            assert p.dtype == torch.float64 and p.numel() == cfg.head_dim, name
+            lambdas.append(p)
+        elif p.dim() == 2:
+            if name == "model.embed_tokens.weight":
+                assert torch.equal(p[cfg.pad_token_id], torch.zeros_like(p[0])), "padding row"
+                p = torch.cat([p[: cfg.pad_token_id], p[cfg.pad_token_id + 1 :]])
+            assert p.numel() >= 192, (name, p.shape)
+            assert abs(p.std().item() / cfg.initializer_range - 1) < 0.25, (name, p.std().item())
+            assert abs(p.mean().item()) < 5 * cfg.initializer_range / p.numel() ** 0.5, (name, p.mean().item())
+        else:
+            raise AssertionError(f"no initialisation rule checked for {name} {tuple(p.shape)}")
+        checked.add(name)
+    assert checked == {name for name, _ in model.named_parameters()}
+    if cfg.diff_version == 1:
+        pooled = torch.cat(lambdas)
+        assert len(lambdas) == 4 * cfg.num_hidden_layers
+        assert abs(pooled.std().item() / cfg.lambda_std - 1) < 0.35, pooled.std().item()
+        assert abs(pooled.mean().item()) < 5 * cfg.lambda_std / pooled.numel() ** 0.5
+    else:
+        assert not lambdas and any(name.endswith("lambda_proj.weight") for name in checked)
 
 
 def test_checkpoint_with_mis_shaped_tensor_fails_loudly(tmp_path, caplog):
