@@ -195,20 +195,25 @@ def test_decode_parts_smoke_times_every_part_on_the_same_cache(tmp_path):
 
 
 def test_documented_full_commands_parse():
-    """The long (not smoke) commands shown in the docs use flags and values the scripts accept."""
-    for args in _doc_commands("bench.py"):
+    """The commands shown in docs/performance.md use flags and values the scripts accept; the loops found them (the
+    commands under each table, from the results' provenance, are checked by tests/test_doc_numbers.py)."""
+    found = {script: _doc_commands(script) for script in ("bench.py", "attention_micro.py", "v2_prompt_attention.py",
+                                                           "decode_parts.py", "profile_train.py")}
+    assert {script: len(commands) >= 1 for script, commands in found.items()} == dict.fromkeys(found, True), found
+    assert len(found["bench.py"]) >= 3 and len(found["profile_train.py"]) >= 2, found
+    for args in found["bench.py"]:
         ns = bench.parse_args(args)
         bench._choices(ns.only, bench.GROUPS, "--only")
         bench._choices(ns.models, bench.MODELS + bench.EXTRA_MODELS, "--models")
         bench.plan_and_shape(ns)
-    for args in _doc_commands("attention_micro.py"):
+    for args in found["attention_micro.py"]:
         ns = am.parse_args(args)
         assert set(ns.strategies.split(",")) <= set(am.STRATEGIES)
-    for args in _doc_commands("v2_prompt_attention.py"):
+    for args in found["v2_prompt_attention.py"]:
         v2p.parse_args(args)
-    for args in _doc_commands("decode_parts.py"):
+    for args in found["decode_parts.py"]:
         decode_parts.parse_args(args)
-    for args in _doc_commands("profile_train.py"):
+    for args in found["profile_train.py"]:
         ns = profile_train.parse_args(args)
         bench._choices(ns.models or "llama", bench.MODELS + bench.EXTRA_MODELS, "--models")
 
@@ -372,14 +377,28 @@ def test_upcycle_models_have_the_converters_layout_and_flop_floors():
     assert bench.check_targets(result)["upcycle_v2"] == {"target": 1.08, "met": True}
 
 
-def test_generation_flops_add_a_prompt_forward_and_cached_steps():
-    """The vLLM benchmark's FLOP floor: a one-token step over ``p`` cached tokens sees ``p + 1`` keys, and generating
-    from a prompt costs its forward plus those steps; V2's floor for SmolLM2's shape at 128 + 64 tokens exceeds 1.10."""
+def test_generation_flops_equal_a_closed_form_count():
+    """The vLLM benchmark's FLOP floor, against a count written out by hand for SmolLM2's shape (30 layers, hidden
+    e = 576, 9 query / 3 KV heads of width d = 64, MLP 1536, vocabulary 49152): generating N tokens after a P-token
+    prompt is the prompt's forward (its P tokens, each query seeing (t + 1) keys, the LM head on the last one) plus
+    N − 1 one-token steps, the j-th seeing P + j + 1 keys. Per token and layer the Llama's projections cost
+    2·e·(9 + 2·3)·d (q, k, v) + 2·9·d·e (o) + 3·2·e·1536 (MLP); attention 2·9·d per visible key for the scores and
+    as much for A·V. The V2 upcycle doubles the query heads (18 maps, o_proj still 9·d wide) and adds λ (2·e·9)."""
     llama, v2 = (bench.build_config(kind, bench.SMOLLM2) for kind in ("llama", "upcycle_v2"))
-    e, d = 576, 64
-    step = 30 * (2 * e * 15 * d + 2 * 9 * d * e + 6 * e * 1536 + 2 * 2 * 9 * d * 101) + 2 * e * 49152
-    assert bench.forward_flops(llama, 1, 1, past=100) == pytest.approx(step, rel=1e-12)
-    total = bench.forward_flops(llama, 128, 1) + sum(bench.forward_flops(llama, 1, 1, past=128 + j) for j in range(63))
-    assert bench.generation_flops(llama, 128, 64) == pytest.approx(total, rel=1e-12)
-    assert bench.generation_flops(llama, 128, 1) == bench.forward_flops(llama, 128, 1)
-    assert 1.10 < bench.generation_flops(v2, 128, 64) / bench.generation_flops(llama, 128, 64) < 1.12
+    layers, e, d, inter, vocab = 30, 576, 64, 1536, 49152
+    P, N = 128, 64
+    keys_prompt = P * (P + 1) // 2  # Σ_t (t + 1): the keys each prompt query sees
+    keys_steps = (N - 1) * (P + 1) + (N - 1) * (N - 2) // 2  # Σ_j (P + j + 1), j = 0 … N − 2
+
+    def by_hand(query_maps, extra_per_token):
+        per_token = 2 * e * (query_maps + 2 * 3) * d + 2 * 9 * d * e + 3 * 2 * e * inter + extra_per_token
+        per_key = 2 * 2 * query_maps * d
+        tokens, keys = P + (N - 1), keys_prompt + keys_steps
+        return layers * (tokens * per_token + keys * per_key) + N * 2 * e * vocab  # LM head: one row per new token
+
+    assert bench.generation_flops(llama, P, N) == pytest.approx(by_hand(9, 0), rel=1e-12)
+    assert bench.generation_flops(v2, P, N) == pytest.approx(by_hand(18, 2 * e * 9), rel=1e-12)
+    assert bench.generation_flops(llama, P, 1) == pytest.approx(
+        layers * (P * (2 * e * 15 * d + 2 * 9 * d * e + 6 * e * inter) + keys_prompt * 4 * 9 * d) + 2 * e * vocab,
+        rel=1e-12)
+    assert 1.10 < by_hand(18, 2 * e * 9) / by_hand(9, 0) < 1.12
