@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from difftransformer.convert import ConversionError, convert
 from test_convert_gguf import write_tiny_gguf
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, DiffLlamaConfig, DiffLlamaForCaus
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer.convert import ConversionError, convert
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 
 IDS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 0, 45, 23]])
 MASK = torch.tensor([[1] * 10, [0, 0] + [1] * 8])  # left padding in the second row

@@ -33,7 +33,7 @@ from difftransformer.convert import ConversionError, convert
 from test_convert_gguf import write_tiny_gguf
 from test_convert_microsoft import ms_config, ms_state_dict, write_source
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 REPO = Path(__file__).resolve().parent.parent
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
 

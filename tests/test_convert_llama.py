@@ -17,7 +17,7 @@ from difftransformer import DiffTransformerForCausalLM
 from difftransformer.convert import ConversionError, calibrate_v1_output_scales, convert
 from difftransformer.modeling_difftransformer import lambda_init_fn
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 
 IDS = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 31, 12, 7, 50, 23], [8, 8, 1, 90, 34, 6, 71, 5, 19, 28, 3, 66]])
 MASK = torch.tensor([[1] * 12, [0, 0, 0] + [1] * 9])

@@ -18,7 +18,7 @@ from transformers import DiffLlamaForCausalLM
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.convert import ConversionError, convert
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 
 VOCAB, E, LAYERS, FFN, THETA, EPS = 61, 32, 2, 64, 10000.0, 1e-6
 
