@@ -17,7 +17,7 @@ from difftransformer import (
     DiffTransformerModel,
 )
 from difftransformer.data import get_tokenizer
-from utils_difftransformer import left_padded_batch, randomize_norms, tiny_config
+from utils_difftransformer import left_padded_batch, randomize_norms, reference_forward, tiny_config
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -152,14 +152,23 @@ def test_token_classification_scores_every_token(layout):
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 def test_question_answering_start_and_end_logits_and_loss(layout):
+    """Start and end logits are the float64 reference model's final hidden states times the head's two rows, plus
+    its bias: the reference (tests/utils_difftransformer.py) computes the backbone from the state dict alone, with
+    neither our modules nor transformers' head, so a head that reads the wrong states (unnormalised, another
+    layer's, shifted) or swaps start and end fails. The loss is the mean of the two cross-entropies."""
     model = _head(DiffTransformerForQuestionAnswering, layout)
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
     start, end = torch.tensor([1, 4]), torch.tensor([3, 8])
     with torch.no_grad():
+        model.qa_outputs.bias.normal_(generator=torch.Generator().manual_seed(3))  # a bias that shows
         out = model(ids, start_positions=start, end_positions=end)
-    both = model.qa_outputs(_backbone(model, ids))  # (B, T, 2): start in column 0, end in column 1
-    torch.testing.assert_close(out.start_logits, both[..., 0])
-    torch.testing.assert_close(out.end_logits, both[..., 1])
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    weights["lm_head.weight"] = weights["qa_outputs.weight"]  # the reference's head: hidden @ W.T over the 2 rows
+    reference, _ = reference_forward(model, ids, state_dict=weights)
+    reference = reference + weights["qa_outputs.bias"].double()
+    torch.testing.assert_close(out.start_logits.double(), reference[..., 0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.end_logits.double(), reference[..., 1], atol=2e-5, rtol=0)
+    assert (reference[..., 0] - reference[..., 1]).abs().max() > 1e-2  # start and end differ: a swap would show
     expected = (F.cross_entropy(out.start_logits, start) + F.cross_entropy(out.end_logits, end)) / 2
     torch.testing.assert_close(out.loss, expected)
 
