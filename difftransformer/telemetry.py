@@ -201,7 +201,8 @@ def plot_telemetry(log_history: list[dict], path: str | os.PathLike, title: str 
     records = [r for r in telemetry_records(log_history, prefix) if r["metrics"]]
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(1, 5, figsize=(22, 4.2), dpi=100)
-    panels = (("lambda" if records and "lambda" in records[0]["metrics"] else "lambda_mean", "λ (V1) / mean λ over probe tokens (V2)"),
+    v1 = bool(records) and "lambda" in records[0]["metrics"]
+    panels = (("lambda", "λ per layer (V1)") if v1 else ("lambda_mean", "mean λ = sigmoid(x W_λ) over the probe (V2)"),
               ("map_separation", "map separation ½Σ|A1 − A2|"), ("negative_share", "share of negative A1 − λA2 entries"),
               ("first_token_mass", "weight of A1 − λA2 on the first token"))
     for ax, (name, label) in zip(axes, panels):
@@ -214,8 +215,9 @@ def plot_telemetry(log_history: list[dict], path: str | os.PathLike, title: str 
         ax.grid(alpha=0.3)
     _grad_norm_panel(axes[-1], log_history, spike_factor, spike_window, spike_min_history)
     if records:
-        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, max(1, len(records[0]["metrics"].get("map_separation", [0])) - 1))),
-                     ax=axes[:4].tolist(), label="layer", fraction=0.02, pad=0.01)
+        layers = len(records[0]["metrics"].get("map_separation", [0]))
+        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, max(1, layers - 1))), ax=axes.tolist(),
+                     label="layer (one line each)", fraction=0.015, pad=0.01)
     fig.suptitle(title, fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
