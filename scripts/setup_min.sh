@@ -24,8 +24,8 @@ fi
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q "transformers==$MIN.*" "accelerate==1.15.0" "safetensors==0.8.0" "tokenizers" "pytest==9.2.0" \
-    pytest-xdist tqdm matplotlib
-python -m pip install -q --no-deps "peft==0.21.2"
+    pytest-xdist tqdm matplotlib ninja
+python -m pip install -q --no-deps "peft==0.21.2" "optimum-quanto==0.2.7"
 python -m pip install -q --no-deps -e .
 python -c "import torch, transformers, difftransformer; print('ready (lowest supported): torch', torch.__version__, '| transformers', transformers.__version__)"
 echo .venv-min >&3
