@@ -70,12 +70,33 @@ def test_backends_match_float64_reference_without_a_mask(layout, attn):
     torch.testing.assert_close(logits.double(), ref, atol=TOL[torch.float32], rtol=0)
 
 
-def _skip_if_llama_flex_fails_too(model, ids, mask, ours):
+def _llama_flex_verdict(errors: dict, llama_scale: float, our_error: float | None, our_scale: float | None) -> str | None:
+    """Why ours may skip, or None (then the caller fails: the failure is ours). ``errors``: the same-shape Llama's
+    largest logit error per bf16 backend against its float64 logits (``flex_attention`` missing: it could not compile).
+    The Llama's flex attention fails where its error leaves the band of its eager and sdpa runs (3 × the larger: two
+    draws of bf16 rounding, the factor our rounding-model bound uses), or is not finite. Even then our own error must
+    be explained by it: relative to each model's largest exact logit, ours at most 3 × the Llama's (a NaN of ours
+    against a finite error of the Llama's is not explained)."""
+    if "flex_attention" not in errors:
+        return "cannot compile it"
+    band = 3 * max(errors["eager"], errors["sdpa"])
+    if errors["flex_attention"] <= band:
+        return None
+    failure = f"its logits are off by {errors['flex_attention']:.3g}, eager and sdpa's band is {band:.3g}"
+    llama_relative = errors["flex_attention"] / llama_scale
+    if our_error is not None and llama_relative == llama_relative:  # the Llama's error is finite: bound ours by it
+        our_relative = our_error / our_scale
+        if not our_relative <= 3 * llama_relative:
+            return None
+        failure += f"; ours is {our_relative:.3g} of its logit scale, the Llama's {llama_relative:.3g}"
+    return failure
+
+
+def _skip_if_llama_flex_fails_too(model, ids, mask, ours, our_error=None, our_scale=None):
     """Skip when torch's bf16 flex attention fails on this CPU for a plain Llama whose kernel calls have the same shapes
-    as ours (query heads, KV heads, head width): inductor cannot compile it, its logits are not finite, or they leave the
-    band that transformers' own bf16 backends set for that Llama (3 × the larger error of its bf16 eager and sdpa runs
-    against its float64 logits: two draws of bf16 rounding, the factor our rounding-model bound uses). Otherwise return,
-    and the caller fails: then the failure is ours. ``ours`` says what ours did.
+    as ours (query heads, KV heads, head width), and that failure explains ours (:func:`_llama_flex_verdict`).
+    Otherwise return, and the caller fails: then the failure is ours. ``ours`` says what ours did; ``our_error`` and
+    ``our_scale`` are our largest logit error and largest exact logit (None where ours did not compile).
     (Seen on CI CPUs: a C++ codegen error, `cur_qSplitSize4` undeclared; on AVX2-only CPUs, NaN or wrong logits at head
     widths 8 and 16, right ones at 32 and 64.)
     """
@@ -95,7 +116,7 @@ def _skip_if_llama_flex_fails_too(model, ids, mask, ours):
     with torch.no_grad():
         exact = llama(ids, attention_mask=mask).logits[valid]
     llama.to(torch.bfloat16)
-    errors = {}
+    errors, compile_error = {}, ""
     for impl in ("eager", "sdpa", "flex_attention"):
         llama.set_attn_implementation(impl)
         try:
@@ -103,16 +124,26 @@ def _skip_if_llama_flex_fails_too(model, ids, mask, ours):
                 logits = llama(ids, attention_mask=mask).logits[valid]
         except InductorError as llama_err:
             torch._dynamo.reset()
-            failure = f"cannot compile it: {str(llama_err)[:200]}"
+            compile_error = f": {str(llama_err)[:200]}"
             break
         errors[impl] = (logits.double() - exact).abs().max().item()
-    else:
-        band = 3 * max(errors["eager"], errors["sdpa"])
-        if errors["flex_attention"] <= band:
-            return
-        failure = f"its logits are off by {errors['flex_attention']:.3g}, eager and sdpa's band is {band:.3g}"
-    pytest.skip(f"torch {torch.__version__}'s bf16 flex attention fails on this CPU for Llama too ({failure}); "
-                f"ours: {ours[:100]}")
+    failure = _llama_flex_verdict(errors, exact.abs().max().item(), our_error, our_scale)
+    if failure is None:
+        return
+    pytest.skip(f"torch {torch.__version__}'s bf16 flex attention fails on this CPU for Llama too ({failure}"
+                f"{compile_error}); ours: {ours[:100]}")
+
+
+def test_bf16_flex_skip_needs_the_llamas_failure_to_explain_ours():
+    """The skip above: only where the same-shape Llama's flex attention fails too, and by as much as ours."""
+    good = {"eager": 0.01, "sdpa": 0.012}
+    assert _llama_flex_verdict(good, 1.0, None, None) == "cannot compile it"
+    assert _llama_flex_verdict(good | {"flex_attention": 0.02}, 1.0, 5.0, 1.0) is None  # the Llama's is fine
+    broken = good | {"flex_attention": 0.5}
+    assert "ours is 0.6" in _llama_flex_verdict(broken, 1.0, 1.2, 2.0)  # ours: 0.6 of its scale, within 3 × 0.5
+    assert _llama_flex_verdict(broken, 1.0, 4.0, 2.0) is None  # ours 2.0: four times the Llama's, not explained
+    assert _llama_flex_verdict(broken, 1.0, float("nan"), 2.0) is None  # NaN against a finite error
+    assert _llama_flex_verdict(good | {"flex_attention": float("nan")}, 1.0, float("nan"), 2.0)  # NaN for both
 
 
 def _bf16_case(layout):
@@ -143,7 +174,8 @@ def test_backends_bfloat16_within_the_rounding_model(layout, attn):
             raise
     err = (logits[mask.bool()].double() - exact).abs().max().item()
     if attn == "flex_attention" and not err <= bound:  # also NaN
-        _skip_if_llama_flex_fails_too(model, ids, mask, f"logits off by {err:.3g}, bound {bound:.3g}")
+        _skip_if_llama_flex_fails_too(model, ids, mask, f"logits off by {err:.3g}, bound {bound:.3g}",
+                                      our_error=err, our_scale=exact.abs().max().item())
     assert err <= bound, (err, bound)
 
 
