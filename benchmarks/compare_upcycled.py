@@ -195,8 +195,8 @@ def markdown(results: dict) -> str:
     lines = [
         "## Fine-tuned alike: the source Llama and its DIFF upcycles",
         "",
-        f"Command: `{meta['command']}`" + (f" (commit {meta['provenance']['commit']}, uncommitted changes: "
-                                           f"{meta['provenance']['dirty']})" if "provenance" in meta else ""),
+        f"Command: `{meta['command']}`" + (f" (commit {results['provenance']['commit']}, uncommitted changes: "
+                                           f"{results['provenance']['dirty']})" if "provenance" in results else ""),
         "",
         f"Setting: {meta['setting']}",
         "",
@@ -346,7 +346,6 @@ def _meta(args, source: up.Source, probe_examples: dict, eval_length: int, secon
     command = "python benchmarks/compare_upcycled.py " + " ".join(shlex.quote(a) for a in args.argv)
     return {
         "command": command,
-        "provenance": up.provenance("compare_upcycled.py", command),
         "source": source.name,
         "seeds": args.seeds,
         "labels": {name: LABELS[name] for name in args.models},
@@ -387,7 +386,8 @@ def run(args: argparse.Namespace) -> dict:
         for name in args.models:
             for seed in args.seeds:
                 runs.setdefault(name, {})[seed] = run_one(name, seed, source, data, args, Path(tmp), before_shared)
-                results = {"meta": _meta(args, source, data["probes"], eval_length, time.time() - t_start),
+                meta = _meta(args, source, data["probes"], eval_length, time.time() - t_start)
+                results = {"provenance": up.provenance("compare_upcycled.py", meta["command"]), "meta": meta,
                            "summary": summarize(runs), "runs": runs}
                 write_results(results, args.out)
     return results

@@ -466,7 +466,9 @@ def test_compare_upcycled_smoke(tmp_path):
         assert (tmp_path / name).is_file()
     md = (tmp_path / "results.md").read_text()
     assert "python benchmarks/compare_upcycled.py --size smoke" in md
-    assert results["meta"]["provenance"]["commit"] in md and "nearly inert" in md
+    prov = results["provenance"]  # where benchmarks/harness.py's readers look for it
+    assert prov["script"] == "compare_upcycled.py" and prov["commit"] in md and "nearly inert" in md
+    assert prov["command"] == "python benchmarks/compare_upcycled.py --size smoke --out " + str(tmp_path) + " --no-progress --threads 1"
     # The V1 layout with a nearly inert per-head norm starts closer to the source than the paper's V1.
     start = {m: results["summary"][m]["before"]["ppl_validation"]["mean"] for m in ("llama", "v1", "v1_eps1")}
     assert abs(start["v1_eps1"] - start["llama"]) < abs(start["v1"] - start["llama"])
