@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         "microsoft-v2: full-model state dict whose attention modules are Microsoft's MultiheadDiffAttn / "
         "MultiheadFlashDiff1 / MultiheadFlashDiff2 (V1) or MultiheadFlashDiffV2 (V2), Llama names elsewhere, with a "
         "config.json in Microsoft's head convention (num_heads = differential heads, num_kv_heads). llama: any "
-        "Llama / Mistral / Qwen2 causal LM folder, or a Llama-family .gguf file (needs --diff-version). difftransformer: our own format (re-save "
-        "with another dtype or shard size, or export with --to diffllama).",
+        "Llama / Mistral / Qwen2 causal LM folder, or a Llama-family .gguf file (needs --diff-version). motif: a Motif-2.6B / "
+        "Motif-2-12.7B folder (model_type Motif; DIFF V1 with grouped differential attention, exact). difftransformer: our "
+        "own format (re-save with another dtype or shard size, or export with --to diffllama / duplicated / gda).",
     )
     parser.add_argument(
         "--to",
@@ -55,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TARGETS,
         help="Target format. difftransformer: our format, loadable with AutoModelForCausalLM (custom code and auto_map "
         "included). diffllama: transformers' DiffLlama, for V1 models only (subln folded into o_proj; needs "
-        "subln_eps == rms_norm_eps).",
+        "subln_eps == rms_norm_eps). duplicated: a grouped-differential-attention model (num_noise_heads) written as a "
+        "plain DIFF model, each noise head's query rows duplicated for its r signal heads (exact). gda: the way back, a "
+        "plain model whose noise query rows come in identical copies written with --num-noise-heads noise heads (exact; "
+        "refused when the copies differ).",
     )
     parser.add_argument(
         "--input",
@@ -104,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--from llama --diff-version 1 only: eps of V1's per-head RMSNorm (default: the source's rms_norm_eps). "
         "With --v1-init duplicate, a large value such as 1 makes the norm near-linear at the start, so the converted "
         "model nearly equals the source (docs/convert.md); export to DiffLlama is then not exact.",
+    )
+    parser.add_argument(
+        "--num-noise-heads",
+        type=int,
+        default=None,
+        help="--to gda only (required there): the noise heads of the grouped result; it must divide the differential "
+        "heads (num_attention_heads / 2 of the plain source), r = heads / num_noise_heads copies are merged into one.",
     )
     parser.add_argument(
         "--dtype",
@@ -176,6 +187,7 @@ def main(argv=None) -> int:
             v1_init=args.v1_init,
             v1_calibration=args.v1_calibration,
             v1_subln_eps=args.v1_subln_eps,
+            num_noise_heads=args.num_noise_heads,
             max_shard_size=max_shard_size,
             progress=not args.no_progress,
         )

@@ -2,7 +2,8 @@
 
 Importing this package registers the config and model classes with transformers' Auto classes, so that
 ``AutoModelForCausalLM.from_pretrained(folder)`` works without ``trust_remote_code``, and marks them for the
-Hub's remote-code format, so that every ``save_pretrained`` folder also loads where the package is absent.
+Hub's remote-code format, so that every ``save_pretrained`` folder also loads where the package is absent. It also
+registers Motif's checkpoints (``model_type "Motif"``, :mod:`difftransformer.motif`) as a configuration of our model.
 """
 
 from transformers import (
@@ -13,6 +14,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
 from .configuration_difftransformer import DiffTransformerConfig
 from .integrations import register_integrations
@@ -25,6 +27,7 @@ from .modeling_difftransformer import (
     DiffTransformerModel,
     DiffTransformerPreTrainedModel,
 )
+from .motif import MOTIF_MODEL_TYPE, MotifConfig, MotifForCausalLM, motif_weight_conversions
 
 __version__ = "0.1.0"
 
@@ -42,6 +45,10 @@ for _auto_class, _model_class in _AUTO_CLASSES.items():
     _auto_class.register(DiffTransformerConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
 register_integrations()  # PEFT default LoRA targets and Trainer's causal-LM table (see integrations.py)
+# Motif-2 checkpoints: their config class and model class (ours, configured), and the load-time query-row order.
+AutoConfig.register(MOTIF_MODEL_TYPE, MotifConfig, exist_ok=True)
+AutoModelForCausalLM.register(MotifConfig, MotifForCausalLM, exist_ok=True)
+register_checkpoint_conversion_mapping(MOTIF_MODEL_TYPE, motif_weight_conversions(), overwrite=True)
 
 __all__ = [
     "CACHE_NAME",
@@ -52,4 +59,6 @@ __all__ = [
     "DiffTransformerForSequenceClassification",
     "DiffTransformerForTokenClassification",
     "DiffTransformerForQuestionAnswering",
+    "MotifConfig",
+    "MotifForCausalLM",
 ]

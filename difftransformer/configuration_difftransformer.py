@@ -119,12 +119,14 @@ class DiffTransformerConfig(PreTrainedConfig):
             self.diff_version = int(name) if name.isdigit() else self.diff_version
         if self.head_dim is None:
             # An explicit head_dim may differ from hidden_size // Hq (as in Llama); a derived one must divide exactly.
-            if self.num_attention_heads and self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"`hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
-                    f"({self.num_attention_heads}); set `head_dim` explicitly or choose sizes that divide."
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
+            hq = self.num_attention_heads
+            if isinstance(hq, int) and hq > 0:  # else validate_architecture names the count
+                if self.hidden_size % hq:
+                    raise ValueError(
+                        f"`hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
+                        f"({hq}); set `head_dim` explicitly or choose sizes that divide."
+                    )
+                self.head_dim = self.hidden_size // hq
         # Checked here, not only in `validate_architecture`, so that users get a plain ValueError
         # (``@strict`` wraps validator errors in its own exception type).
         self.validate_architecture()

@@ -12,11 +12,14 @@ source              what it is                                                  
 ``microsoft-v2``    the same with ``MultiheadFlashDiffV2`` (``Diff-Transformer/Diff-Transformer-V2/``) V2, exact
 ``llama``           any Llama / Mistral / Qwen2 causal LM folder, or a Llama-family ``.gguf`` file    V2 exact, V1
                     (read through transformers' GGUF loader, de-quantised to float32)                 approximate
+``motif``           a Motif-2.6B / Motif-2-12.7B folder (``model_type: Motif``)                       V1 (GDA), exact
 ``difftransformer`` our own format: re-save (dtype, sharding) or ``--to diffllama``                  (V1 only to
                                                                                                       DiffLlama)
 ==================  ===============================================================================  ============
 
-Every source can also be written as a DiffLlama folder (``--to diffllama``) when the result is V1.
+Every source can also be written as a DiffLlama folder (``--to diffllama``) when the result is V1 and not grouped; a
+grouped (GDA, ``num_noise_heads``) result as the equivalent plain model (``--to duplicated``), and a plain result whose
+noise heads come in identical copies as GDA (``--to gda --num-noise-heads N``); both exact (:mod:`.gda`).
 
 How a conversion runs (the guarantees of issue 3):
 
@@ -32,7 +35,8 @@ How a conversion runs (the guarantees of issue 3):
 
 Modules (one per source format over the shared engine): :mod:`.engine` (checkpoints, plans, index maps, checks,
 atomic writing), :mod:`.llama` (Llama-style → V2 / V1 ``pair`` / V1 ``duplicate`` and its calibration),
-:mod:`.gguf_source` (``.gguf`` input), :mod:`.diffllama`, :mod:`.microsoft`, :mod:`.ours`, and :mod:`.api`
+:mod:`.gguf_source` (``.gguf`` input), :mod:`.diffllama`, :mod:`.microsoft`, :mod:`.motif`, :mod:`.ours`, :mod:`.gda`
+(GDA ↔ duplicated), and :mod:`.api`
 (:func:`convert`, :func:`build_plan`, :func:`verify_conversion`).
 
 Microsoft full-model state dicts: Microsoft released modules, not models, so the rest of the model is named as in
@@ -65,6 +69,7 @@ from .engine import (
     verify_prompt,
     write_plan,
 )
+from .gda import duplicated_to_gda, gda_query_heads, gda_to_duplicated, to_duplicated, to_gda
 from .gguf_source import GGUF_ARCHITECTURES, load_gguf, read_gguf_header
 from .llama import (
     LLAMA_STYLE_MODEL_TYPES,
@@ -78,6 +83,7 @@ from .llama import (
     v1_output_scales,
 )
 from .microsoft import MICROSOFT_CONFIG_FIELDS, MICROSOFT_V1_MODULES, config_from_microsoft, load_key_map, plan_from_microsoft, rename_checkpoint
+from .motif import config_from_motif, plan_from_motif
 from .ours import plan_from_difftransformer
 
 __all__ = [
@@ -102,11 +108,16 @@ __all__ = [
     "config_from_diffllama",
     "config_from_llama",
     "config_from_microsoft",
+    "config_from_motif",
     "convert",
     "diffllama_config_from",
+    "duplicated_to_gda",
+    "gda_query_heads",
+    "gda_to_duplicated",
     "interleaved_to_rotate_half",
     "load_gguf",
     "load_key_map",
+    "plan_from_motif",
     "verify_conversion",
     "verify_prompt",
 ]

@@ -34,6 +34,7 @@ from .engine import (
     verify_prompt,
     write_plan,
 )
+from .gda import to_duplicated, to_gda
 from .gguf_source import is_gguf_path, load_gguf
 from .llama import (
     LLAMA_STYLE_MODEL_TYPES,
@@ -46,12 +47,15 @@ from .llama import (
     plan_from_llama,
 )
 from .microsoft import _microsoft_subln_affine, load_key_map, plan_from_microsoft, rename_checkpoint
+from .motif import check_motif_fields, plan_from_motif
 from .ours import plan_from_difftransformer
 
 logger = logging.getLogger("difftransformer.convert")
 
-SOURCES = ("diffllama", "microsoft-v1", "microsoft-v2", "llama", "difftransformer")
-TARGETS = ("difftransformer", "diffllama")
+SOURCES = ("diffllama", "microsoft-v1", "microsoft-v2", "llama", "motif", "difftransformer")
+# duplicated: a grouped (GDA) result written as a plain model; gda: a plain result with duplicated noise heads written
+# as GDA (num_noise_heads). Both exact (convert/gda.py).
+TARGETS = ("difftransformer", "diffllama", "duplicated", "gda")
 
 
 @dataclass
@@ -87,13 +91,20 @@ def _config_errors(where: str):
         raise ConversionError(f"{where}: {one_line(err)}") from None
 
 
-_EXPECTED_MODEL_TYPE = {"diffllama": ("diffllama",), "difftransformer": ("difftransformer",), "llama": LLAMA_STYLE_MODEL_TYPES}
+_EXPECTED_MODEL_TYPE = {
+    "diffllama": ("diffllama",),
+    "difftransformer": ("difftransformer",),
+    "llama": LLAMA_STYLE_MODEL_TYPES,
+    "motif": ("Motif",),
+}
 
 
 def _check_model_type(source: str, found: str | None) -> None:
     expected = _EXPECTED_MODEL_TYPE[source]
     if found not in expected:
-        hint = {"diffllama": "diffllama", "difftransformer": "difftransformer"}.get(found, "llama" if found in LLAMA_STYLE_MODEL_TYPES else None)
+        hint = {"diffllama": "diffllama", "difftransformer": "difftransformer", "Motif": "motif"}.get(
+            found, "llama" if found in LLAMA_STYLE_MODEL_TYPES else None
+        )
         raise ConversionError(
             f"--from {source} expects config.json model_type in {list(expected)}, found {found!r}"
             + (f"; did you mean --from {hint}?" if hint else ".")
@@ -111,13 +122,17 @@ def build_plan(
     v1_init: str = "auto",
     v1_output_rms: torch.Tensor | None = None,
     v1_subln_eps: float | None = None,
+    num_noise_heads: int | None = None,
+    query_rows_in_source_order: bool = True,
 ) -> Plan:
-    """The conversion plan for a source config (a transformers config, or a dict for Microsoft sources)."""
+    """The conversion plan for a source config (a transformers config, or a dict for Microsoft sources).
+    ``num_noise_heads``: for ``target="gda"``. ``query_rows_in_source_order``: Motif only, False for a loaded
+    ``MotifForCausalLM`` (its rows were reordered at load)."""
     if source not in SOURCES:
         raise ConversionError(f"--from {source!r}; allowed: {list(SOURCES)}.")
     if target not in TARGETS:
         raise ConversionError(f"--to {target!r}; allowed: {list(TARGETS)}.")
-    implied = {"diffllama": 1, "microsoft-v1": 1, "microsoft-v2": 2}.get(source)
+    implied = {"diffllama": 1, "microsoft-v1": 1, "microsoft-v2": 2, "motif": 1}.get(source)
     if source == "difftransformer":
         implied = config.diff_version
     if source == "llama":
@@ -127,15 +142,32 @@ def build_plan(
         raise ConversionError(f"--diff-version {diff_version} conflicts with --from {source}, which gives DIFF V{implied}.")
     if source == "diffllama" and target == "diffllama":
         raise ConversionError("--from diffllama --to diffllama: nothing to convert; use --to difftransformer.")
+    if (target == "gda") != (num_noise_heads is not None):
+        raise ConversionError(
+            "--num-noise-heads goes with --to gda, and --to gda needs it (the noise heads the result keeps)."
+        )
     if source == "difftransformer":
         plan = plan_from_difftransformer(config)
     elif source == "diffllama":
         plan = plan_from_diffllama(config)
     elif source == "llama":
         plan = plan_from_llama(config, diff_version, seed, v1_init, v1_output_rms, v1_subln_eps)
+    elif source == "motif":
+        plan = plan_from_motif(config, query_rows_in_source_order)
     else:
         plan = plan_from_microsoft(config, 1 if source == "microsoft-v1" else 2, microsoft_module, subln_affine)
-    return to_diffllama(plan) if target == "diffllama" else plan
+    if target == "diffllama":
+        if plan.config.noise_ratio != 1 and plan.config.diff_version == 1:
+            raise ConversionError(
+                f"--to diffllama: DiffLlama has one noise map per head; this model is grouped (num_noise_heads="
+                f"{plan.config.num_noise_heads}). Convert with --to duplicated first, then --to diffllama."
+            )
+        return to_diffllama(plan)
+    if target == "duplicated":
+        return to_duplicated(plan)
+    if target == "gda":
+        return to_gda(plan, num_noise_heads)
+    return plan
 
 
 def _check_v1_options(source: str, diff_version, v1_init, v1_calibration, v1_subln_eps=None) -> None:
@@ -211,6 +243,7 @@ def convert(
     v1_calibration: str | torch.Tensor = "auto",
     v1_subln_eps: float | None = None,
     tokenizer=None,
+    num_noise_heads: int | None = None,
 ) -> ConversionResult:
     """Convert a checkpoint (SPEC §6). See the package docstring and docs/convert.md.
 
@@ -237,6 +270,8 @@ def convert(
         v1_calibration: duplicate only: ``"auto"`` (the embedded corpus through the source's tokenizer, else random
             ids), ``"corpus"``, ``"random"``, ``"none"`` (ρ = 1), or a ``(batch, length)`` tensor of token ids.
             Calibration runs the source model (a folder source is loaded for it).
+        num_noise_heads: ``target="gda"`` only: the noise heads of the grouped result (its query heads are
+            ``H + num_noise_heads``); the source's noise query rows must come in ``H / num_noise_heads`` identical copies.
         v1_subln_eps: Llama → V1 only: eps of V1's per-head RMSNorm (``subln_eps``); default the source's
             ``rms_norm_eps``. With ``duplicate``, a large value (e.g. 1) makes the norm near-linear at the start, so
             the converted model nearly equals the source (docs/convert.md); export to DiffLlama is then not exact.
@@ -284,6 +319,8 @@ def convert(
         with _config_errors(config_where):
             if source in ("llama", "diffllama"):  # Llama-style fields, checked before transformers' class divides by them
                 check_source_fields(SimpleNamespace(**raw_config))
+            elif source == "motif":
+                check_motif_fields(raw_config)
             src_config = AutoConfig.from_pretrained(in_folder)
     else:
         raise ConversionError(f"--from {source} takes a folder or a transformers model, not a bare state dict.")
@@ -301,8 +338,9 @@ def convert(
         elif key_map is not None:
             raise ConversionError("--key-map applies to Microsoft sources only.")
         plan_args = (source, target, src_config, diff_version, microsoft_module, subln_affine, seed)
+        layout = dict(num_noise_heads=num_noise_heads, query_rows_in_source_order=model is None or gguf)
         with _config_errors(config_where):
-            plan = build_plan(*plan_args, v1_init=v1_init, v1_subln_eps=v1_subln_eps)
+            plan = build_plan(*plan_args, v1_init=v1_init, v1_subln_eps=v1_subln_eps, **layout)
         check_source(plan, ckpt, source)
         out_dtype = _resolve_dtype(dtype, plan, ckpt)
         method = plan.info.get("v1_init")
@@ -311,7 +349,7 @@ def convert(
         if method == "duplicate":
             rho, how = _calibrate(v1_calibration, model, in_folder, tokenizer, src_config, seed)
             if rho is not None:
-                plan = build_plan(*plan_args, v1_init=v1_init, v1_output_rms=rho, v1_subln_eps=v1_subln_eps)
+                plan = build_plan(*plan_args, v1_init=v1_init, v1_output_rms=rho, v1_subln_eps=v1_subln_eps, **layout)
                 check_source(plan, ckpt, source)
             plan.notes.append(how)
             plan.info["calibration"] = how

@@ -78,6 +78,13 @@ def diffllama_config_from(config: DiffTransformerConfig) -> DiffLlamaConfig:
         raise ConversionError(f"--to diffllama: DiffLlama implements DIFF V1 only; this model has diff_version={config.diff_version}.")
     if config.lambda_init is not None:
         raise ConversionError(f"--to diffllama: DiffLlama always uses the depth schedule for λinit; this model sets lambda_init={config.lambda_init}.")
+    if config.lambda_init_layer_offset:
+        raise ConversionError(
+            f"--to diffllama: DiffLlama's λinit schedule reads the layer index itself; this model sets "
+            f"lambda_init_layer_offset={config.lambda_init_layer_offset} (Motif's schedule)."
+        )
+    if config.hidden_act == "poly_norm":
+        raise ConversionError("--to diffllama: DiffLlama's MLP takes transformers' activations; this model has hidden_act='poly_norm'.")
     if config.mlp_bias:
         raise ConversionError("--to diffllama: DiffLlama's MLP has no bias; this model has mlp_bias=True.")
     if not math.isclose(config.subln_eps, config.rms_norm_eps, rel_tol=0, abs_tol=0):
