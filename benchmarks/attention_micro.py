@@ -190,6 +190,12 @@ def _mask(x: AttentionInputs) -> torch.Tensor | None:
     return None if mask is None else mask[None, None]  # (1, 1, T, S), as transformers' mask builders return
 
 
+def _query_pad(like: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``(2, 1, 2, 1)``: ``scale`` on the diagonal. Multiplied into queries viewed ``(..., 2, n, 1, d)`` and flattened,
+    it zero-pads map 1's rows to ``[Q1|0]`` and map 2's to ``[0|Q2]`` (the padded call of docs/model.md)."""
+    return torch.eye(2, dtype=like.dtype, device=like.device).mul_(scale).view(2, 1, 2, 1)
+
+
 def llama_sdpa(x: AttentionInputs) -> torch.Tensor:
     """Yardstick: a same-config Llama's attention (2H d-wide query heads, 2G KV heads), output ``(B, T, 2H, d)``."""
     out, _ = sdpa_attention_forward(_KernelModule(x.n), x.query.transpose(1, 2), x.key_std, x.value_std, _mask(x), scaling=x.scaling)
@@ -200,7 +206,7 @@ def padded_sdpa(x: AttentionInputs) -> torch.Tensor:
     """(a) The modeling file's previous sdpa path, line for line (``DiffTransformerAttention.forward`` for any
     attention function other than ``"sdpa"``): zero-padded queries, one SDPA call, ``differential_combine``."""
     b, t, s, h, g, d = x.shape
-    pad = torch.eye(2, dtype=x.query.dtype, device=x.query.device).view(2, 1, 2, 1)
+    pad = _query_pad(x.query)
     query = (x.query.unflatten(2, (-1, 2, x.n, 1)) * pad).reshape(b, t, -1, 2 * d).transpose(1, 2)
     out, _ = sdpa_attention_forward(_KernelModule(2 * x.n), query, x.key_packed, x.value_packed, _mask(x), scaling=x.scaling)
     return differential_combine(out, x.lam, x.n, dim=2)
@@ -293,7 +299,7 @@ def direct(x: AttentionInputs) -> torch.Tensor:
 def direct_padded(x: AttentionInputs) -> torch.Tensor:
     """(f') Decode: ``[Q1|0]``, ``[0|Q2]`` (scale folded into the pad) times the whole packed key in one matmul."""
     b, t, s, h, g, d = x.shape
-    pad = torch.eye(2, dtype=x.query.dtype, device=x.query.device).mul_(x.scaling).view(2, 1, 2, 1)
+    pad = _query_pad(x.query, x.scaling)
     q = (x.query.view(b, t, g, 2, x.n, 1, d) * pad).permute(0, 2, 3, 4, 1, 5, 6).reshape(b, g, -1, 2 * d)  # (B,G,2nT,2d)
     scores = torch.matmul(q, x.key_packed.transpose(-1, -2))  # (B, G, 2·n·T, S)
     if t > 1:
@@ -312,7 +318,7 @@ def packed_sdpa(x: AttentionInputs) -> torch.Tensor:
     b, t, s, h, g, d = x.shape
     if t != 1:
         return padded_sdpa(x)
-    pad = torch.eye(2, dtype=x.query.dtype, device=x.query.device).view(2, 1, 2, 1)
+    pad = _query_pad(x.query)
     q = (x.query.view(b, g, 2, x.n, 1, d) * pad).view(b, g, 2 * x.n, 2 * d)  # rows (c, r): [Q1|0], [0|Q2]
     out = F.scaled_dot_product_attention(q, x.key_packed, x.value_packed, scale=x.scaling).view(b, g, 2, x.n, 2 * d)
     return (out[:, :, 0] - x.lam * out[:, :, 1]).view(b, 1, h, 2 * d)
@@ -351,7 +357,7 @@ def flex(x: AttentionInputs) -> torch.Tensor:
             offset = s - t
             _FLEX_CACHE[key] = create_block_mask(lambda _b, _h, qi, ki: ki <= qi + offset, None, None, t, s, device=x.query.device)
         mask = _FLEX_CACHE[key]
-    pad = torch.eye(2, dtype=x.query.dtype, device=x.query.device).view(2, 1, 2, 1)
+    pad = _query_pad(x.query)
     query = (x.query.unflatten(2, (-1, 2, x.n, 1)) * pad).reshape(b, t, -1, 2 * d).transpose(1, 2)
     out = _FLEX_CACHE["fn"](query, x.key_packed, x.value_packed, block_mask=mask, scale=x.scaling, enable_gqa=True)
     return differential_combine(out.transpose(1, 2), x.lam, x.n, dim=2)
@@ -590,8 +596,7 @@ def time_around_ops(past: int = 128, batch: int = 1, dtype: torch.dtype = torch.
     lam = v1.lambda_full().detach()
 
     def pad():
-        p = torch.eye(2, dtype=query.dtype).view(2, 1, 2, 1)
-        return (query.unflatten(2, (-1, 2, n, 1)) * p).reshape(batch, 1, -1, 2 * d)
+        return (query.unflatten(2, (-1, 2, n, 1)) * _query_pad(query)).reshape(batch, 1, -1, 2 * d)
 
     def norm():  # the module's own per-head norm call, as DiffTransformerAttention.forward makes it
         return v1.subln(combined, scale=1.0 - v1.lambda_init)
