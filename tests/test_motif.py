@@ -1,0 +1,229 @@
+"""Motif-2 checkpoints (``model_type "Motif"``) load and run as a configuration of our model, and convert.
+
+The oracle is tests/motif_reference.py: an independent plain-torch re-implementation of Motif's published forward, run
+in float64 on random weights in Motif's exact key layout (nobody here has the real weights). Checked: loading a Motif
+folder with ``AutoModelForCausalLM.from_pretrained`` (no remote code: the folder's ``auto_map`` names Motif's files,
+which are absent), logits and greedy tokens at tiny shapes (MHA r = 1, GQA r = 1 with two noise heads per KV pair,
+GDA r = 4) and at the released layer shapes, ``save_pretrained`` back to Motif's layout, and ``difftransformer-convert
+--from motif``. CI runs this module on the lowest, the pinned and the newest transformers release.
+
+How close is "within float32 rounding"? The model runs in float32, the oracle in float64. A float32 forward's error is
+a property of the function and the input (how much the arithmetic amplifies 2⁻²⁴ relative roundings), not of the code,
+so the oracle itself run in float32 measures it: an exact implementation lies within a small factor of that
+independent float32 run's error (measured: 0.7-1.4 ×); the bound is 8 × it. Every semantic slip is orders of magnitude
+above: the paper's λinit schedule instead of Motif's (tested below), noise rows in the wrong order (tested below).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from convert_scripts import convert as convert_cli
+from difftransformer import DiffTransformerForCausalLM, MotifConfig, MotifForCausalLM
+from difftransformer.motif import MotifQueryRows, motif_query_heads
+from motif_reference import motif_config, motif_forward, random_motif_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TINY = ["tiny-mha", "tiny-gqa", "tiny-gda"]
+# Motif's own files, named by the auto_map of its Hub folders; absent here, so loading must not need them.
+MOTIF_AUTO_MAP = {"AutoConfig": "configuration_motif.MotifConfig", "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM"}
+FLOAT32_FACTOR = 8.0
+
+
+def motif_folder(path, kind, seed=0, dtype=torch.float32, **overrides):
+    """A Motif checkpoint folder: Motif's config.json (with its auto_map) and random weights in its key layout."""
+    cfg = {**motif_config(kind, **overrides), "auto_map": MOTIF_AUTO_MAP}
+    state = random_motif_checkpoint(cfg, seed=seed, dtype=dtype)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return cfg, state
+
+
+def float32_bound(cfg, state, ids, exact):
+    """FLOAT32_FACTOR × the error of the oracle's own float32 run (see the module docstring)."""
+    return FLOAT32_FACTOR * (motif_forward(cfg, state, ids, dtype=torch.float32).double() - exact).abs().max().item()
+
+
+def oracle_greedy(cfg, state, ids, steps):
+    """Greedy continuation by the float64 oracle, and the smallest top-2 logit margin met on the way."""
+    margin = math.inf
+    for _ in range(steps):
+        logits = motif_forward(cfg, state, ids)[:, -1]
+        top2 = logits.topk(2, dim=-1).values
+        margin = min(margin, (top2[:, 0] - top2[:, 1]).min().item())
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids, margin
+
+
+def _ids(vocab, shape, seed=0):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", TINY)
+def test_motif_folder_loads_without_remote_code_and_matches_the_oracle(kind, tmp_path):
+    cfg, state = motif_folder(tmp_path / kind, kind, seed=1)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32, output_loading_info=True)
+    assert type(model) is MotifForCausalLM and type(model).__module__ == "difftransformer.motif"
+    assert not any(info.values()), info  # every tensor used, none missing
+    assert model.config.lambda_init_layer_offset == -1 and model.config.hidden_act == "poly_norm"
+    assert model.config.subln_eps == cfg["attn_rms_norm_eps"] and model.config.noise_heads == cfg.get("num_noise_heads", cfg["num_attention_heads"] // 2)
+    ids = _ids(cfg["vocab_size"], (2, 12))
+    exact = motif_forward(cfg, state, ids)
+    bound = float32_bound(cfg, state, ids, exact)
+    with torch.no_grad():
+        for attn in ("sdpa", "eager"):
+            model.set_attn_implementation(attn)
+            err = (model(ids).logits.double() - exact).abs().max().item()
+            assert err <= bound, (attn, err, bound)
+    # left padding (the oracle masks padded keys and counts positions from the first real token)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits.double()
+    exact_padded = motif_forward(cfg, state, ids, attention_mask=mask)
+    assert (padded - exact_padded)[mask.bool()].abs().max() <= bound
+
+
+@pytest.mark.parametrize("kind", ["tiny-mha", "tiny-gda"])
+def test_greedy_tokens_equal_the_oracles_with_and_without_cache(kind, tmp_path):
+    """generate() with the dynamic cache, the static cache and no cache gives the oracle's greedy tokens; every step's
+    top-2 margin exceeds twice the float32 bound, so the equality is not luck."""
+    cfg, state = motif_folder(tmp_path / kind, kind, seed=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = _ids(cfg["vocab_size"], (1, 6), seed=3)
+    expected, margin = oracle_greedy(cfg, state, ids, steps=8)
+    bound = float32_bound(cfg, state, expected, motif_forward(cfg, state, expected))
+    assert margin > 2 * bound, (margin, bound)
+    for kwargs in ({}, {"use_cache": False}, {"cache_implementation": "static"}):
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, **kwargs)
+        assert torch.equal(out, expected), kwargs
+
+
+def test_rows_are_reordered_at_load_where_motif_and_our_orders_differ(tmp_path, monkeypatch):
+    """tiny-gqa has two noise heads per KV pair: Motif's rows ``[s0, n0, s1, n1]`` per pair are ours ``[s0, s1, n0, n1]``
+    (a real permutation, done by the registered weight conversion); without it the logits leave the bound. The
+    released shapes need none (one noise head per KV pair)."""
+    for kind, expected in (("tiny-gqa", [0, 2, 1, 3, 4, 6, 5, 7]), ("tiny-gda", list(range(10))),
+                           ("2.6b", list(range(16))), ("12.7b", list(range(40)))):
+        assert motif_query_heads(MotifConfig(**motif_config(kind))).tolist() == expected, kind
+    cfg, state = motif_folder(tmp_path / "m", "tiny-gqa", seed=4)
+    ids = _ids(cfg["vocab_size"], (2, 10))
+    exact = motif_forward(cfg, state, ids)
+    bound = float32_bound(cfg, state, ids, exact)
+    monkeypatch.setattr(MotifQueryRows, "_rows", lambda self, config: None)
+    with torch.no_grad():
+        unordered = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)(ids).logits.double()
+    assert (unordered - exact).abs().max() > 1000 * bound
+
+
+def test_motifs_lambda_init_schedule_is_what_makes_it_exact(tmp_path):
+    """Non-vacuity of the bound: with the paper's λinit (offset 0 instead of Motif's −1) the logits leave it by far."""
+    cfg, state = motif_folder(tmp_path / "m", "tiny-mha", seed=5)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    ids = _ids(cfg["vocab_size"], (2, 10))
+    exact = motif_forward(cfg, state, ids)
+    for layer in model.model.layers:
+        layer.self_attn.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer.self_attn.layer_idx)
+    with torch.no_grad():
+        assert (model(ids).logits.double() - exact).abs().max() > 1000 * float32_bound(cfg, state, ids, exact)
+
+
+@pytest.mark.parametrize("kind", ["2.6b", "12.7b"])
+def test_released_layer_shapes_match_the_oracle(kind, tmp_path):
+    """The released models' layer shapes (2.6B: 16 half-heads of 128, MHA, hidden 2048, MLP 8192; 12.7B: 40 half-heads =
+    8 × (4 signal + 1 noise), 16 KV half-heads, hidden 4096, MLP 16384), one layer, a 256-token vocabulary, weights in
+    bfloat16 as released; the model loads them in float32."""
+    cfg, state = motif_folder(tmp_path / kind, kind, dtype=torch.bfloat16, num_hidden_layers=1, vocab_size=256)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32)
+    attn = model.model.layers[0].self_attn
+    assert attn.o_proj.in_features == 2 * model.config.num_diff_heads * 128 and attn.noise_ratio == (4 if kind == "12.7b" else 1)
+    ids = _ids(256, (1, 8))
+    exact = motif_forward(cfg, state, ids)
+    with torch.no_grad():
+        err = (model(ids).logits.double() - exact).abs().max().item()
+    assert err <= float32_bound(cfg, state, ids, exact), err
+
+
+def test_save_pretrained_writes_motifs_layout_back(tmp_path):
+    """A loaded Motif model saves as a Motif folder: model_type "Motif", Motif's row order (the inverse permutation),
+    every tensor equal to the source's; it reloads to the same logits."""
+    cfg, state = motif_folder(tmp_path / "m", "tiny-gqa", seed=6)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "Motif"
+    assert not list((tmp_path / "saved").glob("*.py"))  # no difftransformer code in a Motif folder
+    ids = _ids(cfg["vocab_size"], (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "override,texts",
+    [
+        (dict(k_ratio=2), ["k_ratio", "1"]),
+        (dict(use_sliding_window=True, sliding_window=4), ["use_sliding_window", "false"]),
+        (dict(use_bias=True, qkv_bias=False), ["qkv_bias", "o_proj bias"]),
+        (dict(num_noise_heads=3), ["num_noise_heads", "one of [2]"]),
+    ],
+)
+def test_motif_configs_our_model_cannot_compute_are_refused(override, texts):
+    with pytest.raises(ValueError) as err:
+        MotifConfig(**{**motif_config("tiny-gda"), **override})  # (the oracle's own config check would refuse them too)
+    for text in texts:
+        assert text in str(err.value), str(err.value)
+
+
+def test_converter_writes_a_difftransformer_folder_equal_to_the_motif_model(tmp_path, capsys):
+    """difftransformer-convert --from motif: our model_type with remote code, same logits as the loaded Motif folder
+    (float32, to the bit), input untouched; a bad config field is one line naming field and file, exit 2, nothing
+    written."""
+    cfg, state = motif_folder(tmp_path / "m", "tiny-gda", seed=7)
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "m").iterdir()}
+    out = tmp_path / "ours"
+    assert convert_cli.main(["--from", "motif", "--input", str(tmp_path / "m"), "--output", str(out), "--dtype", "float32", "--no-progress"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "m").iterdir()} == before
+    assert {"modeling_difftransformer.py", "configuration_difftransformer.py", "kernels_difftransformer.py"} <= {p.name for p in out.iterdir()}
+    config = AutoConfig.from_pretrained(out)
+    assert config.model_type == "difftransformer" and config.num_noise_heads == 2 and config.lambda_init_layer_offset == -1
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    motif = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    assert type(ours) is DiffTransformerForCausalLM
+    ids = _ids(cfg["vocab_size"], (2, 9))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, motif(ids).logits)
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+    (bad / "model.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
+    for config_edit, field in (({"num_attention_heads": 0}, "num_attention_heads"), ({"k_ratio": 3}, "k_ratio"),
+                               ({"attn_rms_norm_eps": -1.0}, "attn_rms_norm_eps"), ({"model_type": "llama"}, "model_type")):
+        (bad / "config.json").write_text(json.dumps({**cfg, **config_edit}))
+        capsys.readouterr()
+        assert convert_cli.main(["--from", "motif", "--input", str(bad), "--output", str(tmp_path / "x"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert field in err and err.count("\n") == 1, err
+        assert str(bad / "config.json") in err or field == "model_type", err
+        assert not (tmp_path / "x").exists()
+
+
+def test_converted_folder_runs_as_remote_code_without_the_package(tmp_path):
+    """The converted GDA + PolyNorm + Motif-λinit folder, loaded with trust_remote_code in a process where difftransformer
+    cannot be imported, gives the oracle's greedy tokens with and without the cache."""
+    from test_remote_code_folders import NEW_TOKENS, remote_generate
+
+    cfg, state = motif_folder(tmp_path / "m", "tiny-gda", seed=8)
+    convert_cli.main(["--from", "motif", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "ours"), "--dtype", "float32", "--no-progress"])
+    ids = _ids(cfg["vocab_size"], (1, 5), seed=9)
+    expected, _ = oracle_greedy(cfg, state, ids, steps=NEW_TOKENS)
+    remote = remote_generate(tmp_path / "ours", ids, tmp_path)
+    assert remote["cached"] == remote["uncached"] == expected[:, ids.shape[1]:].tolist()
