@@ -369,7 +369,8 @@ def write_results(results: dict, out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Every model and seed in turn; the results files are rewritten after each run (a partial run keeps what it has)."""
+    """Every model for the first seed, then for the next; the results files are rewritten after each run (a partial run
+    keeps what it has: every model at the seeds done). Each run is seeded on its own, so the order changes no number."""
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -383,8 +384,8 @@ def run(args: argparse.Namespace) -> dict:
     runs: dict = {}
     before_shared: dict = {}
     with tempfile.TemporaryDirectory(prefix="compare_upcycled-") as tmp:
-        for name in args.models:
-            for seed in args.seeds:
+        for seed in args.seeds:
+            for name in args.models:
                 runs.setdefault(name, {})[seed] = run_one(name, seed, source, data, args, Path(tmp), before_shared)
                 meta = _meta(args, source, data["probes"], eval_length, time.time() - t_start)
                 results = {"provenance": up.provenance("compare_upcycled.py", meta["command"]), "meta": meta,
