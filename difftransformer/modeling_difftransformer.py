@@ -477,18 +477,18 @@ class DiffTransformerAttention(nn.Module):
         return query.shape[1] == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, *tensors)))
 
 
-# vLLM's Transformers backend gives each layer one call of its attention function, backed by an attention layer of
-# num_attention_heads query heads over a KV cache of num_key_value_heads heads, all head_dim wide (query head i reads KV
-# head i // (Hq / Hkv)). Each query head then yields A_c·V of its own KV head only, while V1 needs A_c·[V_g,0; V_g,1]:
-# the cross terms would take a second call or 2·head_dim-wide cache heads, and V1's padded 2·head_dim queries would be
-# read as twice the tokens (silently wrong). So V1 refuses to be built there.
+# vLLM's Transformers backend gives each layer one call of its attention function, backed by an attention layer that
+# the backend builds from the config: num_attention_heads query heads over a KV cache of num_key_value_heads heads, all
+# head_dim wide. V1's single call needs num_key_value_heads / 2 cache heads of width 2·head_dim (the same bytes) and
+# 2·head_dim-wide padded queries, which that layer would read as twice the tokens (silently wrong). The package's
+# native vLLM model (difftransformer/vllm_model.py) builds that layer; so V1 refuses to be built on the backend.
 VLLM_V1_ERROR = (
-    "diff_version=1 cannot be served by vLLM (neither by difftransformer's native vLLM model nor by vLLM's "
-    "Transformers backend): vLLM gives each layer one attention call over a "
-    "KV cache of num_key_value_heads heads of width head_dim, and DIFF V1 multiplies each softmax map by the "
-    "2*head_dim-wide value [V1; V2] of its group, which that call cannot compute (its output would be silently wrong). "
-    "Serve a diff_version=2 model instead: upcycle the source Llama with `difftransformer-convert --from llama "
-    "--diff-version 2 --input LLAMA --output V2_FOLDER` (exact), or run this V1 model with transformers (generate())."
+    "diff_version=1 is served by difftransformer's native vLLM model, not by vLLM's Transformers backend "
+    "(model_impl=\"transformers\"): the backend's attention layer has num_key_value_heads cache heads of width "
+    "head_dim, and DIFF V1's single attention call needs num_key_value_heads/2 heads of width 2*head_dim (the same "
+    "cache bytes), so its output would be silently wrong. Install difftransformer in vLLM's environment (its vLLM "
+    "plugin registers the native model) and load the folder with vLLM's default model_impl: `vllm serve FOLDER` or "
+    "`LLM(model=FOLDER)`."
 )
 
 

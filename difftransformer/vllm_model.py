@@ -1,38 +1,180 @@
-"""DIFF V2 as a native vLLM model: vLLM's own Llama layers plus the differential combine.
+"""DIFF V1 and V2 as a native vLLM model: vLLM's own Llama layers plus differential attention.
 
 vLLM imports this module only when it builds a ``DiffTransformerForCausalLM`` folder; ``vllm_plugin.register`` (the
-``vllm.general_plugins`` entry point of setup.py) tells it where the class is. Without the package installed, the same
-folder still serves through vLLM's Transformers backend (``model_impl="transformers"`` with the folder's remote code).
+``vllm.general_plugins`` entry point of setup.py) tells it where the class is.
 
-The model is vLLM's ``LlamaForCausalLM`` with one layer changed, the attention (SPEC §2):
+The model is vLLM's ``LlamaForCausalLM`` with one layer changed, the attention. Both versions run ONE call of vLLM's
+attention layer per layer (vLLM writes the KV cache inside that call, so prefix caching, chunked prefill and continuous
+batching are vLLM's own), and both cache exactly the bytes of a Llama with the same ``num_key_value_heads`` (``Hkv``)
+and ``head_dim`` (``d``):
 
-* the fused ``qkv_proj`` holds the ``2H`` query heads (``num_attention_heads`` of the config) and the ``G`` KV heads;
-* vLLM's attention layer runs one standard call over them (query head ``j`` reads KV head ``⌊j/2n⌋``, vLLM's GQA rule),
-  so the KV cache is exactly a Llama's with the same ``num_key_value_heads`` and ``head_dim``;
-* ``λ = sigmoid(x W_λᵀ)`` per token and head, ``o_h = a_2h − λ_h · a_2h+1`` (``differential_combine``), and ``o_proj``
-  maps the ``H·d`` combined features back.
+**V2** (SPEC §2, :class:`DiffTransformerV2Attention`): the fused ``qkv_proj`` holds the ``2H`` query heads and ``G``
+KV heads; vLLM's attention layer runs over them (query head ``j`` reads KV head ``⌊j/2n⌋``, vLLM's GQA rule);
+``λ = sigmoid(x W_λᵀ)`` per token and head, ``o_h = a_2h − λ_h · a_2h+1``, and ``o_proj`` maps the ``H·d`` combined
+features back.
 
-Tensor parallelism shards ``qkv_proj``, ``lambda_proj`` (column-parallel) and ``o_proj`` (row-parallel) by heads: a rank
-holding query heads ``[2h0, 2h1)`` holds ``λ`` and the output columns of heads ``[h0, h1)``, so pairs never split.
+**V1** (SPEC §1, :class:`DiffTransformerV1Attention`): the padded single call of the transformers model. vLLM's
+attention layer is built with ``G = Hkv/2`` KV heads of width ``2d`` (each one KV group: keys ``[K1 | K2]``, values
+``[V_g,0 | V_g,1]``, a free view of the ``Hkv`` rotated ``d``-wide key and value heads the projection gives, so the
+cache holds a Llama's bytes), ``2H`` query heads of width ``2d`` (each map-1 query ``[q1 | 0]``, each map-2 query
+``[0 | q2]``) and the scale ``1/√d``. Query half-head ``i = (2g + c)·n + r`` (SPEC §3's group-major rows) reads KV head
+``⌊i / 2n⌋ = g`` by vLLM's GQA rule, and ``[q1 | 0]·[K1 | K2]ᵀ = q1·K1ᵀ``: the call returns ``A_c·[V_g,0; V_g,1]`` for
+every map, exactly. Then ``(A1 − λA2)·V = A1·V − λ·A2·V`` (λ one float32 scalar per layer from ``lambda_q1 … k2``),
+the per-head RMSNorm over ``2d`` (``subln.weight``, ``subln_eps``) times ``1 − λinit``, and ``o_proj``. The padded call
+does twice the attention arithmetic of V1's math (the zero halves); docs/serving.md measures what that costs.
 
-DIFF V1 is refused: its softmax maps multiply a ``2·head_dim``-wide value, which one vLLM attention call over the
-config's KV heads cannot compute (see ``VLLM_V1_ERROR``).
+Tensor parallelism shards every projection by whole KV groups: vLLM's ``QKVParallelLinear`` gives rank ``t`` of ``T``
+the contiguous query rows ``[t·Hq/T, (t+1)·Hq/T)`` and key/value rows ``[t·Hkv/T, (t+1)·Hkv/T)``, and ``o_proj``
+(row-parallel) the matching contiguous input columns; with the group-major row order these are the groups
+``[t·G/T, (t+1)·G/T)`` with all their query, key and value half-heads (V1) or pairs (V2), so the two maps of a head
+never split and λ (V1: a replicated scalar; V2: column-parallel ``lambda_proj``) needs no communication. ``G`` must be
+a multiple of ``T`` (:func:`tensor_parallel_groups`; vLLM replicates KV heads when ``Hkv < T``, which would split V1's
+groups, so that is refused).
+
+Without the package installed in vLLM's environment, vLLM's Transformers backend (``model_impl="transformers"``
+with the folder's remote code) serves V2 folders and refuses V1 ones (``VLLM_V1_ERROR``).
 """
 
 from __future__ import annotations
 
 import torch
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
 
-from .modeling_difftransformer import VLLM_V1_ERROR, differential_combine
+from .modeling_difftransformer import DiffTransformerHeadRMSNorm, differential_combine, lambda_init_fn
+
+
+def tensor_parallel_groups(config, tp_size: int) -> int:
+    """KV groups per tensor-parallel rank (module docstring): ``G / tp_size``, refused unless whole."""
+    groups = config.num_key_value_heads // 2 if config.diff_version == 1 else config.num_key_value_heads
+    if groups % tp_size:
+        raise ValueError(
+            f"diff_version={config.diff_version}: tensor_parallel_size={tp_size} must divide the {groups} KV groups "
+            f"(num_key_value_heads={config.num_key_value_heads}{' / 2' if config.diff_version == 1 else ''}): "
+            "each rank must hold whole groups, so that the two maps of every differential head stay on one rank."
+        )
+    return groups // tp_size
+
+
+def _refuse_unsupported(config) -> None:
+    """What the native model does not compute (yet): refused at build time rather than served wrongly."""
+    noise = getattr(config, "num_noise_heads", None)
+    if noise is not None and noise != config.num_attention_heads // 2:
+        raise NotImplementedError(
+            f"num_noise_heads={noise} (grouped differential attention) is not supported by difftransformer's native "
+            "vLLM model yet; run it with transformers (generate())."
+        )
+    if config.hidden_act not in ("silu",):
+        raise NotImplementedError(
+            f"hidden_act={config.hidden_act!r} is not supported by difftransformer's native vLLM model (Llama's MLP, "
+            "silu); run it with transformers (generate())."
+        )
+
+
+class DiffTransformerV1Attention(LlamaAttention):
+    """DIFF V1 in one call of vLLM's attention layer (module docstring): ``G`` KV heads of width ``2d`` per rank,
+    ``2H`` zero-padded query heads of width ``2d``, scale ``1/√d``; then ``A1·V − λ·A2·V``, the per-head RMSNorm and
+    ``(1 − λinit)``, and ``o_proj`` over the ``H·2d`` features.
+
+    ``LlamaAttention.__init__`` is not called: it would build vLLM's attention layer with ``d``-wide heads under this
+    layer's name (vLLM allows one attention layer per name, and allocates a cache for each). The projections,
+    rotary embedding and forward contract are Llama's, with the head sizes above."""
+
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_position_embeddings: int = 8192,
+        quant_config=None,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        cache_config=None,
+        prefix: str = "",
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        torch.nn.Module.__init__(self)
+        layer_idx = extract_layer_index(prefix)
+        tp_size = get_tensor_model_parallel_world_size()
+        self.hidden_size = hidden_size
+        self.head_dim = d = config.head_dim
+        self.total_num_heads = num_heads  # 2H query half-heads
+        self.total_num_kv_heads = num_kv_heads  # Hkv = 2G key (and value) half-heads
+        groups = tensor_parallel_groups(config, tp_size)  # G per rank
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = num_kv_heads // tp_size  # 2·groups
+        self.num_diff_heads = self.num_heads // 2  # H per rank
+        self.pair_stride = self.num_diff_heads // groups  # n: query rows are ordered (g, c, r)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d  # = groups · 2d
+        self.scaling = d**-0.5  # 1/sqrt(d), not 1/sqrt(2d): each map is a d-wide dot product
+        self.max_position_embeddings = max_position_embeddings
+
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size=hidden_size,
+            head_size=d,
+            total_num_heads=num_heads,
+            total_num_kv_heads=num_kv_heads,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            input_size=(num_heads // 2) * 2 * d,  # H heads of width 2d
+            output_size=hidden_size,
+            bias=bias_o_proj,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self._init_rotary_emb(config, quant_config=quant_config)  # d-wide, rotate-half, as every Llama's
+        self.attn = Attention(
+            self.num_heads,
+            2 * d,
+            self.scaling,
+            num_kv_heads=groups,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            attn_type=attn_type,
+            prefix=f"{prefix}.attn",
+        )
+        # λ (SPEC §1): loaded by name, float32 whatever the model's dtype (as in the transformers model).
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            setattr(self, name, torch.nn.Parameter(torch.zeros(d, dtype=torch.float32), requires_grad=False))
+        offset = getattr(config, "lambda_init_layer_offset", 0) or 0
+        self.lambda_init = config.lambda_init if config.lambda_init is not None else lambda_init_fn(layer_idx + offset)
+        self.subln = DiffTransformerHeadRMSNorm(2 * d, eps=config.subln_eps)  # subln.weight, replicated
+        self.subln.weight.requires_grad_(False)
+        # [q | 0] for map c = 0, [0 | q] for c = 1, as a broadcast factor over (tokens, g, c, r, c', d).
+        self.register_buffer("query_pad", torch.eye(2).view(2, 1, 2, 1), persistent=False)
+
+    def lambda_full(self) -> torch.Tensor:
+        """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``: a float32 scalar, as ``DiffTransformerV1Attention.lambda_full``."""
+        return torch.exp(torch.dot(self.lambda_q1, self.lambda_k1)) - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2)) + self.lambda_init
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)  # every d-wide half-head rotated, as the transformers model does
+        # k, v: (tokens, Hkv·d) = (tokens, G·2d) already: [K_g,0 | K_g,1] per group, in SPEC §3's (g, c) row order.
+        padded = q.unflatten(-1, (-1, 2, self.pair_stride, 1, self.head_dim)) * self.query_pad.to(q.dtype)
+        maps = self.attn(padded.flatten(1), k, v).view(-1, self.num_heads, 2 * self.head_dim)  # (tokens, 2H, 2d): A_c·V
+        combined = differential_combine(maps, self.lambda_full(), self.pair_stride, dim=1)  # (tokens, H, 2d)
+        combined = self.subln(combined, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h) ⊙ w
+        output, _ = self.o_proj(combined.flatten(1))
+        return output
 
 
 class DiffTransformerV2Attention(LlamaAttention):
     """vLLM's Llama attention over the ``2H`` query heads, then DIFF V2's combine (``num_heads`` is ``2H`` per rank)."""
 
     def __init__(self, config, hidden_size: int, num_heads: int, *args, quant_config=None, prefix: str = "", **kwargs):
+        tensor_parallel_groups(config, get_tensor_model_parallel_world_size())
         super().__init__(config, hidden_size, num_heads, *args, quant_config=quant_config, prefix=prefix, **kwargs)
         self.num_diff_heads = self.num_heads // 2  # per rank
         total_diff_heads = self.total_num_heads // 2
@@ -64,17 +206,28 @@ class DiffTransformerV2Attention(LlamaAttention):
         return output
 
 
+class DiffTransformerV1DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
+        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=DiffTransformerV1Attention)
+
+
 class DiffTransformerV2DecoderLayer(LlamaDecoderLayer):
     def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
         super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=DiffTransformerV2Attention)
 
 
+DECODER_LAYERS = {1: DiffTransformerV1DecoderLayer, 2: DiffTransformerV2DecoderLayer}
+
+
 class DiffTransformerForCausalLM(LlamaForCausalLM):
-    """vLLM's Llama with DIFF V2 attention. Weight names are the checkpoint's (SPEC §3): vLLM's loader stacks
-    ``q_proj, k_proj, v_proj`` into ``qkv_proj`` as for a Llama and loads ``lambda_proj`` by name."""
+    """vLLM's Llama with DIFF V1 or V2 attention (``diff_version`` of the config). Weight names are the checkpoint's
+    (SPEC §3): vLLM's loader stacks ``q_proj, k_proj, v_proj`` into ``qkv_proj`` as for a Llama and loads
+    ``lambda_proj`` (V2), ``lambda_q1 … lambda_k2`` and ``subln.weight`` (V1) by name."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         config = vllm_config.model_config.hf_config
-        if getattr(config, "diff_version", None) != 2:
-            raise ValueError(VLLM_V1_ERROR)
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=DiffTransformerV2DecoderLayer)
+        version = getattr(config, "diff_version", None)
+        if version not in DECODER_LAYERS:
+            raise ValueError(f"diff_version={version!r}: difftransformer's native vLLM model serves 1 and 2.")
+        _refuse_unsupported(config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=DECODER_LAYERS[version])

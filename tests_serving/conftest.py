@@ -31,12 +31,23 @@ from serving_utils import chat_references, serve_smollm2  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def smollm2_v2_folder(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct's exact V2 upcycle, converted from its GGUF file by convert.py.
-    ``DIFFTRANSFORMER_SERVING_CACHE=DIR`` keeps it in DIR between runs."""
+def smollm2_workdir(tmp_path_factory) -> Path:
+    """Where the SmolLM2 folders go. ``DIFFTRANSFORMER_SERVING_CACHE=DIR`` keeps them in DIR between runs."""
     cache = os.environ.get("DIFFTRANSFORMER_SERVING_CACHE")
-    workdir = Path(cache) if cache else tmp_path_factory.mktemp("smollm2")
-    return serve_smollm2.prepare_v2(workdir)
+    return Path(cache) if cache else tmp_path_factory.mktemp("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_v2_folder(smollm2_workdir) -> Path:
+    """SmolLM2-135M-Instruct's exact V2 upcycle, converted from its GGUF file by convert.py."""
+    return serve_smollm2.prepare_v2(smollm2_workdir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_v1_folder(smollm2_workdir) -> Path:
+    """SmolLM2-135M-Instruct's V1 upcycle (approximate: ``--v1-init duplicate``, the converter's choice for its 3 KV
+    heads), converted from its GGUF file by convert.py."""
+    return serve_smollm2.prepare_v1(smollm2_workdir)
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +75,23 @@ def smollm2_v2_model(smollm2_v2_folder):
 def smollm2_chat_refs(smollm2_v2_model, smollm2_tokenizer):
     """Our greedy answers to serving_utils.CHAT_PROMPTS (chat template applied by the tokenizer)."""
     return chat_references(smollm2_v2_model, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm2_v1_tokenizer(smollm2_v1_folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_v1_folder)
+
+
+@pytest.fixture(scope="session")
+def smollm2_v1_chat_refs(smollm2_v1_folder, smollm2_v1_tokenizer):
+    """The V1 upcycle's greedy answers (our model, plain transformers, float32), as ``smollm2_chat_refs``."""
+    import torch
+
+    import difftransformer  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_v1_folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == "DiffTransformerForCausalLM" and model.config.diff_version == 1
+    return chat_references(model, smollm2_v1_tokenizer)

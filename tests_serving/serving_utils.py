@@ -52,21 +52,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def save_random_model(folder: Path, *, diff_version: int, num_key_value_heads: int, seed: int = 0):
+def save_random_model(folder: Path, *, diff_version: int, num_key_value_heads: int, num_attention_heads: int = 8,
+                      seed: int = 0):
     """A tiny random DIFF model saved with save_pretrained (remote code included). head_dim 32: vLLM's CPU attention
-    kernels support 32, 64, 80, ... (not the 8 of the main suite's tiny models). initializer_range 0.1 (instead of
-    0.02) gives logits far enough apart for greedy decoding to be determined (see MIN_MARGIN)."""
+    kernels support 32, 64, 80, ... (not the 8 of the main suite's tiny models; V1's single call runs 2·32 = 64).
+    initializer_range 0.1 (instead of 0.02) gives logits far enough apart for greedy decoding to be determined (see
+    assert_matches)."""
     from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 
     torch.manual_seed(seed)
     config = DiffTransformerConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=num_key_value_heads, head_dim=32, diff_version=diff_version, max_position_embeddings=1024,
-        initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=32,
+        diff_version=diff_version, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,
     )
     model = DiffTransformerForCausalLM(config).eval()
     model.save_pretrained(folder)
     return model
+
+
+def save_duplicated_v1_upcycle(folder: Path, *, num_attention_heads: int, num_key_value_heads: int, seed: int = 0):
+    """A tiny random Llama (head_dim 32, initializer_range 0.1) upcycled to V1 by
+    ``difftransformer.convert.convert("llama", ..., diff_version=1, v1_init="duplicate")``: ``2·Hq`` query and
+    ``2·Hkv`` KV half-heads, any head counts (odd ones included). Returns the converted folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from difftransformer.convert import convert
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=32,
+        max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    source = Path(folder).with_name(Path(folder).name + "-llama")
+    LlamaForCausalLM(config).save_pretrained(source)
+    convert("llama", source, folder, diff_version=1, v1_init="duplicate", progress=False, seed=seed)
+    return Path(folder)
 
 
 @dataclass
@@ -136,3 +159,90 @@ def chat_references(model, tokenizer, prompts=CHAT_PROMPTS, max_new_tokens=CHAT_
             margins.append((top2[0] - top2[1]).item())
         refs.append(Greedy(ids, new, logprobs, margins))
     return refs
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# vLLM engines in a child process
+#
+# The references come from plain transformers in the test process; vLLM runs in a child process, so that the two never
+# share torch's global state (vLLM's CPU worker binds threads, sets its own defaults). run_engine_jobs builds the jobs'
+# engines one after another in that child; with VLLM_ENABLE_V1_MULTIPROCESSING=0 each engine runs inside it, so
+# vLLM is imported once for all of them (most of an engine's start-up on CPU).
+
+
+def run_engine_jobs(jobs_file: str, out_file: str) -> None:
+    """Run the jobs of ``jobs_file`` (a JSON list) with vLLM, write what each gave to ``out_file`` (JSON).
+
+    A job: ``name``, ``model`` (folder), ``llm`` (keyword arguments of ``vllm.LLM``), ``rounds`` (lists of prompts,
+    token ids, sent as one ``generate`` call each: concurrent requests), ``new_tokens``. It records for each round and
+    prompt the greedy token ids, their log-probabilities and the number of prompt tokens vLLM found in its prefix
+    cache; for the engine, whether it runs the Transformers backend, its architecture, and whether prefix caching and
+    chunked prefill are on. An engine that fails to build records ``error`` (type and message) instead."""
+    import gc
+    import json
+    import time
+
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    results = {}
+    for job in json.loads(Path(jobs_file).read_text()):
+        record: dict = {"error": None}
+        started = time.perf_counter()
+        try:
+            llm = vllm.LLM(model=job["model"], **job["llm"])
+        except Exception as err:  # noqa: BLE001 - the test reads the error
+            record["error"] = f"{type(err).__name__}: {err}"
+            results[job["name"]] = record
+            gc.collect()
+            continue
+        record["startup_s"] = time.perf_counter() - started
+        config = llm.llm_engine.vllm_config
+        record["transformers_backend"] = config.model_config.using_transformers_backend()
+        record["architecture"] = config.model_config.architecture
+        record["prefix_caching"] = bool(config.cache_config.enable_prefix_caching)
+        record["chunked_prefill"] = bool(config.scheduler_config.enable_chunked_prefill)
+        record["max_num_batched_tokens"] = config.scheduler_config.max_num_batched_tokens
+        params = vllm.SamplingParams(temperature=0, max_tokens=job["new_tokens"], ignore_eos=True, logprobs=0,
+                                     detokenize=False)
+        record["rounds"] = []
+        for prompts in job["rounds"]:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            record["rounds"].append([
+                {"ids": list(o.outputs[0].token_ids),
+                 "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
+                 "cached": o.num_cached_tokens}
+                for o in outputs
+            ])
+        record["seconds"] = time.perf_counter() - started
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        results[job["name"]] = record
+        Path(out_file).write_text(json.dumps(results))  # after each job: a crash later keeps the earlier results
+    Path(out_file).write_text(json.dumps(results))
+
+
+def engine_jobs_in_child(jobs: list[dict], workdir: Path, env: dict | None = None, timeout: int = 1500) -> dict:
+    """:func:`run_engine_jobs` in a child process (``env`` added to this process's environment); returns its results.
+    Fails with the end of the child's log when it does not finish."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    jobs_file, out_file, log_file = workdir / "jobs.json", workdir / "results.json", workdir / "child.log"
+    jobs_file.write_text(json.dumps(jobs))
+    script = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests_serving')!r}]\n"
+        "from serving_utils import run_engine_jobs\n"
+        "if __name__ == '__main__':  # vLLM may spawn processes (workers of a tensor-parallel engine)\n"
+        f"    run_engine_jobs({str(jobs_file)!r}, {str(out_file)!r})\n"
+    )
+    with open(log_file, "wb") as log:
+        proc = subprocess.run([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+    if proc.returncode != 0 or not out_file.is_file():
+        raise AssertionError(f"vLLM child process exited with {proc.returncode}:\n{log_file.read_text(errors='replace')[-6000:]}")
+    return json.loads(out_file.read_text())

@@ -1,7 +1,8 @@
-"""DIFF models in ``vllm.LLM``: V2 greedy output equals our ``generate()``, V1 is refused, on both of vLLM's ways to run
-them: the package's native vLLM model (its vLLM plugin, vLLM's default ``model_impl="auto"``, no remote code) and vLLM's
+"""DIFF V2 models in ``vllm.LLM``: greedy output equals our ``generate()`` on both of vLLM's ways to run them: the
+package's native vLLM model (its vLLM plugin, vLLM's default ``model_impl="auto"``, no remote code) and vLLM's
 Transformers backend (``model_impl="transformers"`` with the folder's remote code). The real model's chat runs here on
-the Transformers backend, and in test_openai_server.py on the native model.
+the Transformers backend, and in test_openai_server.py on the native model. DIFF V1 (native model only; the
+Transformers backend refuses it) is tested in test_vllm_v1.py.
 
 vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model); ``max_num_batched_tokens``
 is set below the prompt lengths so that chunked prefill really splits prompts, and a second round of prompts
@@ -11,10 +12,6 @@ sharing a cached prefix checks that prefix-cache hits happen and change nothing.
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -111,33 +108,6 @@ def test_v2_batch_with_chunked_prefill_and_prefix_caching_equals_generate(random
     assert_equal_to_reference(out_second, refs[6:], LOGPROB_TOL)
 
 
-def test_v1_is_refused_at_load_with_a_named_error(tmp_path):
-    """On both implementations, vLLM fails while building the model (the native class, or the folder's own code under
-    the Transformers backend), naming diff_version=1 and the way out. The engine runs in-process here
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the error is the exception itself; by default vLLM logs the same
-    ValueError from its engine process and raises "Engine core initialization failed". One process tries both (vLLM's
-    import is most of its cost)."""
-    save_random_model(tmp_path, diff_version=1, num_key_value_heads=4)
-    script = textwrap.dedent(f"""
-        from vllm import LLM
-        if __name__ == "__main__":
-            for impl, kwargs in {IMPLS!r}.items():
-                try:
-                    LLM(model={str(tmp_path)!r}, **kwargs, dtype="float32",
-                        max_model_len=256, skip_tokenizer_init=True, enforce_eager=True)
-                    print(impl, "LOADED")
-                except ValueError as err:
-                    print(impl, "REFUSED:", err)
-    """)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    for impl in IMPLS:
-        refused = [line for line in result.stdout.splitlines() if line.startswith(f"{impl} REFUSED:")]
-        assert refused, impl + ":\n" + result.stdout[-2000:] + result.stderr[-3000:]
-        assert "diff_version=1 cannot be served by vLLM" in refused[0], impl
-        assert "difftransformer-convert --from llama --diff-version 2" in refused[0], impl
-
-
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2_v2_folder):
     """The Transformers backend (the folder's remote code); test_openai_server.py runs the same chat on the native
@@ -164,6 +134,7 @@ def test_smollm2_v2_upcycle_chat_equals_generate(smollm2_llm, smollm2_chat_refs)
 
 
 def test_docs_quote_the_v1_error():
+    """docs/serving.md quotes the Transformers backend's refusal of V1 word for word."""
     from difftransformer.modeling_difftransformer import VLLM_V1_ERROR
 
     docs = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
