@@ -182,8 +182,9 @@ MEASURED_CODE: dict[str, list[str]] = {
     "compare_small.py": _MODEL + ["benchmarks/compare_small.py", "difftransformer/probes.py",
                                   "difftransformer/analysis.py", "difftransformer/data.py"],
     "compare_upcycled.py": _MODEL + ["benchmarks/compare_upcycled.py", "difftransformer/upcycle.py",
-                                     "difftransformer/probes.py", "difftransformer/data.py"],
-    "upcycle": _MODEL + ["difftransformer/upcycle.py", "difftransformer/convert", "difftransformer/data.py"],
+                                     "difftransformer/upcycle", "difftransformer/probes.py", "difftransformer/data.py"],
+    "upcycle": _MODEL + ["difftransformer/upcycle.py", "difftransformer/upcycle", "difftransformer/convert",
+                         "difftransformer/data.py"],  # upcycle.py until it became the package upcycle/
     "measure_v1_init.py": _MODEL + ["convert_scripts/measure_v1_init.py", "difftransformer/convert",
                                     "difftransformer/data.py"],
 }

@@ -20,7 +20,8 @@ TEXT = (".py", ".md", ".sh", ".txt", ".toml", ".cfg", ".yml", ".yaml", ".json")
 OWNED_PENDING = ("difftransformer/modeling_difftransformer.py", "difftransformer/configuration_difftransformer.py",
                  "difftransformer/kernels_difftransformer.py", "difftransformer/vllm_model.py",
                  "difftransformer/vllm_plugin.py", "difftransformer/integrations.py", "difftransformer/convert/",
-                 "difftransformer/upcycle", "benchmarks/compare_upcycled.py")
+                 "difftransformer/upcycle", "benchmarks/compare_upcycled.py", "docs/serving.md", "docs/upcycling.md",
+                 "docs/models.md", "tests_serving/")
 
 
 def citations() -> dict[str, list[str]]:
