@@ -172,6 +172,7 @@ _BENCH = ["benchmarks/bench.py", "benchmarks/padded_sdpa.py", "benchmarks/harnes
 MEASURED_CODE: dict[str, list[str]] = {
     "bench.py": _MODEL + _BENCH,
     "decode_parts.py": _MODEL + _BENCH + ["benchmarks/decode_parts.py"],
+    "bench_gda.py": _MODEL + _BENCH + ["benchmarks/bench_gda.py", "difftransformer/convert/gda.py"],
     "profile_train.py": _MODEL + _BENCH + ["benchmarks/profile_train.py"],
     "attention_micro.py": _MODEL + ["benchmarks/attention_micro.py", "benchmarks/harness.py"],
     "v2_prompt_attention.py": _MODEL + ["benchmarks/v2_prompt_attention.py", "benchmarks/attention_micro.py",

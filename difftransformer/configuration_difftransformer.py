@@ -120,7 +120,7 @@ class DiffTransformerConfig(PreTrainedConfig):
         if self.head_dim is None:
             # An explicit head_dim may differ from hidden_size // Hq (as in Llama); a derived one must divide exactly.
             hq = self.num_attention_heads
-            if isinstance(hq, int) and hq > 0:  # else validate_architecture names the count
+            if not (isinstance(hq, int) and hq <= 0):  # a count <= 0: validate_architecture names it
                 if self.hidden_size % hq:
                     raise ValueError(
                         f"`hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "

@@ -445,3 +445,14 @@ def test_folder_conversion_to_duplicated_and_back(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
         assert not (tmp_path / "x").exists()
+
+
+def test_speed_benchmark_runs():
+    """benchmarks/bench_gda.py --smoke: both forms of both versions through every workload, one row per workload and
+    version, each with its paired ratio (docs/performance.md, "GDA", quotes the full run)."""
+    from benchmarks import bench_gda
+
+    report = bench_gda.main(["--smoke"])
+    assert [(r["workload"], r["diff_version"]) for r in report["rows"]] == [
+        (w, v) for w in ("prefill 1x16", "decode b2", "train 2x8") for v in (1, 2)]
+    assert all(r["gda"]["median"] > 0 and r["duplicated"]["median"] > 0 and r["paired"][0] > 0 for r in report["rows"])

@@ -1,0 +1,162 @@
+"""Grouped differential attention (GDA) against the same model written in duplicated form, in transformers.
+
+A GDA model (``num_noise_heads``: r signal heads share one noise head) and its duplicated form
+(``difftransformer.convert.gda_to_duplicated``: a plain r = 1 model whose every signal head has its own copy of its
+noise head's query rows) compute the same function; the GDA model computes each noise map once instead of r times.
+This script times both, for V1 and V2, on the same random weights, ``attn_implementation="sdpa"`` (V1: the blocked CPU
+kernel for prompts and training, the packed decode kernel; V2: one SDPA call, the pair decode kernel):
+
+* prefill: one prompt forward with a fresh ``DynamicCache`` and ``logits_to_keep=1`` (as ``generate`` runs it);
+* decode: greedy ``generate`` with a dynamic cache, only the decode steps timed;
+* train: forward + backward + ``AdamW.step``.
+
+The workloads are benchmarks/bench.py's. All four models run interleaved, the order rotated every round, after a
+warm-up; the report has per model the median and spread, and per version the ratio of the medians (GDA / duplicated:
+below 1 is faster) and the median and quartiles of the per-round ratios (a round in which the whole machine slows
+down cancels in its own ratio). Default shape: Motif-2-12.7B's head topology scaled down (10 query heads = 2 groups of
+4 signal + 1 noise, r = 4, head_dim 64; V1: 4 KV heads, 2 groups; V2: 2 KV heads).
+
+    python benchmarks/bench_gda.py --json benchmarks/results/gda_t1cpu.json
+    python benchmarks/bench_gda.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.bench import decode_workload, prefill_workload, train_workload  # noqa: E402
+
+VERSIONS = (1, 2)
+FORMS = ("gda", "duplicated")
+
+
+@dataclass
+class Shape:
+    vocab_size: int = 8192
+    hidden_size: int = 512
+    intermediate_size: int = 1376
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 10
+    num_noise_heads: int = 2
+    head_dim: int = 64
+    kv_heads_v1: int = 4
+    kv_heads_v2: int = 2
+
+
+@dataclass
+class Plan:
+    prefill: tuple = ((1, 1024), (4, 256))
+    decode_batches: tuple = (1, 8)
+    prompt_len: int = 256
+    new_tokens: int = 33
+    train: tuple = ((2, 512),)
+    reps: int = 9
+    warmup: int = 1
+    threads: int = 1
+    clock: str = "cpu"
+
+
+def build_models(shape: Shape, seed: int = 0) -> dict[str, torch.nn.Module]:
+    """``v{1,2}_gda`` (random weights) and ``v{1,2}_duplicated`` (the same model written in duplicated form)."""
+    from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
+    from difftransformer.convert import gda_to_duplicated
+
+    models = {}
+    for version in VERSIONS:
+        config = DiffTransformerConfig(
+            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.kv_heads_v1 if version == 1 else shape.kv_heads_v2,
+            num_noise_heads=shape.num_noise_heads, head_dim=shape.head_dim, diff_version=version,
+            max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+        )
+        torch.manual_seed(seed)
+        gda = DiffTransformerForCausalLM(config).eval()
+        gda.set_attn_implementation("sdpa")
+        gda.generation_config.eos_token_id = None
+        models[f"v{version}_gda"] = gda
+        models[f"v{version}_duplicated"] = gda_to_duplicated(gda).eval()
+    return models
+
+
+def workloads(plan: Plan) -> list[tuple[str, dict, callable]]:
+    items = [(f"prefill {b}x{t}", {"kind": "prefill", "batch": b, "tokens": t}, lambda m, b=b, t=t: prefill_workload(m, b, t))
+             for b, t in plan.prefill]
+    items += [(f"decode b{b}", {"kind": "decode", "batch": b, "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens},
+               lambda m, b=b: decode_workload(m, b, plan.prompt_len, plan.new_tokens)) for b in plan.decode_batches]
+    items += [(f"train {b}x{t}", {"kind": "train", "batch": b, "tokens": t}, lambda m, b=b, t=t: train_workload(m, b, t))
+              for b, t in plan.train]
+    return items
+
+
+def run(shape: Shape, plan: Plan, progress: bool = True) -> dict:
+    torch.set_num_threads(plan.threads)
+    harness.set_clock(plan.clock)
+    models = build_models(shape)
+    rows = []
+    for name, spec, make in workloads(plan):
+        runs = {key: make(model) for key, model in models.items()}
+        stats = harness.run_interleaved(runs, plan.reps, plan.warmup)
+        for model in models.values():
+            model.eval()  # train_workload leaves eval mode set; the next workload's models start alike
+        for version in VERSIONS:
+            gda, dup = stats[f"v{version}_gda"], stats[f"v{version}_duplicated"]
+            ratio, quartiles = harness.paired(gda["samples"], dup["samples"])
+            rows.append({"workload": name, **spec, "diff_version": version, "gda": gda, "duplicated": dup,
+                         "ratio": gda["median"] / dup["median"], "paired": [ratio, quartiles]})
+            if progress:
+                print(f"{name:>16} V{version}: GDA {gda['median'] * 1e3:9.2f} ms, duplicated {dup['median'] * 1e3:9.2f} ms, "
+                      f"ratio {rows[-1]['ratio']:.3f}, paired {ratio:.3f} [{quartiles[0]:.3f}-{quartiles[1]:.3f}]", flush=True)
+    return {"machine": harness.machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "rows": rows}
+
+
+def format_table(report: dict) -> str:
+    lines = ["| workload | version | GDA (ms) | duplicated (ms) | GDA / duplicated | paired [quartiles] |", "|---|---|---:|---:|---:|---|"]
+    for row in report["rows"]:
+        p, (q1, q3) = row["paired"][0], row["paired"][1]
+        lines.append(f"| {row['workload']} | V{row['diff_version']} | {row['gda']['median'] * 1e3:.2f} ±{row['gda']['spread']:.0%} | "
+                     f"{row['duplicated']['median'] * 1e3:.2f} ±{row['duplicated']['spread']:.0%} | {row['ratio']:.3f} | "
+                     f"{p:.3f} [{q1:.3f}-{q3:.3f}] |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--reps", type=int, default=Plan.reps, help="timed rounds per workload (all four models each round)")
+    p.add_argument("--warmup", type=int, default=Plan.warmup, help="untimed runs of every model before the rounds")
+    p.add_argument("--threads", type=int, default=Plan.threads, help="torch.set_num_threads")
+    p.add_argument("--clock", default=Plan.clock, choices=("cpu", "wall"), help="cpu: process CPU time (with one thread it "
+                   "leaves out the time other processes hold the core: shared machines); wall: elapsed time")
+    p.add_argument("--json", default=None, help="write the report (with its provenance) to this file")
+    p.add_argument("--smoke", action="store_true", help="tiny shape and workloads, one round (a test runs it)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu sums the CPU time of all threads (OpenMP spin-waits included): use --threads 1")
+    shape, plan = Shape(), Plan(reps=args.reps, warmup=args.warmup, threads=args.threads, clock=args.clock)
+    if args.smoke:
+        shape = Shape(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16)
+        plan = Plan(prefill=((1, 16),), decode_batches=(2,), prompt_len=8, new_tokens=4, train=((2, 8),), reps=1, warmup=0,
+                    threads=1, clock=args.clock)
+    report = run(shape, plan, progress=not args.smoke)
+    print(format_table(report))
+    if args.json:
+        report = harness.write_json(args.json, report, "bench_gda.py", argv)
+    return report
+
+
+if __name__ == "__main__":
+    main()
