@@ -239,11 +239,13 @@ def test_decode_kernels_with_shared_noise_maps_equal_the_formula(version):
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "sdpa-non-cpu"])
 def test_gradients_match_float64_reference(layout, backend, monkeypatch):
     """Every parameter gradient of a left-padded batch's loss (V1's blocked kernel and its backward under sdpa, the
-    padded call of other devices, eager) against the float64 reference's autograd gradients. The model runs in float64
+    padded call of other devices, eager) against the float64 reference's autograd gradients; v1_gda2_m2 with Motif's
+    options (PolyNorm MLP, λinit offset −1), so their parameters are checked too. The model runs in float64
     (``model.double()``: the differential attention is float64 end to end; transformers' RMSNorm and rotary tables
     around it compute in float32, hence about 1e-6 of relative error, measured); in float32 the cancellations in λ's
     gradient alone cost up to 5e-5 of its size."""
-    model = _model(layout).double().train()
+    motif = dict(hidden_act="poly_norm", lambda_init_layer_offset=-1) if layout == "v1_gda2_m2" else {}
+    model = _model(layout, **motif).double().train()
     _set_backend(model, backend, monkeypatch)
     ids, mask = left_padded_batch(model.config.vocab_size, [10, 7], seed=2)
     labels = ids.masked_fill(mask == 0, -100)
