@@ -69,10 +69,12 @@ def model_card(config, *, model_name: str | None = None, training_note: str | No
         license=license,
         tags=["difftransformer", "differential-transformer", f"diff-v{version}", "custom_code", "text-generation"],
     )
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hq, hkv, noise = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("num_noise_heads")
+    heads = (f"| differential heads (`num_attention_heads / 2`) | {hq // 2} |\n" if noise in (None, hq // 2) else
+             f"| differential heads / noise heads (grouped: `num_noise_heads`) | {hq - noise} / {noise} |\n")
     sizes = (
         f"| field | value |\n|---|---|\n| `diff_version` | {version} |\n| layers | {cfg['num_hidden_layers']} |\n"
-        f"| hidden size | {cfg['hidden_size']} |\n| differential heads (`num_attention_heads / 2`) | {hq // 2} |\n"
+        f"| hidden size | {cfg['hidden_size']} |\n{heads}"
         f"| query heads / KV heads | {hq} / {hkv} |\n| head dim | {cfg.get('head_dim')} |\n"
         f"| vocabulary | {cfg['vocab_size']} |\n"
     )

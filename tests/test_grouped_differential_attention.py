@@ -411,6 +411,13 @@ def test_duplicated_form_computes_the_same_function_and_converts_back(layout):
         assert k == k2 and torch.equal(v, v2), k
 
 
+def test_model_card_names_the_noise_heads():
+    from difftransformer.hub import model_card
+
+    card = str(model_card(tiny_config("v1_gda4")))
+    assert "| differential heads / noise heads (grouped: `num_noise_heads`) | 8 / 2 |" in card
+
+
 def test_duplicated_to_gda_refuses_noise_heads_whose_copies_differ():
     plain = gda_to_duplicated(_model("v1_gda4"))
     with torch.no_grad():
