@@ -298,6 +298,38 @@ def test_bfloat16_within_the_rounding_model(bf16_case, backend):
         assert wrong_err > bound, (wrong_err, bound)
 
 
+@pytest.fixture(scope="module")
+def bf16_training_case():
+    """A bf16 V1 GDA model (r = 4), a left-padded batch, and the float64 gradients of its loss: exact, and the bound of
+    the rounding model per parameter (3 × the largest error of 8 draws, as tests/test_kernels_difftransformer.py)."""
+    model = _model("v1_gda4", initializer_range=0.1).to(torch.bfloat16)
+    ids, mask = left_padded_batch(model.config.vocab_size, [20, 16], seed=2)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 4] = -100  # predicted from a padding row, which each implementation fills differently
+
+    def reference_grads(rnd):
+        sd = {k: v.detach().double().requires_grad_() for k, v in model.state_dict().items()}
+        reference_forward(model, ids, mask, rnd=rnd, state_dict=sd, labels=labels)[2].backward()
+        return {k: v.grad for k, v in sd.items()}
+
+    exact = reference_grads(lambda x: x)
+    draws = [reference_grads(RoundingModel(seed)) for seed in range(8)]
+    return model, ids, mask, labels, exact, {k: bf16_error_bound([d[k] for d in draws], exact[k], 3.0) for k in exact}
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "sdpa-non-cpu"])
+def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, backend, monkeypatch):
+    """bf16 training of a GDA model through eager, V1's blocked kernel (its backward sums each noise map's r signal
+    gradients) and the padded call of other devices: every parameter gradient, λ's included, within its bound."""
+    model, ids, mask, labels, exact, bounds = bf16_training_case
+    model = copy.deepcopy(model).train()
+    _set_backend(model, backend, monkeypatch)
+    model(ids, attention_mask=mask, labels=labels).loss.backward()
+    outside = {k: round((p.grad.double() - exact[k]).abs().max().item() / bounds[k], 2) for k, p in model.named_parameters()
+               if (p.grad.double() - exact[k]).abs().max().item() > bounds[k]}
+    assert not outside, f"gradient errors in units of their bound: {outside}"
+
+
 # ------------------------------------------------------------------------------------------------- caches, generate
 def _greedy(model, ids, mask=None, max_new_tokens=8, **kwargs):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
