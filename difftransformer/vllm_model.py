@@ -1,27 +1,35 @@
-"""DIFF V1 and V2 as a native vLLM model: vLLM's own Llama layers plus differential attention.
+"""DIFF V1 and V2 (and grouped differential attention, and Motif-2 checkpoints) as a native vLLM model: vLLM's own
+Llama layers plus differential attention.
 
-vLLM imports this module only when it builds a ``DiffTransformerForCausalLM`` folder; ``vllm_plugin.register`` (the
-``vllm.general_plugins`` entry point of setup.py) tells it where the class is.
+vLLM imports this module only when it builds a ``DiffTransformerForCausalLM`` or ``MotifForCausalLM`` folder;
+``vllm_plugin.register`` (the ``vllm.general_plugins`` entry point of setup.py) tells it where the classes are.
 
 The model is vLLM's ``LlamaForCausalLM`` with one layer changed, the attention. Both versions run ONE call of vLLM's
 attention layer per layer (vLLM writes the KV cache inside that call, so prefix caching, chunked prefill and continuous
 batching are vLLM's own), and both cache exactly the bytes of a Llama with the same ``num_key_value_heads`` (``Hkv``)
 and ``head_dim`` (``d``):
 
-**V2** (SPEC §2, :class:`DiffTransformerV2Attention`): the fused ``qkv_proj`` holds the ``2H`` query heads and ``G``
+**V2** (docs/model.md, "What it computes"; :class:`DiffTransformerV2Attention`): the fused ``qkv_proj`` holds the ``2H`` query heads and ``G``
 KV heads; vLLM's attention layer runs over them (query head ``j`` reads KV head ``⌊j/2n⌋``, vLLM's GQA rule);
 ``λ = sigmoid(x W_λᵀ)`` per token and head, ``o_h = a_2h − λ_h · a_2h+1``, and ``o_proj`` maps the ``H·d`` combined
 features back.
 
-**V1** (SPEC §1, :class:`DiffTransformerV1Attention`): the padded single call of the transformers model. vLLM's
+**V1** (docs/model.md, "What it computes"; :class:`DiffTransformerV1Attention`): the padded single call of the transformers model. vLLM's
 attention layer is built with ``G = Hkv/2`` KV heads of width ``2d`` (each one KV group: keys ``[K1 | K2]``, values
 ``[V_g,0 | V_g,1]``, a free view of the ``Hkv`` rotated ``d``-wide key and value heads the projection gives, so the
 cache holds a Llama's bytes), ``2H`` query heads of width ``2d`` (each map-1 query ``[q1 | 0]``, each map-2 query
-``[0 | q2]``) and the scale ``1/√d``. Query half-head ``i = (2g + c)·n + r`` (SPEC §3's group-major rows) reads KV head
+``[0 | q2]``) and the scale ``1/√d``. Query half-head ``i = (2g + c)·n + r`` (the group-major rows of docs/model.md) reads KV head
 ``⌊i / 2n⌋ = g`` by vLLM's GQA rule, and ``[q1 | 0]·[K1 | K2]ᵀ = q1·K1ᵀ``: the call returns ``A_c·[V_g,0; V_g,1]`` for
 every map, exactly. Then ``(A1 − λA2)·V = A1·V − λ·A2·V`` (λ one float32 scalar per layer from ``lambda_q1 … k2``),
 the per-head RMSNorm over ``2d`` (``subln.weight``, ``subln_eps``) times ``1 − λinit``, and ``o_proj``. The padded call
 does twice the attention arithmetic of V1's math (the zero halves); docs/serving.md measures what that costs.
+
+**Grouped differential attention** (``num_noise_heads``, r signal maps per noise map; r = 1 is the paper's model):
+the query rows of each KV group are its signal rows, then its noise rows (V1), or ``[signal × r, noise]`` per noise
+map (V2), as in the transformers model (docs/model.md), so the single call computes each noise map once and
+``differential_combine`` subtracts it from its r signal maps. **Motif-2** (:class:`MotifForCausalLM`): V1 with GDA,
+``λinit`` from depth − 1 and the PolyNorm MLP (:class:`DiffTransformerPolyNormMLP`), read through the package's
+``MotifConfig``; its query rows are permuted into ours at load where they differ.
 
 Tensor parallelism shards every projection by whole KV groups: vLLM's ``QKVParallelLinear`` gives rank ``t`` of ``T``
 the contiguous query rows ``[t·Hq/T, (t+1)·Hq/T)`` and key/value rows ``[t·Hkv/T, (t+1)·Hkv/T)``, and ``o_proj``
@@ -37,16 +45,20 @@ with the folder's remote code) serves V2 folders and refuses V1 ones (``VLLM_V1_
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable
+
 import torch
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
 from .modeling_difftransformer import DiffTransformerHeadRMSNorm, differential_combine, lambda_init_fn
+from .motif import motif_query_rows
 
 
 def tensor_parallel_groups(config, tp_size: int) -> int:
@@ -61,25 +73,72 @@ def tensor_parallel_groups(config, tp_size: int) -> int:
     return groups // tp_size
 
 
+SUPPORTED_ACTIVATIONS = ("silu", "poly_norm")
+
+
 def _refuse_unsupported(config) -> None:
-    """What the native model does not compute (yet): refused at build time rather than served wrongly."""
-    noise = getattr(config, "num_noise_heads", None)
-    if noise is not None and noise != config.num_attention_heads // 2:
+    """What the native model does not compute: refused at build time rather than served wrongly."""
+    if config.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise NotImplementedError(
-            f"num_noise_heads={noise} (grouped differential attention) is not supported by difftransformer's native "
-            "vLLM model yet; run it with transformers (generate())."
+            f"hidden_act={config.hidden_act!r} is not supported by difftransformer's native vLLM model (supported: "
+            f"{', '.join(SUPPORTED_ACTIVATIONS)}); run it with transformers (generate())."
         )
-    if config.hidden_act not in ("silu",):
-        raise NotImplementedError(
-            f"hidden_act={config.hidden_act!r} is not supported by difftransformer's native vLLM model (Llama's MLP, "
-            "silu); run it with transformers (generate())."
-        )
+
+
+class DiffTransformerPolyNorm(torch.nn.Module):
+    """Motif's PolyNorm (``hidden_act="poly_norm"``), as ``modeling_difftransformer.DiffTransformerPolyNorm``:
+    ``w0·N(x³) + w1·N(x²) + w2·N(x) + b``, ``N(z) = z / sqrt(mean(z²) + eps)`` over the intermediate features, in
+    float32. Under tensor parallelism each rank holds ``1/T`` of those features (the gate's column shard), so the
+    three means of squares are summed over the ranks (one all-reduce of ``(tokens, 3)`` sums)."""
+
+    def __init__(self, intermediate_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((3,), 1.0 / 3.0), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.intermediate_size = intermediate_size  # all ranks' features
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf, w, b = x.to(dtype), self.weight.to(dtype), self.bias.to(dtype)
+        powers = (xf.pow(3), xf.pow(2), xf)
+        if self.tp_size == 1:
+            means = [z.pow(2).mean(-1, keepdim=True) for z in powers]
+        else:
+            sums = tensor_model_parallel_all_reduce(torch.cat([z.pow(2).sum(-1, keepdim=True) for z in powers], dim=-1))
+            means = (sums / self.intermediate_size).split(1, dim=-1)
+        n3, n2, n1 = (z * torch.rsqrt(mean + self.eps) for z, mean in zip(powers, means))
+        return (w[0] * n3 + w[1] * n2 + w[2] * n1 + b).to(x.dtype)
+
+
+class DiffTransformerPolyNormMLP(LlamaMLP):
+    """vLLM's Llama MLP (fused ``gate_up_proj``, ``down_proj``) with PolyNorm as the activation:
+    ``down(PolyNorm(gate(x)) ⊙ up(x))``; ``act_fn.weight`` and ``act_fn.bias`` load by name (Motif's keys)."""
+
+    @classmethod
+    def from_llama_mlp(cls, mlp: LlamaMLP, intermediate_size: int) -> DiffTransformerPolyNormMLP:
+        """The decoder layer's ``LlamaMLP`` (built with silu: Llama's MLP refuses other activations) turned into this
+        class in place: its projections are kept, the activation replaced."""
+        mlp.__class__ = cls
+        mlp.act_fn = DiffTransformerPolyNorm(intermediate_size)
+        return mlp
+
+    def forward(self, x):
+        gate_up, _ = self.gate_up_proj(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        x, _ = self.down_proj(self.act_fn(gate) * up)
+        return x
 
 
 class DiffTransformerV1Attention(LlamaAttention):
     """DIFF V1 in one call of vLLM's attention layer (module docstring): ``G`` KV heads of width ``2d`` per rank,
-    ``2H`` zero-padded query heads of width ``2d``, scale ``1/√d``; then ``A1·V − λ·A2·V``, the per-head RMSNorm and
+    ``Hq`` zero-padded query heads of width ``2d``, scale ``1/√d``; then ``A1·V − λ·A2·V``, the per-head RMSNorm and
     ``(1 − λinit)``, and ``o_proj`` over the ``H·2d`` features.
+
+    Grouped differential attention (``num_noise_heads``; r signal maps per noise map): each group's query rows are its
+    ``n`` signal rows, then its ``m = n / r`` noise rows (docs/model.md), so the call computes each noise map once, and
+    ``differential_combine`` subtracts it from its r signal maps. r = 1 is the paper's V1 (rows (g, c, r)).
 
     ``LlamaAttention.__init__`` is not called: it would build vLLM's attention layer with ``d``-wide heads under this
     layer's name (vLLM allows one attention layer per name, and allocates a cache for each). The projections,
@@ -104,13 +163,14 @@ class DiffTransformerV1Attention(LlamaAttention):
         tp_size = get_tensor_model_parallel_world_size()
         self.hidden_size = hidden_size
         self.head_dim = d = config.head_dim
-        self.total_num_heads = num_heads  # 2H query half-heads
+        self.total_num_heads = num_heads  # Hq query half-heads: H signal + N noise
         self.total_num_kv_heads = num_kv_heads  # Hkv = 2G key (and value) half-heads
         groups = tensor_parallel_groups(config, tp_size)  # G per rank
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = num_kv_heads // tp_size  # 2·groups
-        self.num_diff_heads = self.num_heads // 2  # H per rank
-        self.pair_stride = self.num_diff_heads // groups  # n: query rows are ordered (g, c, r)
+        self.num_diff_heads = config.num_diff_heads // tp_size  # H per rank (signal heads)
+        self.noise_ratio = config.noise_ratio  # r
+        self.pair_stride = self.num_diff_heads // groups  # n signal rows per group, then n / r noise rows
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d  # = groups · 2d
         self.scaling = d**-0.5  # 1/sqrt(d), not 1/sqrt(2d): each map is a d-wide dot product
@@ -126,7 +186,7 @@ class DiffTransformerV1Attention(LlamaAttention):
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            input_size=(num_heads // 2) * 2 * d,  # H heads of width 2d
+            input_size=config.num_diff_heads * 2 * d,  # H heads of width 2d
             output_size=hidden_size,
             bias=bias_o_proj,
             quant_config=quant_config,
@@ -143,15 +203,20 @@ class DiffTransformerV1Attention(LlamaAttention):
             attn_type=attn_type,
             prefix=f"{prefix}.attn",
         )
-        # λ (SPEC §1): loaded by name, float32 whatever the model's dtype (as in the transformers model).
+        # λ: loaded by name, float32 whatever the model's dtype (as in the transformers model).
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, torch.nn.Parameter(torch.zeros(d, dtype=torch.float32), requires_grad=False))
         offset = getattr(config, "lambda_init_layer_offset", 0) or 0
         self.lambda_init = config.lambda_init if config.lambda_init is not None else lambda_init_fn(layer_idx + offset)
         self.subln = DiffTransformerHeadRMSNorm(2 * d, eps=config.subln_eps)  # subln.weight, replicated
         self.subln.weight.requires_grad_(False)
-        # [q | 0] for map c = 0, [0 | q] for c = 1, as a broadcast factor over (tokens, g, c, r, c', d).
-        self.register_buffer("query_pad", torch.eye(2).view(2, 1, 2, 1), persistent=False)
+        # Per query row of a group: [q | 0] for a signal (first-map) row, [0 | q] for a noise (second-map) row, as a
+        # broadcast factor over (tokens, group, row, half, d).
+        rows_per_group = self.num_heads // groups
+        pad = torch.zeros(rows_per_group, 2, 1)
+        pad[: self.pair_stride, 0] = 1.0
+        pad[self.pair_stride :, 1] = 1.0
+        self.register_buffer("query_pad", pad, persistent=False)
 
     def lambda_full(self) -> torch.Tensor:
         """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``: a float32 scalar, as ``DiffTransformerV1Attention.lambda_full``."""
@@ -161,26 +226,32 @@ class DiffTransformerV1Attention(LlamaAttention):
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)  # every d-wide half-head rotated, as the transformers model does
-        # k, v: (tokens, Hkv·d) = (tokens, G·2d) already: [K_g,0 | K_g,1] per group, in SPEC §3's (g, c) row order.
-        padded = q.unflatten(-1, (-1, 2, self.pair_stride, 1, self.head_dim)) * self.query_pad.to(q.dtype)
-        maps = self.attn(padded.flatten(1), k, v).view(-1, self.num_heads, 2 * self.head_dim)  # (tokens, 2H, 2d): A_c·V
-        combined = differential_combine(maps, self.lambda_full(), self.pair_stride, dim=1)  # (tokens, H, 2d)
-        combined = self.subln(combined, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h) ⊙ w
+        # k, v: (tokens, Hkv·d) = (tokens, G·2d) already: [K_g,0 | K_g,1] per group, in the (g, c) row order.
+        rows = self.query_pad.shape[0]
+        padded = q.unflatten(-1, (-1, rows, 1, self.head_dim)) * self.query_pad.to(q.dtype)  # (tokens, G, rows, 2, d)
+        maps = self.attn(padded.flatten(1), k, v).view(-1, self.num_heads, 2 * self.head_dim)  # (tokens, Hq, 2d): A·V
+        combined = differential_combine(maps, self.lambda_full(), self.pair_stride, dim=1, noise_ratio=self.noise_ratio)
+        combined = self.subln(combined, scale=1.0 - self.lambda_init)  # (tokens, H, 2d): (1 − λinit)·RMSNorm_2d(O_h)⊙w
         output, _ = self.o_proj(combined.flatten(1))
         return output
 
 
 class DiffTransformerV2Attention(LlamaAttention):
-    """vLLM's Llama attention over the ``2H`` query heads, then DIFF V2's combine (``num_heads`` is ``2H`` per rank)."""
+    """vLLM's Llama attention over the ``Hq`` query heads (``2H`` per rank when r = 1), then DIFF V2's combine.
+
+    Grouped differential attention: the query heads of each noise map are ``[signal × r, noise]`` (r = 1: the adjacent
+    pairs), so every block of ``r + 1`` heads reads one KV head and its r signal outputs subtract its noise output, each
+    with its own ``λ``."""
 
     def __init__(self, config, hidden_size: int, num_heads: int, *args, quant_config=None, prefix: str = "", **kwargs):
-        tensor_parallel_groups(config, get_tensor_model_parallel_world_size())
+        tp_size = get_tensor_model_parallel_world_size()
+        tensor_parallel_groups(config, tp_size)
         super().__init__(config, hidden_size, num_heads, *args, quant_config=quant_config, prefix=prefix, **kwargs)
-        self.num_diff_heads = self.num_heads // 2  # per rank
-        total_diff_heads = self.total_num_heads // 2
-        # Llama's o_proj reads 2H·d features; DIFF V2's reads the H·d combined ones.
+        self.num_diff_heads = config.num_diff_heads // tp_size  # H (signal heads) per rank
+        self.noise_ratio = config.noise_ratio  # r
+        # Llama's o_proj reads Hq·d features; DIFF V2's reads the H·d combined ones.
         self.o_proj = RowParallelLinear(
-            input_size=total_diff_heads * self.head_dim,
+            input_size=config.num_diff_heads * self.head_dim,
             output_size=hidden_size,
             bias=kwargs.get("bias_o_proj", False),
             quant_config=quant_config,
@@ -188,7 +259,7 @@ class DiffTransformerV2Attention(LlamaAttention):
         )
         self.lambda_proj = ColumnParallelLinear(
             input_size=hidden_size,
-            output_size=total_diff_heads,
+            output_size=config.num_diff_heads,
             bias=False,
             gather_output=False,
             quant_config=None,  # H outputs: too few to quantize, and λ feeds a subtraction of two maps
@@ -199,29 +270,45 @@ class DiffTransformerV2Attention(LlamaAttention):
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        maps = self.attn(q, k, v).view(-1, self.num_heads, self.head_dim)  # (tokens, 2H, d): one output per map
+        maps = self.attn(q, k, v).view(-1, self.num_heads, self.head_dim)  # (tokens, Hq, d): one output per map
         lam, _ = self.lambda_proj(hidden_states)  # (tokens, H)
-        combined = differential_combine(maps, torch.sigmoid(lam)[..., None, None], 1, dim=1)  # (tokens, H, d)
+        r = self.noise_ratio
+        lam = torch.sigmoid(lam).unflatten(-1, (-1, r))[..., None]  # against each block's r signal outputs
+        combined = differential_combine(maps, lam, r, dim=1, noise_ratio=r)  # (tokens, H, d)
         output, _ = self.o_proj(combined.reshape(-1, self.num_diff_heads * self.head_dim))
         return output
 
 
-class DiffTransformerV1DecoderLayer(LlamaDecoderLayer):
+class DiffTransformerDecoderLayer(LlamaDecoderLayer):
+    """vLLM's Llama decoder layer with a DIFF attention and, for ``hidden_act="poly_norm"`` (Motif), PolyNorm MLP."""
+
+    attention_class: type[LlamaAttention]
+
     def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
-        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=DiffTransformerV1Attention)
+        config = config or vllm_config.model_config.hf_config
+        poly_norm = config.hidden_act == "poly_norm"
+        if poly_norm:  # vLLM's LlamaMLP refuses every activation but silu: built with silu, then converted
+            config = copy.copy(config)
+            config.hidden_act = "silu"
+        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=self.attention_class)
+        if poly_norm:
+            self.mlp = DiffTransformerPolyNormMLP.from_llama_mlp(self.mlp, config.intermediate_size)
 
 
-class DiffTransformerV2DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
-        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=DiffTransformerV2Attention)
+class DiffTransformerV1DecoderLayer(DiffTransformerDecoderLayer):
+    attention_class = DiffTransformerV1Attention
+
+
+class DiffTransformerV2DecoderLayer(DiffTransformerDecoderLayer):
+    attention_class = DiffTransformerV2Attention
 
 
 DECODER_LAYERS = {1: DiffTransformerV1DecoderLayer, 2: DiffTransformerV2DecoderLayer}
 
 
 class DiffTransformerForCausalLM(LlamaForCausalLM):
-    """vLLM's Llama with DIFF V1 or V2 attention (``diff_version`` of the config). Weight names are the checkpoint's
-    (SPEC §3): vLLM's loader stacks ``q_proj, k_proj, v_proj`` into ``qkv_proj`` as for a Llama and loads
+    """vLLM's Llama with DIFF V1 or V2 attention (``diff_version`` of the config). Weight names are the checkpoint's:
+    vLLM's loader stacks ``q_proj, k_proj, v_proj`` into ``qkv_proj`` as for a Llama and loads
     ``lambda_proj`` (V2), ``lambda_q1 … lambda_k2`` and ``subln.weight`` (V1) by name."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -231,3 +318,24 @@ class DiffTransformerForCausalLM(LlamaForCausalLM):
             raise ValueError(f"diff_version={version!r}: difftransformer's native vLLM model serves 1 and 2.")
         _refuse_unsupported(config)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=DECODER_LAYERS[version])
+
+
+class MotifForCausalLM(DiffTransformerForCausalLM):
+    """A Motif-2 checkpoint folder (``model_type "Motif"``, ``MotifForCausalLM``; its config read by the package's
+    ``MotifConfig``: DIFF V1, grouped differential attention, λinit from depth − 1, PolyNorm MLP) on the native model.
+    Motif's key names are ours; its query rows are ``[signal × r, noise]`` per noise head, which is our row order
+    whenever each KV group holds one noise head (both released models), and is permuted into ours here otherwise
+    (``difftransformer.motif.motif_query_rows``)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        rows = motif_query_rows(self.config)
+        if torch.equal(rows, torch.arange(rows.numel())):
+            return super().load_weights(weights)
+
+        def ours(weights):
+            for name, tensor in weights:
+                if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                    tensor = tensor.index_select(0, rows.to(tensor.device))
+                yield name, tensor
+
+        return super().load_weights(ours(weights))

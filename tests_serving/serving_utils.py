@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 def save_random_model(folder: Path, *, diff_version: int, num_key_value_heads: int, num_attention_heads: int = 8,
-                      seed: int = 0):
+                      seed: int = 0, **config_fields):
     """A tiny random DIFF model saved with save_pretrained (remote code included). head_dim 32: vLLM's CPU attention
     kernels support 32, 64, 80, ... (not the 8 of the main suite's tiny models; V1's single call runs 2·32 = 64).
     initializer_range 0.1 (instead of 0.02) gives logits far enough apart for greedy decoding to be determined (see
@@ -65,7 +65,7 @@ def save_random_model(folder: Path, *, diff_version: int, num_key_value_heads: i
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=32,
         diff_version=diff_version, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None,
+        eos_token_id=None, pad_token_id=None, **config_fields,
     )
     model = DiffTransformerForCausalLM(config).eval()
     model.save_pretrained(folder)
@@ -159,6 +159,28 @@ def chat_references(model, tokenizer, prompts=CHAT_PROMPTS, max_new_tokens=CHAT_
             margins.append((top2[0] - top2[1]).item())
         refs.append(Greedy(ids, new, logprobs, margins))
     return refs
+
+
+def save_motif_folder(folder: Path, kind: str, *, seed: int = 0, **overrides) -> Path:
+    """A Motif-2 checkpoint folder as Motif publishes it (its ``config.json``, ``model_type "Motif"``,
+    ``MotifForCausalLM``, with the ``auto_map`` that names Motif's own remote code, absent here) holding random
+    weights in Motif's key layout and row order: tests/motif_reference.py's ``motif_config`` (``kind`` and
+    ``overrides``) and ``random_motif_checkpoint``."""
+    import json
+    import sys
+
+    from safetensors.torch import save_file
+
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from motif_reference import motif_config, random_motif_checkpoint
+
+    config = {**motif_config(kind, **overrides), "auto_map": {
+        "AutoConfig": "configuration_motif.MotifConfig", "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM"}}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(random_motif_checkpoint(config, seed=seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 # ----------------------------------------------------------------------------------------------------------------------

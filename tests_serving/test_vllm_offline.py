@@ -2,7 +2,7 @@
 package's native vLLM model (its vLLM plugin, vLLM's default ``model_impl="auto"``, no remote code) and vLLM's
 Transformers backend (``model_impl="transformers"`` with the folder's remote code). The real model's chat runs here on
 the Transformers backend, and in test_openai_server.py on the native model. DIFF V1 (native model only; the
-Transformers backend refuses it) is tested in test_vllm_v1.py.
+Transformers backend refuses it), grouped differential attention and Motif-2 folders are tested in test_vllm_native.py.
 
 vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model); ``max_num_batched_tokens``
 is set below the prompt lengths so that chunked prefill really splits prompts, and a second round of prompts
