@@ -224,10 +224,17 @@ def render_gpu_checks(datas: list[dict], opts: dict) -> list[str]:
     return lines
 
 
+def render_gda(datas: list[dict], opts: dict) -> list[str]:
+    """bench_gda.py's table: a GDA model against its duplicated form, per workload and version."""
+    from benchmarks import bench_gda
+
+    return _table_lines(bench_gda.format_table(datas[0]))
+
+
 RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench": render_bench, "bench-summary": render_bench_summary, "micro": render_micro,
     "v2-prompt": render_v2_prompt, "v2-threshold": render_v2_threshold, "decode-parts": render_decode_parts,
-    "profile": render_profile, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks,
+    "profile": render_profile, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
 }
 
 
