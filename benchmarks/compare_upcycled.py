@@ -188,10 +188,40 @@ def summarize_telemetry(records_per_seed: list[list[dict]]) -> dict:
     return out
 
 
+def comparison_table(results: dict) -> list[str]:
+    """The Markdown table of every model and phase: each metric's mean ± sample std over seeds."""
+    summary, labels = results["summary"], results["meta"].get("labels", {})
+    keys = list(next(iter(summary.values()))["after"])
+    lines = ["| model | phase | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for name, phases in summary.items():
+        for phase in ("before", "after"):
+            lines.append(f"| {labels.get(name, name)} | {phase} | "
+                         + " | ".join(f"{phases[phase][k]['mean']:.3f} ± {phases[phase][k]['std']:.3f}" for k in keys) + " |")
+    return lines
+
+
+def telemetry_table(results: dict) -> list[str]:
+    """The Markdown table of the upcycles' telemetry at the first and last step (empty without upcycles)."""
+    summary, labels = results["summary"], results["meta"].get("labels", {})
+    rows = [(name, phases["telemetry"]) for name, phases in summary.items() if "telemetry" in phases]
+    if not rows:
+        return []
+    lines = ["| model | step | map separation | largest layer | negative share | first-token mass | λ |",
+             "|---|---|---|---|---|---|---|"]
+    for name, tel in rows:
+        for phase in ("before", "after"):
+            t = tel[phase]
+            lam = t.get("lambda") or t.get("lambda_mean")
+            cells = [f"{t['map_separation']['layer_mean']['mean']:.4f} ± {t['map_separation']['layer_mean']['std']:.4f}",
+                     f"{t['map_separation']['layer_max']['mean']:.4f}",
+                     f"{t['negative_share']['layer_mean']['mean']:.4f}", f"{t['first_token_mass']['layer_mean']['mean']:.4f}",
+                     f"{lam['layer_mean']['mean']:.4f}"]
+            lines.append(f"| {labels.get(name, name)} | {t['step']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(results: dict) -> str:
-    meta, summary = results["meta"], results["summary"]
-    labels = meta.get("labels", {})
-    keys = [k for k in next(iter(summary.values()))["after"]]
+    meta = results["meta"]
     lines = [
         "## Fine-tuned alike: the source Llama and its DIFF upcycles",
         "",
@@ -203,42 +233,21 @@ def markdown(results: dict) -> str:
         "Mean ± sample standard deviation over seeds " + ", ".join(map(str, meta["seeds"])) + " (perplexity: lower is "
         "better; probe accuracy: higher is better; ICL order spread: max − min accuracy over 4 demonstration orders).",
         "",
-        "| model | phase | " + " | ".join(keys) + " |",
-        "|---|---|" + "---|" * len(keys),
+        *comparison_table(results),
     ]
-    for name, phases in summary.items():
-        for phase in ("before", "after"):
-            lines.append(f"| {labels.get(name, name)} | {phase} | "
-                         + " | ".join(f"{phases[phase][k]['mean']:.3f} ± {phases[phase][k]['std']:.3f}" for k in keys) + " |")
     chance = meta["chance"]
     lines += ["", "Chance accuracy: " + ", ".join(f"{k} {v:.2f}" for k, v in chance.items()) + "; probe items per model: "
               + ", ".join(f"{k} {v}" for k, v in meta["probe_items"].items()) + ".", ""]
-    lines += _telemetry_markdown(summary, labels)
+    telemetry = telemetry_table(results)
+    if telemetry:
+        lines += ["### Do the two softmax maps of a head separate? (telemetry on the probe batch)", "",
+                  "Map separation: ½·Σ_k|A1 − A2| per query (0: the head's two maps are equal), mean over heads and "
+                  "queries; negative share: entries of A1 − λA2 below zero among those a query may attend to; λ: V1's "
+                  "per-layer λ, V2's mean sigmoid(x W_λ). Mean over layers (largest layer), mean ± std over seeds.", "",
+                  *telemetry, ""]
     lines += ["Training time per run (s): " + "; ".join(
         f"{name} " + ", ".join(f"{r['train']['seconds']:.0f}" for r in per_seed.values()) for name, per_seed in results["runs"].items()), ""]
     return "\n".join(lines)
-
-
-def _telemetry_markdown(summary: dict, labels: dict) -> list[str]:
-    rows = [(name, phases["telemetry"]) for name, phases in summary.items() if "telemetry" in phases]
-    if not rows:
-        return []
-    lines = ["### Do the two softmax maps of a head separate? (telemetry on the probe batch)", "",
-             "Map separation: ½·Σ_k|A1 − A2| per query (0: the head's two maps are equal), mean over heads and queries; "
-             "negative share: entries of A1 − λA2 below zero among those a query may attend to; λ: V1's per-layer λ, "
-             "V2's mean sigmoid(x W_λ). Mean over layers (largest layer), mean ± std over seeds.", "",
-             "| model | step | map separation | largest layer | negative share | first-token mass | λ |",
-             "|---|---|---|---|---|---|---|"]
-    for name, tel in rows:
-        for phase in ("before", "after"):
-            t = tel[phase]
-            lam = t.get("lambda") or t.get("lambda_mean")
-            cells = [f"{t['map_separation']['layer_mean']['mean']:.4f} ± {t['map_separation']['layer_mean']['std']:.4f}",
-                     f"{t['map_separation']['layer_max']['mean']:.4f}",
-                     f"{t['negative_share']['layer_mean']['mean']:.4f}", f"{t['first_token_mass']['layer_mean']['mean']:.4f}",
-                     f"{lam['layer_mean']['mean']:.4f}"]
-            lines.append(f"| {labels.get(name, name)} | {t['step']} | " + " | ".join(cells) + " |")
-    return lines + [""]
 
 
 def plot(results: dict, path: str) -> str:
