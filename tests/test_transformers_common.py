@@ -88,14 +88,16 @@ class DiffTransformerModelTester:
 
     def __init__(self, parent, diff_version, query_heads, kv_heads, batch_size=13, seq_length=7, vocab_size=99,
                  hidden_size=32, head_dim=8, intermediate_size=37, num_hidden_layers=2, num_labels=3, num_choices=4,
-                 type_sequence_label_size=2, is_training=True):
+                 type_sequence_label_size=2, is_training=True, config_overrides=None):
         self.parent = parent
         self.diff_version, self.query_heads, self.kv_heads = diff_version, query_heads, kv_heads
         self.batch_size, self.seq_length, self.vocab_size = batch_size, seq_length, vocab_size
         self.hidden_size, self.head_dim, self.intermediate_size = hidden_size, head_dim, intermediate_size
         self.num_hidden_layers, self.num_labels, self.num_choices = num_hidden_layers, num_labels, num_choices
         self.type_sequence_label_size, self.is_training = type_sequence_label_size, is_training
-        self.num_attention_heads = query_heads // 2  # maps returned per layer (see the class docstring)
+        self.config_overrides = dict(config_overrides or {})
+        noise = self.config_overrides.get("num_noise_heads") or query_heads // 2
+        self.num_attention_heads = query_heads - noise  # maps returned per layer (see the class docstring)
 
     def get_config(self):
         return DiffTransformerConfig(
@@ -103,6 +105,7 @@ class DiffTransformerModelTester:
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.query_heads,
             num_key_value_heads=self.kv_heads, head_dim=self.head_dim, diff_version=self.diff_version,
             max_position_embeddings=512, num_labels=self.num_labels, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            **self.config_overrides,
         )
 
     def prepare_config_and_inputs_for_common(self):
@@ -120,6 +123,7 @@ class _DiffTransformerCommonTests(*MIXINS):
         DiffTransformerForTokenClassification,
     )
     layout: tuple[int, int, int]  # (diff_version, num_attention_heads, num_key_value_heads)
+    config_overrides: dict = {}  # further config fields of the layout
     model_tester = None
     # test_can_init_all_missing_weights dates a model by the "# Copyright YYYY" line of its config file and skips
     # models from before 2023 unless this is set; our config file has no such line, and _init_weights covers every
@@ -154,7 +158,7 @@ class _DiffTransformerCommonTests(*MIXINS):
             patch.stop()
 
     def setUp(self):
-        self.model_tester = DiffTransformerModelTester(self, *self.layout)
+        self.model_tester = DiffTransformerModelTester(self, *self.layout, config_overrides=self.config_overrides)
 
     if "GenerationTesterMixin" in MISSING_FROM_SDIST:
 
@@ -167,6 +171,14 @@ class _DiffTransformerCommonTests(*MIXINS):
 
 class DiffTransformerV1GQACommonTest(_DiffTransformerCommonTests, unittest.TestCase):
     layout = (1, 8, 4)  # H=4 differential heads over G=2 KV groups (n=2)
+
+
+class DiffTransformerV1GroupedMotifCommonTest(_DiffTransformerCommonTests, unittest.TestCase):
+    """Grouped differential attention with Motif's options (docs/model.md): 8 signal heads share 2 noise heads (r = 4),
+    PolyNorm MLP (weights under mlp.act_fn), λinit offset −1."""
+
+    layout = (1, 10, 4)
+    config_overrides = {"num_noise_heads": 2, "hidden_act": "poly_norm", "lambda_init_layer_offset": -1}
 
 
 class DiffTransformerV1MHACommonTest(_DiffTransformerCommonTests, unittest.TestCase):
