@@ -166,9 +166,6 @@ class MotifForCausalLM(DiffTransformerForCausalLM):
     config_class = MotifConfig
     _auto_class = None  # saved as Motif's format, not with difftransformer's remote code (save_pretrained)
 
-    def __init__(self, config: MotifConfig):
-        super().__init__(config)
-
 
 # Trainer shifts labels for label smoothing only for class names in this table (see modeling_difftransformer.py).
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MOTIF_MODEL_TYPE, "MotifForCausalLM")
