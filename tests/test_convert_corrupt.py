@@ -56,7 +56,7 @@ def wrong_field_type(src: Path):
     fields = json.loads(config.read_text())
     fields["num_attention_heads"] = "nine"
     config.write_text(json.dumps(fields))
-    return src, config, r": Validation error for field 'num_attention_heads': TypeError: Field 'num_attention_heads' expected int, got str"
+    return src, config, r": `num_attention_heads` must be a positive integer, got 'nine'\."
 
 
 def truncated_gguf(src: Path):
