@@ -54,7 +54,7 @@ DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprov
     tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
     tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
     tests/test_convert_microsoft.py tests/test_convert_config_fields.py tests/test_peft.py tests/test_pipeline.py \
-    tests/test_trainer.py tests/test_transformers_common.py
+    tests/test_trainer.py tests/test_transformers_common.py tests/test_grouped_differential_attention.py tests/test_motif.py
 phase newest "$t" "$(versions .venv-latest)"
 
 # 3. lowest transformers setup.py declares.
@@ -66,7 +66,8 @@ DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovi
     tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
     tests/test_save_load_difftransformer.py tests/test_generation_difftransformer.py tests/test_flash_path.py \
     tests/test_continuous_batching.py tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_peft.py \
-    tests/test_pipeline.py tests/test_trainer.py -k "not flex"
+    tests/test_pipeline.py tests/test_trainer.py tests/test_grouped_differential_attention.py tests/test_motif.py \
+    -k "not flex"
 phase lowest "$t" "$(versions "$min_venv")"
 
 # 4. serving: vLLM (its CPU build) pins its own torch and transformers, so it has its own venv.
