@@ -66,7 +66,7 @@ class DiffTransformerConfig(PreTrainedConfig):
 
     model_type = "difftransformer"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field before and from transformers 5.24
-    # Same layout as Llama: with the group-major row order (SPEC §3) a contiguous column shard of
+    # Same layout as Llama: with the group-major row order (docs/model.md, "What it computes") a contiguous column shard of
     # q/k/v (and of lambda_proj in V2) holds whole KV groups, so every shard computes whole heads.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
@@ -133,7 +133,7 @@ class DiffTransformerConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
-        """Every SPEC §0 invariant; runs at construction and from ``config.validate()``."""
+        """Every invariant of the head counts (docs/model.md, "Configuration"); runs at construction and from ``config.validate()``."""
         v, hq, hkv, d = self.diff_version, self.num_attention_heads, self.num_key_value_heads, self.head_dim
         if isinstance(v, bool) or v not in SUPPORTED_DIFF_VERSIONS:
             raise ValueError(f"`diff_version` must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {v!r}.")
@@ -225,7 +225,7 @@ class DiffTransformerConfig(PreTrainedConfig):
                 f"must be one of {kv_allowed}, got {hkv} (or num_noise_heads one of {fitting})."
             )
 
-    # Derived sizes (SPEC §0); not serialised.
+    # Derived sizes (docs/model.md, "Configuration"); not serialised.
     @property
     def noise_heads(self) -> int:
         """N: noise maps (query heads whose softmax is subtracted); ``Hq / 2`` unless ``num_noise_heads`` is set."""

@@ -54,7 +54,7 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
 
 
 def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None, noise_ratio=1):
-    """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (SPEC §2).
+    """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (docs/model.md).
 
     ``query`` ``(B, 1, 2H, d)`` as projected (adjacent heads pair and share a KV head), ``key``/``value``
     ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. :func:`gqa_decode_attention` reads the cache once for the 2n heads of each

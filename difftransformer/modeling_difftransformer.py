@@ -4,7 +4,7 @@ Reference code: microsoft/unilm ``Diff-Transformer/multihead_flashdiff_2.py`` (V
 ``Diff-Transformer-V2/`` (V2). Everything that is not differential attention is Llama's, imported from
 transformers (RMSNorm, rotary embeddings with rope scaling, MLP, masks, caches, task heads).
 
-Head layout of one layer (SPEC §3), shown for V1 with H = 4 differential heads, G = 2 KV groups (n = 2)::
+Head layout of one layer (docs/model.md, "What it computes"), shown for V1 with H = 4 differential heads, G = 2 KV groups (n = 2)::
 
     q_proj rows  (Hq = 2H = 8 heads of width d), group-major (g, c, r):
         | g0 c0 r0 | g0 c0 r1 | g0 c1 r0 | g0 c1 r1 | g1 c0 r0 | g1 c0 r1 | g1 c1 r0 | g1 c1 r1 |
@@ -272,7 +272,7 @@ def eager_attention_forward(
 
     query ``(B, 2H, T, w)``, key/value ``(B, G, S, w)`` exactly as the module passes them to every kernel.
     Unlike standard kernels this returns the *combined* output ``(B, T, H, w)`` together with the differential
-    maps ``(B, H, T, S)`` it was computed from (SPEC §7: what ``output_attentions`` shows).
+    maps ``(B, H, T, S)`` it was computed from (what ``output_attentions`` shows: docs/model.md).
     """
     keys = repeat_kv(key, module.num_key_value_groups)  # (B, 2H, S, w)
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
@@ -292,7 +292,7 @@ class PackedGroupsPagedCache(PagedAttentionCache):
 
     Continuous batching writes keys and values inside the attention function, into a cache laid out per token as
     ``(num_key_value_heads, head_dim)``: byte for byte the packed ``(G, 2d)`` groups V1 gives its kernel
-    (``[K1 | K2]`` per group, SPEC §4). ``update`` converts the views both ways — no copy — so every kernel that
+    (``[K1 | K2]`` per group, docs/model.md, "Caches and generation"). ``update`` converts the views both ways — no copy — so every kernel that
     supports the paged cache (sdpa, ``paged|eager``) runs V1 with its single call. The flash block-table path writes
     the cache inside the flash kernel with the config's head size and is refused.
     """
@@ -780,7 +780,7 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """As transformers', but the folder's ``auto_map`` names every Auto class (SPEC §7b).
+        """As transformers', but the folder's ``auto_map`` names every Auto class.
 
         transformers records only the class being saved (plus ``AutoConfig``); with all of them, the folder
         loads as remote code through ``AutoModel``, ``AutoModelForCausalLM`` and the other heads. Wrappers that

@@ -1,4 +1,4 @@
-"""Checkpoint conversions into (and out of) the ``difftransformer`` format (SPEC §6).
+"""Checkpoint conversions into (and out of) the ``difftransformer`` format (docs/convert.md).
 
 Sources (``--from``) and what each becomes (``--to difftransformer`` unless noted):
 
@@ -21,11 +21,11 @@ Every source can also be written as a DiffLlama folder (``--to diffllama``) when
 grouped (GDA, ``num_noise_heads``) result as the equivalent plain model (``--to duplicated``), and a plain result whose
 noise heads come in identical copies as GDA (``--to gda --num-noise-heads N``); both exact (:mod:`.gda`).
 
-How a conversion runs (the guarantees of issue 3):
+How a conversion runs (its guarantees):
 
 1. The source config is read and turned into ours (``rope_parameters``, tied embeddings, ``rms_norm_eps``,
    dtype, biases are carried over).
-2. A *plan* lists, for every tensor of the result, the source tensors it is computed from and how (SPEC §6 index
+2. A *plan* lists, for every tensor of the result, the source tensors it is computed from and how (docs/convert.md index
    maps). Before anything is written the plan is checked against the source's key list and shapes: unknown,
    missing and mis-shaped tensors stop the conversion with an error naming them.
 3. The result is written into a temporary folder beside the output, one safetensors shard at a time, each tensor

@@ -245,7 +245,7 @@ def convert(
     tokenizer=None,
     num_noise_heads: int | None = None,
 ) -> ConversionResult:
-    """Convert a checkpoint (SPEC §6). See the package docstring and docs/convert.md.
+    """Convert a checkpoint (docs/convert.md). See the package docstring and docs/convert.md.
 
     Args:
         source: one of ``SOURCES``. target: ``"difftransformer"`` or ``"diffllama"``.
@@ -265,7 +265,7 @@ def convert(
         seed: seed of the λ initialisation for Llama → V1 upcycling (and of random calibration ids).
         max_shard_size: largest shard (bytes or "5GB"); larger results are sharded with an index. Peak memory is
             about one shard plus the source tensors it reads (memory-mapped).
-        v1_init: Llama → V1 only: ``"pair"`` (SPEC §6, even ``num_key_value_heads``), ``"duplicate"`` (any layout,
+        v1_init: Llama → V1 only: ``"pair"`` (docs/convert.md, even ``num_key_value_heads``), ``"duplicate"`` (any layout,
             doubles query and KV heads, see :mod:`difftransformer.convert.llama`) or ``"auto"`` (pair when possible).
         v1_calibration: duplicate only: ``"auto"`` (the embedded corpus through the source's tokenizer, else random
             ids), ``"corpus"``, ``"random"``, ``"none"`` (ρ = 1), or a ``(batch, length)`` tensor of token ids.

@@ -1,4 +1,4 @@
-"""transformers' DiffLlama ↔ DIFF V1 (SPEC §6): ``--from diffllama`` and ``--to diffllama``.
+"""transformers' DiffLlama ↔ DIFF V1 (docs/convert.md): ``--from diffllama`` and ``--to diffllama``.
 
 DiffLlama orders query rows ``(c, g, r)`` and key/value rows ``(c, g)``; ours are ``(g, c, r)`` / ``(g, c)``. Its
 per-head norm has no weight and uses ``rms_norm_eps``: ``subln.weight`` = ones, ``subln_eps`` = its eps. The way back
@@ -34,7 +34,7 @@ from .engine import (
 
 
 def config_from_diffllama(src: DiffLlamaConfig) -> DiffTransformerConfig:
-    """DiffLlama config → V1 config. Its per-head norm has no weight and uses ``rms_norm_eps`` (SPEC §6)."""
+    """DiffLlama config → V1 config. Its per-head norm has no weight and uses ``rms_norm_eps`` (docs/convert.md)."""
     if src.attention_dropout not in (None, 0, 0.0):
         raise ConversionError(f"DiffLlama attention_dropout={src.attention_dropout}: the Differential Transformer defines none; expected 0.")
     return DiffTransformerConfig(
@@ -90,7 +90,7 @@ def diffllama_config_from(config: DiffTransformerConfig) -> DiffLlamaConfig:
     if not math.isclose(config.subln_eps, config.rms_norm_eps, rel_tol=0, abs_tol=0):
         raise ConversionError(
             f"--to diffllama: DiffLlama's per-head norm uses rms_norm_eps ({config.rms_norm_eps}), this model's uses "
-            f"subln_eps ({config.subln_eps}); folding subln into o_proj is exact only when they are equal (SPEC §6)."
+            f"subln_eps ({config.subln_eps}); folding subln into o_proj is exact only when they are equal (docs/convert.md)."
         )
     fields = _shared_fields(config)
     return DiffLlamaConfig(
@@ -122,7 +122,7 @@ def to_diffllama(plan: Plan) -> Plan:
         elif re.search(r"\.self_attn\.[kv]_proj\.", key):
             steps.append(Step(key, src.sources, lambda get, s=src: s.fn(get).index_select(0, kv_rows)))
         elif key.endswith("self_attn.o_proj.weight"):
-            # DiffLlama's norm has no weight: Wo[:, 2hd + j] *= w[j] for every head h (SPEC §6).
+            # DiffLlama's norm has no weight: Wo[:, 2hd + j] *= w[j] for every head h (docs/convert.md).
             norm = ours[key.replace("o_proj.weight", "subln.weight")]
 
             def fold(get, s=src, w=norm):

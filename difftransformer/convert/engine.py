@@ -188,7 +188,7 @@ def _weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Index maps (SPEC §3, §6). Each returns, for every row (head) of the result, the source row (head) it comes from.
+# Index maps (the row order of docs/model.md, the conversions of docs/convert.md). Each returns, for every row (head) of the result, the source row (head) it comes from.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -247,7 +247,7 @@ class Step:
     target: str
     sources: tuple[str, ...]
     fn: Callable[[Getter], torch.Tensor]
-    keep_float32: bool = False  # V1 λ vectors stay float32 (SPEC §3) whatever --dtype says
+    keep_float32: bool = False  # V1 λ vectors stay float32 (docs/model.md) whatever --dtype says
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""Llama / Mistral / Qwen2 → DIFF (SPEC §6): exact V2 upcycling, and two V1 initialisations.
+"""Llama / Mistral / Qwen2 → DIFF (docs/convert.md): exact V2 upcycling, and two V1 initialisations.
 
 V2 (exact): every query head ``j`` becomes heads ``2j, 2j+1``, ``lambda_proj = 0`` (λ = 0.5), ``o_proj = 2·Wo``.
 
-V1, ``v1_init="pair"`` (SPEC §6, needs an even ``num_key_value_heads``): q, k, v unchanged, so adjacent source heads
+V1, ``v1_init="pair"`` (docs/convert.md, needs an even ``num_key_value_heads``): q, k, v unchanged, so adjacent source heads
 become the two maps of one differential head; ``o_proj`` column blocks move to the V1 head layout. Not
 function-preserving.
 
@@ -111,7 +111,7 @@ def _llama_notes(src) -> list[str]:
 
 def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | None = None, v1_init: str = "auto",
                       v1_subln_eps: float | None = None) -> DiffTransformerConfig:
-    """Llama-style config → ours. V2 doubles the query heads (SPEC §6); V1 ``pair`` keeps every count, V1
+    """Llama-style config → ours. V2 doubles the query heads (docs/convert.md); V1 ``pair`` keeps every count, V1
     ``duplicate`` doubles both query and KV heads. ``v1_subln_eps``: V1's per-head norm eps (default: the source's
     ``rms_norm_eps``)."""
     if src.model_type not in LLAMA_STYLE_MODEL_TYPES:
@@ -190,7 +190,7 @@ def _duplicate_o_proj(weight: torch.Tensor, scales: torch.Tensor, d: int) -> tor
 
 def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto", v1_output_rms: torch.Tensor | None = None,
                     v1_subln_eps: float | None = None) -> Plan:
-    """Llama → V2 (exact) or V1 (``pair`` or ``duplicate``), SPEC §6.
+    """Llama → V2 (exact) or V1 (``pair`` or ``duplicate``), docs/convert.md.
 
     ``v1_output_rms``: for ``duplicate``, ``ρ`` of shape ``(num_hidden_layers, num_attention_heads)`` (from
     :func:`calibrate_v1_output_scales`); ``None`` takes ``ρ = 1`` (uncalibrated).
@@ -226,7 +226,7 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
             steps.append(Step(p + "lambda_proj.weight", (), lambda get: torch.zeros(config.num_diff_heads, E)))
         elif method == "pair":
             # Source query head i = (2g + c)·n + r becomes map c of head h = g·n + r (same key and value head);
-            # its o_proj column block moves to half c of head h. Not function-preserving (SPEC §6).
+            # its o_proj column block moves to half c of head h. Not function-preserving (docs/convert.md).
             G = config.num_kv_groups
             n = config.num_diff_heads // G
             cols = expand_heads(_v1_output_blocks(G, n), d)
@@ -269,7 +269,7 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
         plan.info["v1_init"] = method
     if method == "pair":
         plan.notes.append(
-            "Llama → V1 upcycling is approximate (SPEC §6): the result computes a different function and needs "
+            "Llama → V1 upcycling is approximate (docs/convert.md): the result computes a different function and needs "
             "continued training before use."
         )
     elif method == "duplicate":

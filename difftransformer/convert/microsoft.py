@@ -1,4 +1,4 @@
-"""Microsoft's reference modules → ours (SPEC §6): ``--from microsoft-v1`` and ``--from microsoft-v2``.
+"""Microsoft's reference modules → ours (docs/convert.md): ``--from microsoft-v1`` and ``--from microsoft-v2``.
 
 Microsoft released attention modules, not models: a full-model state dict uses Llama names outside attention and
 Microsoft's own names inside it (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (V1) / ``o_proj`` (V2),
@@ -117,7 +117,7 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
 
 
 def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None = None, subln_affine: bool = True) -> Plan:
-    """Microsoft V1/V2 full-model state dict (Llama names, Microsoft attention modules) → ours (SPEC §6)."""
+    """Microsoft V1/V2 full-model state dict (Llama names, Microsoft attention modules) → ours (docs/convert.md)."""
     cfg = dict(cfg)
     if attention_module is not None:
         cfg["attention_module"] = attention_module
@@ -135,7 +135,7 @@ def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None
                 "Checkpoints from Microsoft's naive MultiheadDiffAttn (multihead_diffattn.py) with GQA "
                 f"(num_heads / num_kv_heads = {n} > 1) are not DIFF V1: that file repeats key heads over adjacent query "
                 "heads, so both softmax maps of a differential head read the same key head instead of K1 and K2 "
-                "(SPEC §6). They cannot be represented here; only n = 1 (MHA) checkpoints from that file convert."
+                "(docs/convert.md). They cannot be represented here; only n = 1 (MHA) checkpoints from that file convert."
             )
     target_shapes = _meta_shapes(DiffTransformerForCausalLM, config)
     d, E = config.head_dim, config.hidden_size
