@@ -105,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--v1-subln-eps",
         type=float,
         default=None,
-        help="--from llama --diff-version 1 only: eps of V1's per-head RMSNorm (default: the source's rms_norm_eps). "
-        "With --v1-init duplicate, a large value such as 1 makes the norm near-linear at the start, so the converted "
-        "model nearly equals the source (docs/convert.md); export to DiffLlama is then not exact.",
+        help="--from llama --diff-version 1 only: eps of V1's per-head RMSNorm (default: the source's rms_norm_eps, the "
+        "paper's setting). A large value such as 1 gives the V1 layout with its per-head norm made nearly inert: with "
+        "--v1-init duplicate the converted model then nearly equals the source, but it is not the paper's V1 "
+        "(docs/convert.md); export to DiffLlama is then not exact.",
     )
     parser.add_argument(
         "--num-noise-heads",
