@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from difftransformer.kernels_difftransformer import needs_grad, query_padding
 from difftransformer.modeling_difftransformer import CACHE_NAME, differential_combine
 
 # Run as a script, the repository root is not on sys.path; the `ours_v1_padded` decode kind imports `benchmarks.*`.
@@ -193,7 +194,7 @@ def _mask(x: AttentionInputs) -> torch.Tensor | None:
 def _query_pad(like: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``(2, 1, 2, 1)``: ``scale`` on the diagonal. Multiplied into queries viewed ``(..., 2, n, 1, d)`` and flattened,
     it zero-pads map 1's rows to ``[Q1|0]`` and map 2's to ``[0|Q2]`` (the padded call of docs/model.md)."""
-    return torch.eye(2, dtype=like.dtype, device=like.device).mul_(scale).view(2, 1, 2, 1)
+    return query_padding(1, 1, like.dtype, like.device).view(2, 1, 2, 1).mul_(scale)  # the model's pattern, one row each
 
 
 def llama_sdpa(x: AttentionInputs) -> torch.Tensor:
@@ -331,7 +332,7 @@ def ours(x: AttentionInputs) -> torch.Tensor:
     from difftransformer.modeling_difftransformer import blocked_differential_attention, packed_decode_attention
 
     b, t, s, h, g, d = x.shape
-    grad = torch.is_grad_enabled() and any(v.requires_grad for v in (x.query, x.key_packed, x.value_packed, x.lam))
+    grad = needs_grad(x.query, x.key_packed, x.value_packed, x.lam)
     if t == 1 and not grad:
         query = x.query.view(b, g, 2, x.n, d)  # (B, G, 2, n, d): a free view of the one token's heads
         return packed_decode_attention(query, x.key_packed, x.value_packed, x.lam, x.scaling).reshape(b, 1, h, 2 * d)

@@ -27,8 +27,12 @@ the V2 prompt path against one SDPA call (docs/performance.md). This file is imp
 so ``save_pretrained`` copies it into every saved folder (Hub remote code).
 """
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 # At most this many query rows per block, and few enough that a block's scores (n heads × rows × keys) stay within
 # _BLOCK_SCORES float32 elements (1 MiB) per map and KV group, near the L2 cache.
@@ -72,6 +76,12 @@ def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None, 
     heads = hq // (r + 1) * r
     combined = torch.addcmul(blocks[:, :, :r], lam.view(b, hq // (r + 1), r, 1), blocks[:, :, r:], value=-1)
     return combined.view(b, 1, heads, d)
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will record an operation on ``tensors``: grad mode is on and one of them requires grad (a
+    kernel then takes its autograd.Function; without, its plain forward)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
 def query_padding(signal_rows: int, noise_rows: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -237,15 +247,44 @@ def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_m
     may have ``n / r`` heads per group (grouped differential attention: signal head j subtracts noise head j // r).
     ``attention_mask``: None (transformers' sdpa convention) or boolean, broadcastable to ``(B, 1, T, S)``;
     ``block``: query rows per block (None: chosen from the key length)."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q1, q2, key, value, lam)):
+    if needs_grad(q1, q2, key, value, lam):
         return BlockedDifferentialAttention.apply(q1, q2, key, value, lam, scaling, attention_mask, block)
     return _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block)
 
 
 # torch's CPU flash-attention kernel (the one behind SDPA for float32) and its backward, called directly for their
-# log-sum-exp output. Absent ops (another torch build) leave V2 on transformers' sdpa function.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# log-sum-exp output. They are private operators: this file also ships as Hub remote code and may meet any torch, so
+# each is used only if its schema is the one this code calls (argument names and number of results, as in torch
+# 2.13); otherwise V2 stays on transformers' public sdpa path, and one log line says why.
+_PRIVATE_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"), 2),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"), 3),
+}
+
+
+def private_op(name: str, ops=torch.ops.aten):
+    """The private aten operator ``name`` if it exists with the schema in ``_PRIVATE_OPS``, else None (logged once)."""
+    expected_args, expected_results = _PRIVATE_OPS[name]
+    op = getattr(ops, name, None)
+    try:
+        schema = op.default._schema if op is not None else None
+    except (AttributeError, RuntimeError):
+        schema = None
+    found = None if schema is None else (tuple(a.name for a in schema.arguments), len(schema.returns))
+    if found == (expected_args, expected_results):
+        return op
+    logger.warning(
+        "difftransformer: torch %s %s aten.%s%s; V2 prompts use transformers' sdpa attention instead of the causal block "
+        "kernel (same results, slower on CPU).", torch.__version__, "has no" if op is None else "has a changed", name,
+        "" if found is None else f" (arguments {found[0]}, {found[1]} results; expected {expected_args}, {expected_results})",
+    )
+    return None
+
+
+_FLASH_CPU = private_op("_scaled_dot_product_flash_attention_for_cpu")
+_FLASH_CPU_BACKWARD = private_op("_scaled_dot_product_flash_attention_for_cpu_backward")
 # Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the fastest of the
 # block sizes benchmarks/v2_prompt_attention.py compares, and the shortest length at which it saved time there at
 # batch 1, 2 and 4 in every committed run (docs/performance.md; at 128 tokens it cost up to 18% at batch 1). Smaller
@@ -324,7 +363,7 @@ def causal_block_attention(query, key, value, scaling, block=None):
     ``key``/``value`` ``(B, G, T, d)`` → ``(B, Hq, T, d)``, equal to SDPA with ``is_causal=True``; ``block``: query
     rows per block (None: ``_CAUSAL_BLOCK``)."""
     block = block or _CAUSAL_BLOCK
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+    if needs_grad(query, key, value):
         return CausalBlockAttention.apply(query, key, value, scaling, block)
     return _causal_block_forward(query, key, value, scaling, block)[0]
 
@@ -351,7 +390,7 @@ def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling,
     ``(B, T, H, 2d)``, equal to the padded-query path and to the eager formula."""
     b, t, _, d = query.shape
     g, n = key.shape[1], pair_stride
-    if t == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam))):
+    if t == 1 and not needs_grad(query, key, value, lam):
         out = packed_decode_attention(query.view(b, g, -1, d), key, value, lam, scaling, attention_mask, noise_ratio)
         return out.view(b, 1, g * n, 2 * d)
     heads = query.view(b, t, g, -1, d).permute(0, 2, 3, 1, 4)  # (B, G, n + m, T, d): a view
@@ -368,6 +407,7 @@ __all__ = [
     "gqa_decode_attention",
     "packed_decode_attention",
     "pair_decode_attention",
+    "needs_grad",
     "query_padding",
     "uses_causal_block_attention",
 ]

@@ -91,6 +91,7 @@ from .kernels_difftransformer import (
     differential_sdpa_attention,
     packed_decode_attention,
     pair_decode_attention,
+    needs_grad,
     query_padding,
     uses_causal_block_attention,
 )
@@ -474,7 +475,7 @@ class DiffTransformerAttention(nn.Module):
     @staticmethod
     def is_decode_step(query, *tensors) -> bool:
         """One new token per sequence and no autograd through the attention inputs."""
-        return query.shape[1] == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, *tensors)))
+        return query.shape[1] == 1 and not needs_grad(query, *tensors)
 
 
 # vLLM's Transformers backend gives each layer one call of its attention function, backed by an attention layer that

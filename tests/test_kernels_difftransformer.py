@@ -413,3 +413,41 @@ def test_decode_kernels_take_sdpa_outputs_in_the_memory_layout_of_cuda_kernels(m
     assert not rows_outermost(query2.reshape(b, g, -1, d), key, value).is_contiguous()
     torch.testing.assert_close(kernels.pair_decode_attention(query2, key, value, lam2, d**-0.5), expected[0])
     torch.testing.assert_close(kernels.packed_decode_attention(query1, key1, value1, torch.tensor(0.3), d**-0.5), expected[1])
+
+
+def test_private_flash_operators_are_used_only_with_the_schema_the_kernel_calls(caplog):
+    """The causal-block kernel calls two private aten operators; remote code may meet any torch. A missing operator, or
+    one whose schema changed, is not used (one log line says so), and V2 prompts then take the public sdpa path."""
+    from types import SimpleNamespace
+
+    name = "_scaled_dot_product_flash_attention_for_cpu"
+    real = getattr(torch.ops.aten, name)
+    assert kernels.private_op(name) is real  # this torch: the schema the kernel was written against
+
+    class ChangedSchema:  # the same operator with one argument renamed, as a future torch might ship it
+        class default:
+            _schema = SimpleNamespace(arguments=[SimpleNamespace(name=a.name.replace("scale", "softmax_scale"))
+                                                 for a in real.default._schema.arguments],
+                                      returns=real.default._schema.returns)
+
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        assert kernels.private_op(name, ops=SimpleNamespace()) is None
+        assert kernels.private_op(name, ops=SimpleNamespace(**{name: ChangedSchema})) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "has no aten." in lines[0] and "has a changed aten." in lines[1] and "softmax_scale" in lines[1]
+    assert all("\n" not in line for line in lines)
+
+
+def test_v2_prompts_without_the_private_operators_take_the_public_path_and_equal_eager(monkeypatch):
+    model = _model(2, version=2).eval()
+    ids = torch.randint(3, 97, (1, kernels.CAUSAL_BLOCK_MIN_LENGTH), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(ids).logits
+    monkeypatch.setattr(kernels, "_FLASH_CPU", None)  # as private_op returns for a missing or changed operator
+    calls = []
+    monkeypatch.setattr(mdt, "causal_block_attention", lambda *a, **k: calls.append(1))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, eager, rtol=1e-4, atol=1e-4)
+    assert not calls
