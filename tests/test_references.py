@@ -9,19 +9,12 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Built from parts, so that this file does not match itself.
 CITATION = re.compile(r"\b" + "SP" + r"EC\b|\b[Ii]" + r"ssue #?\d+|\bseed " + "note")
 KEPT = ("tests/assets/", "benchmarks/results/", "tests/test_references.py")  # the last: its own examples
 TEXT = (".py", ".md", ".sh", ".txt", ".toml", ".cfg", ".yml", ".yaml", ".json")
-# Files other sessions are rewriting: the lead cleans them once they land, then drops this list and the xfail.
-OWNED_PENDING = ("difftransformer/modeling_difftransformer.py", "difftransformer/configuration_difftransformer.py",
-                 "difftransformer/kernels_difftransformer.py", "difftransformer/vllm_model.py",
-                 "difftransformer/vllm_plugin.py", "difftransformer/integrations.py", "difftransformer/convert/",
-                 "difftransformer/upcycle", "benchmarks/compare_upcycled.py", "docs/serving.md", "docs/upcycling.md",
-                 "docs/models.md", "tests_serving/")
 
 
 def citations() -> dict[str, list[str]]:
@@ -46,11 +39,5 @@ def test_the_pattern_finds_what_it_is_for():
 
 
 def test_no_file_cites_a_document_the_reader_does_not_have():
-    found = {name: lines for name, lines in citations().items() if not name.startswith(OWNED_PENDING)}
-    assert not found, "\n".join(f"{name}:{line}" for name, lines in found.items() for line in lines)
-
-
-@pytest.mark.xfail(strict=False, reason="owned files pending")
-def test_no_owned_file_cites_a_document_the_reader_does_not_have():
-    found = {name: lines for name, lines in citations().items() if name.startswith(OWNED_PENDING)}
+    found = citations()
     assert not found, "\n".join(f"{name}:{line}" for name, lines in found.items() for line in lines)
