@@ -231,10 +231,18 @@ def render_gda(datas: list[dict], opts: dict) -> list[str]:
     return _table_lines(bench_gda.format_table(datas[0]))
 
 
+def render_vllm(datas: list[dict], opts: dict) -> list[str]:
+    """bench_vllm.py's table (files with its ``diff_v1`` / ``diff_v2`` rows: the runs that measure both upcycles)."""
+    from benchmarks import bench_vllm
+
+    return _table_lines(bench_vllm.format_table(datas[0]))
+
+
 RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench": render_bench, "bench-summary": render_bench_summary, "micro": render_micro,
     "v2-prompt": render_v2_prompt, "v2-threshold": render_v2_threshold, "decode-parts": render_decode_parts,
     "profile": render_profile, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
+    "vllm": render_vllm,
 }
 
 

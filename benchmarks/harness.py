@@ -233,9 +233,48 @@ def machine_info(threads: int | None = None) -> dict:
 
 def measured_code_changes(commit: str, script: str, root: str = ROOT) -> list[str]:
     """The commits after ``commit`` (reachable from HEAD, not from ``commit``), oldest first, that changed the code
-    ``script``'s results measure (``MEASURED_CODE``): empty while a result of ``commit`` is current. Raises
+    ``script``'s results measure (``MEASURED_CODE``): empty while a result of ``commit`` is current. A commit that
+    changed only comments and docstrings of those files changed no code and does not count. Raises
     ``subprocess.CalledProcessError`` where ``commit`` is not in this repository's history."""
-    return _git("log", "--format=%H", "--reverse", f"{commit}..HEAD", "--", *MEASURED_CODE[script], root=root).split()
+    paths = MEASURED_CODE[script]
+    commits = _git("log", "--format=%H", "--reverse", f"{commit}..HEAD", "--", *paths, root=root).split()
+    return [c for c in commits if _changes_code(c, paths, root)]
+
+
+def _code_of(text: str | None, path: str) -> str | None:
+    """What of a file's text can change a measurement: a Python file's syntax tree without docstrings (comments are
+    not in it), any other file's text."""
+    if text is None or not path.endswith(".py"):
+        return text
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _changes_code(commit: str, paths: list[str], root: str) -> bool:
+    """Whether ``commit`` changed more than comments and docstrings in any of ``paths``."""
+    changed = _git("diff-tree", "--no-commit-id", "--name-only", "-r", f"{commit}^", commit, "--", *paths, root=root).split()
+    for path in changed:
+        before, after = (_show(f"{rev}:{path}", root) for rev in (f"{commit}^", commit))
+        if _code_of(before, path) != _code_of(after, path):
+            return True
+    return False
+
+
+def _show(spec: str, root: str) -> str | None:
+    try:
+        return _git("show", spec, root=root)
+    except subprocess.CalledProcessError:
+        return None  # the file does not exist at that revision
 
 
 def _git(*args: str, root: str = ROOT) -> str:

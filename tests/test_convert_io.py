@@ -32,6 +32,7 @@ from convert_scripts.convert import build_parser, main
 from difftransformer.convert import ConversionError, convert
 from test_convert_gguf import write_tiny_gguf
 from test_convert_microsoft import ms_config, ms_state_dict, write_source
+from test_motif import motif_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 REPO = Path(__file__).resolve().parent.parent
@@ -339,9 +340,12 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     write_source(tmp_path / "my-microsoft-v1", sd, ms_config(4, 2))
     write_source(tmp_path / "my-microsoft-v2", ms_state_dict(2, 4, 2, d=8), ms_config(4, 2, d=8))
     write_tiny_gguf(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf", hq=3, hkv=1)  # a tiny stand-in with the same layout rules
+    # Motif-2-12.7B's head topology (8 groups of 4 signal + 1 noise half-heads, 16 KV half-heads), tiny widths
+    motif_folder(tmp_path / "Motif-2-12.7B", "12.7b", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                 head_dim=8, vocab_size=64, max_position_embeddings=64)
 
     commands = [c for block in _docs_blocks("bash") for c in block.replace("\\\n", " ").splitlines() if c.strip()]
-    assert len(commands) == 9
+    assert len(commands) == 12
     for command in commands:
         argv = shlex.split(command)
         assert argv[0] == "difftransformer-convert"

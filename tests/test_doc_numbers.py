@@ -189,3 +189,26 @@ def test_the_readme_remeasure_script_runs_the_rows_it_promises():
     assert "bash scripts/remeasure_readme.sh" in readme
     assert "<!-- table: bench-summary benchmarks/results/bench_t1cpu_fp32.json benchmarks/results/bench_t1cpu_bf16.json -->" \
         in readme
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_commit_that_changes_only_comments_and_docstrings_leaves_a_result_current(tmp_path, monkeypatch):
+    """In a scratch repository: a comment or docstring edit of measured code is not a change; a changed line of code,
+    even one that only renames a variable, is."""
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    def commit(text, message):
+        (tmp_path / "model.py").write_text(text)
+        git("add", "model.py")
+        git("commit", "-q", "-m", message)
+        return git("rev-parse", "HEAD")
+
+    monkeypatch.setitem(harness.MEASURED_CODE, "scratch.py", ["model.py"])
+    git("init", "-q")
+    measured = commit('def f(x):\n    """Double."""\n    return 2 * x\n', "measured")
+    commit('def f(x):\n    """Twice x."""\n    # the factor\n    return 2 * x  # doubled\n', "comments only")
+    assert harness.measured_code_changes(measured, "scratch.py", root=str(tmp_path)) == []
+    changed = commit('def f(y):\n    """Twice y."""\n    return 2 * y\n', "a renamed argument")
+    assert harness.measured_code_changes(measured, "scratch.py", root=str(tmp_path)) == [changed]
