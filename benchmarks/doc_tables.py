@@ -70,11 +70,11 @@ def load(path: str, root: str = _ROOT) -> dict:
 
 
 def staleness(data: dict) -> tuple[str, list[str], list[str]]:
-    """(the commit whose code the result measured, the later commits that changed that code, the measured files the
-    run's working tree had changed)."""
+    """(the commit whose code the result measured, the first later commit that changed that code (a list: empty while
+    the result is current), the measured files the run's working tree had changed)."""
     prov = data["provenance"]
     commit = prov.get("measured_commit") or prov["commit"]
-    changes = harness.measured_code_changes(commit, prov["script"])
+    changes = harness.measured_code_changes(commit, prov["script"], first=True)
     measured = harness.MEASURED_CODE[prov["script"]]
     dirty = [f for f in prov.get("dirty_files") or [] if any(f == m or f.startswith(m + "/") for m in measured)]
     return commit, changes, dirty
@@ -238,11 +238,34 @@ def render_vllm(datas: list[dict], opts: dict) -> list[str]:
     return _table_lines(bench_vllm.format_table(datas[0]))
 
 
+def _upcycle_label(report: dict) -> str:
+    settings = report["settings"]
+    if report["student"]["diff_version"] == 2:
+        return "V2"
+    if settings.get("v1_subln_eps") is not None:
+        return f"V1 layout, per-head norm nearly inert (`--v1-subln-eps {settings['v1_subln_eps']:g}`)"
+    return "V1"
+
+
+def render_upcycle(datas: list[dict], opts: dict) -> list[str]:
+    """examples/upcycle.py's reports (``--report-dir``): held-out perplexity over the teacher's, converted and
+    fine-tuned, one pair of rows per report."""
+    lines = ["| student | fine-tuning | Python code never trained on | English prose (pydoc topics) |",
+             "|---|---|---|---|"]
+    for report in datas:
+        label, ratio, train = _upcycle_label(report), report["ratio_to_teacher"], report["training"]
+        lines.append(f"| {label}, converted | none | {ratio['before']['validation']:.3f} | "
+                     f"{ratio['before']['pydoc_topics']:.3f} |")
+        lines.append(f"| {label}, fine-tuned | {train['global_step']} steps, {train['train_runtime_s'] / 60:.1f} min of "
+                     f"training | **{ratio['after']['validation']:.3f}** | **{ratio['after']['pydoc_topics']:.3f}** |")
+    return lines
+
+
 RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench": render_bench, "bench-summary": render_bench_summary, "micro": render_micro,
     "v2-prompt": render_v2_prompt, "v2-threshold": render_v2_threshold, "decode-parts": render_decode_parts,
     "profile": render_profile, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
-    "vllm": render_vllm,
+    "vllm": render_vllm, "upcycle": render_upcycle,
 }
 
 

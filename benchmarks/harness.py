@@ -23,6 +23,7 @@ Nothing here imports torch or transformers at module level: provenance works whe
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -173,6 +174,9 @@ MEASURED_CODE: dict[str, list[str]] = {
     "bench.py": _MODEL + _BENCH,
     "decode_parts.py": _MODEL + _BENCH + ["benchmarks/decode_parts.py"],
     "bench_gda.py": _MODEL + _BENCH + ["benchmarks/bench_gda.py", "difftransformer/convert/gda.py"],
+    "bench_gda_vllm": _MODEL + ["benchmarks/bench_gda.py", "benchmarks/bench_vllm.py", "benchmarks/harness.py",
+                                "difftransformer/convert/gda.py", "difftransformer/vllm_model.py",
+                                "difftransformer/vllm_plugin.py"],  # bench_gda.py --vllm
     "profile_train.py": _MODEL + _BENCH + ["benchmarks/profile_train.py"],
     "attention_micro.py": _MODEL + ["benchmarks/attention_micro.py", "benchmarks/harness.py"],
     "v2_prompt_attention.py": _MODEL + ["benchmarks/v2_prompt_attention.py", "benchmarks/attention_micro.py",
@@ -231,14 +235,21 @@ def machine_info(threads: int | None = None) -> dict:
     return info
 
 
-def measured_code_changes(commit: str, script: str, root: str = ROOT) -> list[str]:
+def measured_code_changes(commit: str, script: str, root: str = ROOT, first: bool = False) -> list[str]:
     """The commits after ``commit`` (reachable from HEAD, not from ``commit``), oldest first, that changed the code
     ``script``'s results measure (``MEASURED_CODE``): empty while a result of ``commit`` is current. A commit that
-    changed only comments and docstrings of those files changed no code and does not count. Raises
+    changed only comments and docstrings of those files changed no code and does not count. ``first``: only the first
+    such commit (what a document names), without reading the later ones. Raises
     ``subprocess.CalledProcessError`` where ``commit`` is not in this repository's history."""
     paths = MEASURED_CODE[script]
     commits = _git("log", "--format=%H", "--reverse", f"{commit}..HEAD", "--", *paths, root=root).split()
-    return [c for c in commits if _changes_code(c, paths, root)]
+    changes = []
+    for c in commits:
+        if _changes_code(c, tuple(paths), root):
+            changes.append(c)
+            if first:
+                break
+    return changes
 
 
 def _code_of(text: str | None, path: str) -> str | None:
@@ -260,7 +271,8 @@ def _code_of(text: str | None, path: str) -> str | None:
     return ast.dump(tree)
 
 
-def _changes_code(commit: str, paths: list[str], root: str) -> bool:
+@functools.lru_cache(maxsize=None)  # a commit never changes: one answer per (commit, paths, repository)
+def _changes_code(commit: str, paths: tuple[str, ...], root: str) -> bool:
     """Whether ``commit`` changed more than comments and docstrings in any of ``paths``."""
     changed = _git("diff-tree", "--no-commit-id", "--name-only", "-r", f"{commit}^", commit, "--", *paths, root=root).split()
     for path in changed:
