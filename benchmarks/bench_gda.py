@@ -18,6 +18,15 @@ down cancels in its own ratio). Default shape: Motif-2-12.7B's head topology sca
 
     python benchmarks/bench_gda.py --json benchmarks/results/gda_t1cpu.json
     python benchmarks/bench_gda.py --smoke
+
+``--vllm`` (in the vLLM venv) times the same four models served by the package's native vLLM model instead: each is
+saved to a folder and loaded in its own ``vllm.LLM`` (float32, eager, vLLM's defaults otherwise: prefix caching and
+chunked prefill on); a measurement is one ``LLM.generate`` call of C requests (C = each ``--concurrency``) of
+``--prompt-len`` random tokens (drawn anew each round, so the prefix cache never serves them) and ``--new-tokens``
+greedy tokens, timed by the CPU time of the engine's processes (benchmarks/bench_vllm.py's clock), the rounds
+interleaved and rotated as above. The greedy outputs of each GDA model and its duplicated form are compared too.
+
+    .venv-vllm/bin/python benchmarks/bench_gda.py --vllm --json benchmarks/results/gda_vllm_cpu_fp32.json
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -120,7 +131,80 @@ def run(shape: Shape, plan: Plan, progress: bool = True) -> dict:
     return {"machine": harness.machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "rows": rows}
 
 
+def run_vllm(shape: Shape, concurrency=(8, 32), prompt_len: int = 128, new_tokens: int = 64, reps: int = 5,
+             workdir: str | None = None, progress: bool = True) -> dict:
+    """The four models on the package's native vLLM model (see the module docstring)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: four engines share the machine
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    from benchmarks.bench_vllm import cpu_seconds, engine_processes
+
+    root = Path(workdir or tempfile.mkdtemp(prefix="bench_gda_vllm_"))
+    folders = {}
+    for name, model in build_models(shape).items():
+        folders[name] = root / name
+        model.save_pretrained(folders[name])
+    common = dict(dtype="float32", max_model_len=prompt_len + new_tokens + 16, seed=0, enforce_eager=True,
+                  skip_tokenizer_init=True)
+    llms = {name: vllm.LLM(model=str(folder), **common) for name, folder in folders.items()}
+    processes = {name: engine_processes(llm) for name, llm in llms.items()}
+    params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+
+    def prompts(seed: int, count: int):
+        gen = torch.Generator().manual_seed(seed)
+        return [TokensPrompt(prompt_token_ids=torch.randint(0, shape.vocab_size, (prompt_len,), generator=gen).tolist())
+                for _ in range(count)]
+
+    def timed(name: str, batch) -> tuple[float, list[list[int]]]:
+        before = cpu_seconds(processes[name])
+        outs = llms[name].generate(batch, params, use_tqdm=False)
+        return cpu_seconds(processes[name]) - before, [list(o.outputs[0].token_ids) for o in outs]
+
+    names, rows, seed = list(llms), [], 1000
+    for c in concurrency:
+        for name in names:  # warm-up
+            timed(name, prompts(seed, c))
+        seed += 1
+        samples = {name: [] for name in names}
+        same = {version: 0 for version in VERSIONS}
+        for rep in range(reps):
+            batch, seed = prompts(seed, c), seed + 1
+            outputs = {}
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                seconds, outputs[name] = timed(name, batch)
+                samples[name].append(seconds)
+            for version in VERSIONS:
+                same[version] += sum(a == b for a, b in zip(outputs[f"v{version}_gda"], outputs[f"v{version}_duplicated"]))
+        for version in VERSIONS:
+            gda, dup = (harness.summarize(samples[f"v{version}_{form}"]) for form in FORMS)
+            ratio, quartiles = harness.paired(samples[f"v{version}_gda"], samples[f"v{version}_duplicated"])
+            rows.append({"workload": f"vLLM {c} x ({prompt_len} + {new_tokens})", "kind": "serve", "concurrency": c,
+                         "diff_version": version, "gda": gda, "duplicated": dup,
+                         "ratio": gda["median"] / dup["median"], "paired": [ratio, quartiles],
+                         "identical_outputs": f"{same[version]}/{c * reps}"})
+            if progress:
+                print(f"C={c:3d} V{version}: GDA {gda['median']:.2f} CPU s, duplicated {dup['median']:.2f} CPU s, ratio "
+                      f"{rows[-1]['ratio']:.3f}, paired {ratio:.3f} [{quartiles[0]:.3f}-{quartiles[1]:.3f}], identical "
+                      f"outputs {rows[-1]['identical_outputs']}", flush=True)
+    import transformers
+
+    return {"machine": harness.machine_info(1) | {"vllm": vllm.__version__, "transformers": transformers.__version__},
+            "shape": asdict(shape), "vllm": {"concurrency": list(concurrency), "prompt_len": prompt_len,
+                                              "new_tokens": new_tokens, "reps": reps, "clock": "cpu", "dtype": "float32",
+                                              "enforce_eager": True}, "rows": rows}
+
+
 def format_table(report: dict) -> str:
+    if "vllm" in report:
+        lines = ["| requests | version | GDA (CPU s) | duplicated (CPU s) | GDA / duplicated | paired [quartiles] | identical outputs |",
+                 "|---|---|---:|---:|---:|---|---:|"]
+        for row in report["rows"]:
+            p, (q1, q3) = row["paired"][0], row["paired"][1]
+            lines.append(f"| {row['workload']} | V{row['diff_version']} | {row['gda']['median']:.2f} ±{row['gda']['spread']:.0%} | "
+                         f"{row['duplicated']['median']:.2f} ±{row['duplicated']['spread']:.0%} | {row['ratio']:.3f} | "
+                         f"{p:.3f} [{q1:.3f}-{q3:.3f}] | {row['identical_outputs']} |")
+        return "\n".join(lines)
     lines = ["| workload | version | GDA (ms) | duplicated (ms) | GDA / duplicated | paired [quartiles] |", "|---|---|---:|---:|---:|---|"]
     for row in report["rows"]:
         p, (q1, q3) = row["paired"][0], row["paired"][1]
@@ -139,6 +223,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "leaves out the time other processes hold the core: shared machines); wall: elapsed time")
     p.add_argument("--json", default=None, help="write the report (with its provenance) to this file")
     p.add_argument("--smoke", action="store_true", help="tiny shape and workloads, one round (a test runs it)")
+    p.add_argument("--vllm", action="store_true", help="serve the four models with the package's native vLLM model "
+                   "(run in the vLLM venv) and time LLM.generate calls instead")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32], help="--vllm: requests per generate call")
+    p.add_argument("--prompt-len", type=int, default=128, help="--vllm: prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=64, help="--vllm: generated tokens per request")
+    p.add_argument("--workdir", default=None, help="--vllm: where the model folders go (default: a temporary folder)")
     return p.parse_args(argv)
 
 
@@ -151,9 +241,19 @@ def main(argv=None) -> dict:
         shape = Shape(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16)
         plan = Plan(prefill=((1, 16),), decode_batches=(2,), prompt_len=8, new_tokens=4, train=((2, 8),), reps=1, warmup=0,
                     threads=1, clock=args.clock)
-    report = run(shape, plan, progress=not args.smoke)
+    if args.vllm:
+        if args.smoke:
+            shape = Shape(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=32)
+            report = run_vllm(shape, concurrency=(2,), prompt_len=8, new_tokens=4, reps=1, workdir=args.workdir,
+                              progress=False)
+        else:
+            report = run_vllm(shape, tuple(args.concurrency), args.prompt_len, args.new_tokens, args.reps, args.workdir)
+    else:
+        report = run(shape, plan, progress=not args.smoke)
     print(format_table(report))
     if args.json:
+        if args.vllm:  # its own entry of harness.MEASURED_CODE (the vLLM model), the command of this script
+            report["provenance"] = harness.provenance("bench_gda.py", argv) | {"script": "bench_gda_vllm"}
         report = harness.write_json(args.json, report, "bench_gda.py", argv)
     return report
 
