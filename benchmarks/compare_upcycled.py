@@ -350,13 +350,26 @@ def run_one(name: str, seed: int, source: up.Source, data: dict, args, workdir: 
     return entry
 
 
+def complete_seeds(runs: dict, models, seeds) -> list:
+    """The seeds for which every model has run (the summary and its "over seeds" line use only these)."""
+    return [s for s in seeds if all(s in runs.get(name, {}) for name in models)]
+
+
+def results_of(runs: dict, meta: dict, provenance: dict) -> dict:
+    """The results document: every run, and the summary over the complete seeds (``meta["seeds"]``)."""
+    done = meta["seeds"]
+    summary = summarize({name: {s: r for s, r in per_seed.items() if s in done} for name, per_seed in runs.items()})
+    return {"provenance": provenance, "meta": meta, "summary": summary, "runs": runs}
+
+
 def _meta(args, source: up.Source, probe_examples: dict, eval_length: int, seconds: float) -> dict:
     tokens = args.steps * args.batch_size * args.block_size
     command = "python benchmarks/compare_upcycled.py " + " ".join(shlex.quote(a) for a in args.argv)
     return {
         "command": command,
         "source": source.name,
-        "seeds": args.seeds,
+        "seeds": complete_seeds(args.runs, args.models, args.seeds),  # the seeds done for every model
+        "seeds_planned": args.seeds,
         "labels": {name: LABELS[name] for name in args.models},
         "setting": (f"{args.method} fine-tuning, {args.steps} steps × {args.batch_size} × {args.block_size} tokens = {tokens:,} "
                     f"training tokens per model and seed, AdamW lr {args.learning_rate} (cosine, warm-up {args.warmup_steps} steps), "
@@ -378,8 +391,9 @@ def write_results(results: dict, out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Every model for the first seed, then for the next; the results files are rewritten after each run (a partial run
-    keeps what it has: every model at the seeds done). Each run is seeded on its own, so the order changes no number."""
+    """Every model for the first seed, then for the next; the results files are rewritten after each seed (a partial run
+    keeps what it has: every model at the seeds done, which its tables name). Each run is seeded on its own, so the
+    order changes no number."""
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -391,15 +405,15 @@ def run(args: argparse.Namespace) -> dict:
             "train": up.training_blocks(source.tokenizer, args.block_size, max_blocks=args.steps * args.batch_size),
             "probe_batch": held["validation"][:PROBE_BLOCKS, : min(PROBE_LENGTH, eval_length)]}
     runs: dict = {}
+    args.runs = runs
     before_shared: dict = {}
     with tempfile.TemporaryDirectory(prefix="compare_upcycled-") as tmp:
         for seed in args.seeds:
             for name in args.models:
                 runs.setdefault(name, {})[seed] = run_one(name, seed, source, data, args, Path(tmp), before_shared)
-                meta = _meta(args, source, data["probes"], eval_length, time.time() - t_start)
-                results = {"provenance": up.provenance("compare_upcycled.py", meta["command"]), "meta": meta,
-                           "summary": summarize(runs), "runs": runs}
-                write_results(results, args.out)
+            meta = _meta(args, source, data["probes"], eval_length, time.time() - t_start)
+            results = results_of(runs, meta, up.provenance("compare_upcycled.py", meta["command"]))
+            write_results(results, args.out)
     return results
 
 
