@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Re-measure the README's performance table on the current code, then rewrite every table the docs build from it.
 #
-#   bash scripts/remeasure_readme.sh            # about 20-25 minutes on 2 idle cores
+#   bash scripts/remeasure_readme.sh            # estimated 20-25 minutes on 2 idle cores; measured: fp32 took 67
+#                                               # minutes on a shared AVX2 machine, where bf16 (no bf16 instructions)
+#                                               # reached 21 % in 20 minutes and was stopped
 #
 # The README's table is benchmarks/bench.py at the Llama-style shape (hidden 512, 8 layers, 8 query / 4 KV heads of
 # width 64, vocabulary 32000; random weights): Llama, DiffLlama, ours V1 and ours V2, one thread, CPU-time clock,
