@@ -86,7 +86,7 @@ min_venv=$(bash scripts/setup_min.sh .venv-vllm)
 DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
     tests/test_upstream_api.py tests/test_modeling_difftransformer.py tests/test_save_load_difftransformer.py \
     tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_remote_code_folders.py \
-    tests/test_peft.py tests/test_pipeline.py tests/test_motif.py -k "not flex"
+    tests/test_convert_llama.py tests/test_peft.py tests/test_pipeline.py tests/test_motif.py -k "not flex"
 phase lowest "$t" "$(versions "$min_venv")"
 
 # 4. serving: started above, beside the other runs; its output and outcome.
