@@ -196,21 +196,19 @@ def run_vllm(shape: Shape, concurrency=(8, 32), prompt_len: int = 128, new_token
 
 
 def format_table(report: dict) -> str:
-    if "vllm" in report:
-        lines = ["| requests | version | GDA (CPU s) | duplicated (CPU s) | GDA / duplicated | paired [quartiles] | identical outputs |",
-                 "|---|---|---:|---:|---:|---|---:|"]
-        for row in report["rows"]:
-            p, (q1, q3) = row["paired"][0], row["paired"][1]
-            lines.append(f"| {row['workload']} | V{row['diff_version']} | {row['gda']['median']:.2f} ±{row['gda']['spread']:.0%} | "
-                         f"{row['duplicated']['median']:.2f} ±{row['duplicated']['spread']:.0%} | {row['ratio']:.3f} | "
-                         f"{p:.3f} [{q1:.3f}-{q3:.3f}] | {row['identical_outputs']} |")
-        return "\n".join(lines)
-    lines = ["| workload | version | GDA (ms) | duplicated (ms) | GDA / duplicated | paired [quartiles] |", "|---|---|---:|---:|---:|---|"]
+    """Markdown, one row per workload and version: transformers runs in ms, ``--vllm`` runs in CPU seconds with the
+    count of identical greedy outputs."""
+    vllm = "vllm" in report
+    scale, unit = (1.0, "CPU s") if vllm else (1e3, "ms")
+    head = [("requests" if vllm else "workload"), "version", f"GDA ({unit})", f"duplicated ({unit})", "GDA / duplicated",
+            "paired [quartiles]"] + (["identical outputs"] if vllm else [])
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---|" + ("---:|" if vllm else "")]
     for row in report["rows"]:
         p, (q1, q3) = row["paired"][0], row["paired"][1]
-        lines.append(f"| {row['workload']} | V{row['diff_version']} | {row['gda']['median'] * 1e3:.2f} ±{row['gda']['spread']:.0%} | "
-                     f"{row['duplicated']['median'] * 1e3:.2f} ±{row['duplicated']['spread']:.0%} | {row['ratio']:.3f} | "
-                     f"{p:.3f} [{q1:.3f}-{q3:.3f}] |")
+        cells = [row["workload"], f"V{row['diff_version']}"]
+        cells += [f"{row[form]['median'] * scale:.2f} ±{row[form]['spread']:.0%}" for form in FORMS]
+        cells += [f"{row['ratio']:.3f}", f"{p:.3f} [{q1:.3f}-{q3:.3f}]"] + ([row["identical_outputs"]] if vllm else [])
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
