@@ -22,6 +22,7 @@ from utils_difftransformer import (
     GDA_LAYOUTS,
     RoundingModel,
     bf16_error_bound,
+    bf16_gradient_bounds,
     left_padded_batch,
     randomize_norms,
     reference_forward,
@@ -307,14 +308,8 @@ def bf16_training_case():
     labels = ids.masked_fill(mask == 0, -100)
     labels[1, 4] = -100  # predicted from a padding row, which each implementation fills differently
 
-    def reference_grads(rnd):
-        sd = {k: v.detach().double().requires_grad_() for k, v in model.state_dict().items()}
-        reference_forward(model, ids, mask, rnd=rnd, state_dict=sd, labels=labels)[2].backward()
-        return {k: v.grad for k, v in sd.items()}
-
-    exact = reference_grads(lambda x: x)
-    draws = [reference_grads(RoundingModel(seed)) for seed in range(8)]
-    return model, ids, mask, labels, exact, {k: bf16_error_bound([d[k] for d in draws], exact[k], 3.0) for k in exact}
+    exact, bounds = bf16_gradient_bounds(model, ids, mask, labels, draws=8, factor=3.0)
+    return model, ids, mask, labels, exact, bounds
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "sdpa-non-cpu"])

@@ -13,7 +13,7 @@ import torch
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer import kernels_difftransformer as kernels
 from difftransformer import modeling_difftransformer as mdt
-from utils_difftransformer import RoundingModel, bf16_error_bound, left_padded_batch, randomize_norms, reference_forward, tiny_config
+from utils_difftransformer import bf16_gradient_bounds, left_padded_batch, randomize_norms, tiny_config
 
 
 def _inputs(b, g, n, t, s, d, dtype=torch.float64, seed=0):
@@ -171,14 +171,7 @@ def bf16_training_case(request):
     labels = ids.masked_fill(mask == 0, -100)
     labels[1, 4] = -100  # predicted from a padding row, which each implementation fills differently
 
-    def reference_grads(rnd):
-        sd = {k: v.detach().double().requires_grad_() for k, v in model.state_dict().items()}
-        reference_forward(model, ids, mask, rnd=rnd, state_dict=sd, labels=labels)[2].backward()
-        return {k: v.grad for k, v in sd.items()}
-
-    exact = reference_grads(lambda x: x)
-    draws = [reference_grads(RoundingModel(seed)) for seed in range(BF16_DRAWS)]
-    bounds = {k: bf16_error_bound([d[k] for d in draws], exact[k], BF16_FACTOR) for k in exact}
+    exact, bounds = bf16_gradient_bounds(model, ids, mask, labels, BF16_DRAWS, BF16_FACTOR)
     return model, ids, mask, labels, exact, bounds
 
 

@@ -249,6 +249,20 @@ def bf16_error_bound(draws, exact, factor: float = 4.0):
     return factor * max((d - exact).abs().max().item() for d in draws)
 
 
+def bf16_gradient_bounds(model, ids, mask, labels, draws: int, factor: float):
+    """(exact, bounds): the float64 gradients of ``model``'s loss on the batch (:func:`reference_forward`), and per
+    parameter ``factor`` × the largest error of ``draws`` runs under :class:`RoundingModel` (:func:`bf16_error_bound`)."""
+
+    def reference_grads(rnd):
+        sd = {k: v.detach().double().requires_grad_() for k, v in model.state_dict().items()}
+        reference_forward(model, ids, mask, rnd=rnd, state_dict=sd, labels=labels)[2].backward()
+        return {k: v.grad for k, v in sd.items()}
+
+    exact = reference_grads(lambda x: x)
+    runs = [reference_grads(RoundingModel(seed)) for seed in range(draws)]
+    return exact, {k: bf16_error_bound([r[k] for r in runs], exact[k], factor) for k in exact}
+
+
 def left_padded_batch(vocab_size, lengths, seed=0, pad_token_id=0):
     """Random prompts of the given lengths, left padded: (input_ids, attention_mask)."""
     g = torch.Generator().manual_seed(seed)
