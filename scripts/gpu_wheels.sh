@@ -2,7 +2,7 @@
 # Download, here, the wheels scripts/gpu_check.sh installs on the GPU machine, which has no network at all.
 #
 # The GPU machine has Python 3.12, torch 2.11 (CUDA 13.0), transformers 5.17, huggingface_hub 1.33, safetensors 0.8.0,
-# accelerate 1.15 and triton. The package needs transformers>=5.19,<6: 5.23.0 (CI's pin, requirements-dev.txt) is
+# accelerate 1.15 and triton. The package needs transformers>=5.19,<6: 5.23.0 (CI's pin when this was written) is
 # carried. Its own requirements (METADATA Requires-Dist; transformers checks tokenizers, regex, huggingface-hub,
 # safetensors, accelerate, ... at import) are met there: huggingface-hub>=1.31,<3 by 1.33, safetensors>=0.8.0 by
 # 0.8.0, and tokenizers>=0.23.1,<0.24 and regex>=2025.10.22 are what transformers 5.17 itself requires. The machine's

@@ -5,7 +5,8 @@
 #   2. newest:  model, generation, caches, remote-code folders, conversions, PEFT, pipeline, Trainer, Motif-2 folders
 #               and transformers' own common model tests in .venv-latest, which scripts/setup_latest.sh brings to the
 #               newest releases setup.py allows at every run (not pinned: the next upstream release that breaks the
-#               package fails here);
+#               package fails here). Where they are the pinned releases (requirements-dev.txt follows the newest),
+#               the pinned run has run the whole suite on them and the summary says so;
 #   3. lowest:  the model, generation, cache, remote-code, PEFT and pipeline tests on the lowest transformers setup.py
 #               declares (in .venv-vllm, whose vLLM build pins that version; scripts/setup_min.sh builds .venv-min
 #               where they part);
@@ -69,13 +70,18 @@ phase pinned "$t" "$(versions .venv)"
 t=$(date +%s)
 wait "$latest_pid" || { cat "$logs/latest"; echo "setting up .venv-latest failed" >&2; exit 1; }
 cat "$logs/latest"
-DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
-    tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
-    tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
-    tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
-    tests/test_convert_microsoft.py tests/test_convert_config_fields.py tests/test_peft.py tests/test_pipeline.py \
-    tests/test_trainer.py tests/test_transformers_common.py tests/test_motif.py -k "not flex and not MHACommonTest"
-phase newest "$t" "$(versions .venv-latest)"
+if [ "$(versions .venv-latest)" = "$(versions .venv)" ]; then
+    # requirements-dev.txt pins the newest releases: the pinned run above ran the whole suite on them.
+    phases+=("$(printf '%-9s %5s    %s' newest - "$(versions .venv-latest): the pinned releases, whole suite run above")")
+else
+    DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
+        tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
+        tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
+        tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
+        tests/test_convert_microsoft.py tests/test_convert_config_fields.py tests/test_peft.py tests/test_pipeline.py \
+        tests/test_trainer.py tests/test_transformers_common.py tests/test_motif.py -k "not flex and not MHACommonTest"
+    phase newest "$t" "$(versions .venv-latest)"
+fi
 
 # 3. lowest transformers setup.py declares.
 t=$(date +%s)
