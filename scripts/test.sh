@@ -5,8 +5,9 @@
 #   2. newest:  model, generation, caches, remote-code folders, conversions, PEFT, pipeline, Trainer, Motif-2 folders
 #               and transformers' own common model tests in .venv-latest, which scripts/setup_latest.sh brings to the
 #               newest releases setup.py allows at every run (not pinned: the next upstream release that breaks the
-#               package fails here). Where they are the pinned releases (requirements-dev.txt follows the newest),
-#               the pinned run has run the whole suite on them and the summary says so;
+#               package fails here). Where pip's dry run finds them to be the pinned releases
+#               (scripts/newest_versions.py; requirements-dev.txt follows the newest), the pinned run has run the
+#               whole suite on them: no .venv-latest is built and the summary says so;
 #   3. lowest:  the model, generation, cache, remote-code, PEFT and pipeline tests on the lowest transformers setup.py
 #               declares (in .venv-vllm, whose vLLM build pins that version; scripts/setup_min.sh builds .venv-min
 #               where they part);
@@ -14,13 +15,15 @@
 #               is ready and runs beside the other runs: its test process mostly waits for vLLM's engine, which
 #               computes on one core.
 # The newest and lowest runs leave out what does not depend on the transformers version and costs minutes, and the
-# pinned run covers: flex_attention's compiled kernels (torch's), grouped-head layouts beyond the Motif-2 ones, the
-# MHA layouts of the common tests. Every pytest run lists its skips with their reasons; a skipped module, or a skipped
+# pinned run covers: flex_attention's compiled kernels (torch's), grouped-head layouts beyond the Motif-2 ones.
+# Every pytest run lists its skips with their reasons; a skipped module, or a skipped
 # test that guards a README claim, is repeated by name in the summary at the end (tests/conftest.py). Extra
 # arguments go to the first run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DIFFTRANSFORMER_CI=1
+# torch.compile compiles in the process that asks (no pool of compile workers): every core is busy with test processes.
+export TORCHINDUCTOR_COMPILE_THREADS=1
 export DIFFTRANSFORMER_SKIP_REPORT=$(mktemp)
 start=$(date +%s)
 phases=()
@@ -37,7 +40,8 @@ for name in ('torch', 'transformers', 'peft', 'accelerate', 'huggingface_hub', '
 print(' | '.join(found))"
 }
 
-# .venv-vllm and .venv-latest are set up beside .venv (pip keeps about one core busy each); their logs follow.
+# .venv-vllm (and .venv-latest where needed) are set up beside .venv (pip keeps about one core busy each); their
+# logs follow.
 # The serving run follows .venv-vllm's set-up in the same background job; "$logs/vllm.rc" tells the lowest run that
 # the venv is ready.
 logs=$(mktemp -d)
@@ -54,7 +58,19 @@ logs=$(mktemp -d)
     exit $rc
 ) &
 serving_pid=$!
-bash scripts/setup_latest.sh >"$logs/latest" 2>&1 &
+# The newest releases setup.py allows, resolved now by pip's dry run (seconds; nothing installed). .venv-latest is
+# set up only where they are not the pinned ones (scripts/newest_versions.py exits 3), or where the dry run fails.
+(
+    set +e
+    constraints=$(mktemp) && echo "torch==2.13.0" >"$constraints"  # as scripts/setup_latest.sh: the CPU wheel on disk
+    ${PYTHON:-python3} -m pip install --dry-run --ignore-installed --quiet --report "$logs/newest.json" \
+        -c "$constraints" -e ".[test]" pytest-xdist 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
+    rm -f "$constraints"
+    ${PYTHON:-python3} scripts/newest_versions.py "$logs/newest.json" >"$logs/newest.versions" 2>&1
+    state=$?
+    echo "$state" >"$logs/newest.state"
+    [ "$state" = 0 ] || bash scripts/setup_latest.sh
+) >"$logs/latest" 2>&1 &
 latest_pid=$!
 trap 'pkill -P "$serving_pid" 2>/dev/null || true; kill "$serving_pid" "$latest_pid" 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
 t=$(date +%s)
@@ -70,16 +86,17 @@ phase pinned "$t" "$(versions .venv)"
 t=$(date +%s)
 wait "$latest_pid" || { cat "$logs/latest"; echo "setting up .venv-latest failed" >&2; exit 1; }
 cat "$logs/latest"
-if [ "$(versions .venv-latest)" = "$(versions .venv)" ]; then
+if [ "$(cat "$logs/newest.state")" = 0 ]; then
     # requirements-dev.txt pins the newest releases: the pinned run above ran the whole suite on them.
-    phases+=("$(printf '%-9s %5s    %s' newest - "$(versions .venv-latest): the pinned releases, whole suite run above")")
+    echo "newest releases setup.py allows, resolved now: $(cat "$logs/newest.versions") (the pinned ones)"
+    phases+=("$(printf '%-9s %5s    %s' newest - "$(cat "$logs/newest.versions"): resolved now, the pinned releases: whole suite run above")")
 else
     DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
         tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
         tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
         tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
         tests/test_convert_microsoft.py tests/test_convert_config_fields.py tests/test_peft.py tests/test_pipeline.py \
-        tests/test_trainer.py tests/test_transformers_common.py tests/test_motif.py -k "not flex and not MHACommonTest"
+        tests/test_trainer.py tests/test_transformers_common.py tests/test_motif.py -k "not flex"
     phase newest "$t" "$(versions .venv-latest)"
 fi
 

@@ -4,6 +4,11 @@ The mixins come from the ``tests/`` folder of the transformers sdist of the inst
 ``.cache/transformers-tests/<version>/`` by ``tests/fetch_transformers_tests.py``); this module only supplies what a
 model's own test file supplies in transformers: a model tester that builds a tiny config and inputs, the list of
 model classes, and the skips that apply to this architecture, each with its reason.
+
+Three layouts: V1 and V2 with grouped KV heads (n = 2 differential heads per KV group) and Motif's grouped
+differential attention. The MHA layouts (n = 1) are not repeated here: what the common tests check (saving, loading,
+outputs, embeddings, training steps, the attention interface) does not depend on n, and the package's own tests
+(modeling, generation, caches, conversions) run every layout.
 """
 
 import importlib
@@ -181,13 +186,5 @@ class DiffTransformerV1GroupedMotifCommonTest(_DiffTransformerCommonTests, unitt
     config_overrides = {"num_noise_heads": 2, "hidden_act": "poly_norm", "lambda_init_layer_offset": -1}
 
 
-class DiffTransformerV1MHACommonTest(_DiffTransformerCommonTests, unittest.TestCase):
-    layout = (1, 8, 8)  # H=4 differential heads, G=4 KV groups (n=1)
-
-
 class DiffTransformerV2GQACommonTest(_DiffTransformerCommonTests, unittest.TestCase):
     layout = (2, 8, 2)  # H=4 differential heads over G=2 KV heads (n=2)
-
-
-class DiffTransformerV2MHACommonTest(_DiffTransformerCommonTests, unittest.TestCase):
-    layout = (2, 8, 4)  # H=4 differential heads, G=4 KV heads (n=1)

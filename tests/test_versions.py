@@ -68,3 +68,30 @@ def test_readme_tested_versions_are_what_ci_installs():
     assert not missing, (missing, line)
     assert "scripts/setup_latest.sh" in (REPO / "scripts" / "test.sh").read_text()  # the newest run exists
     assert "--upgrade-strategy eager" in (REPO / "scripts" / "setup_latest.sh").read_text()  # resolved, not pinned
+
+
+def test_newest_versions_tells_whether_the_newest_releases_are_the_pinned_ones():
+    """scripts/newest_versions.py reads pip's dry-run report: exit 0 (the pinned run covered them) only where every
+    package CI names is at its pinned version; 3 where one is newer (CI then builds .venv-latest and tests there);
+    2 where the report lacks one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("newest_versions", REPO / "scripts" / "newest_versions.py")
+    nv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nv)
+    names = {"torch": "torch", "transformers": "transformers", "peft": "peft", "accelerate": "accelerate",
+             "huggingface_hub": "huggingface-hub", "tokenizers": "tokenizers", "safetensors": "safetensors"}
+
+    def report(**versions):
+        return {"install": [{"metadata": {"name": names[n], "version": versions.get(n, pins()[n])}} for n in names]
+                + [{"metadata": {"name": "numpy", "version": "9.9"}}]}
+
+    line, code = nv.compare(report(torch=pins()["torch"] + "+cpu"))
+    assert code == 0 and f"transformers {pins()['transformers']}" in line and "numpy" not in line
+    major, minor = pins()["transformers"].split(".")[:2]
+    line, code = nv.compare(report(transformers=f"{major}.{int(minor) + 1}.0"))
+    assert code == 3 and f"transformers {major}.{int(minor) + 1}.0" in line
+    missing = report()
+    missing["install"] = [i for i in missing["install"] if i["metadata"]["name"] != "peft"]
+    assert nv.compare(missing)[1] == 2
+    assert "--dry-run --ignore-installed" in (REPO / "scripts" / "test.sh").read_text()

@@ -1,10 +1,12 @@
 """DIFF V2 models in ``vllm.LLM``: greedy output equals our ``generate()`` on both of vLLM's ways to run them: the
 package's native vLLM model (its vLLM plugin, vLLM's default ``model_impl="auto"``, no remote code) and vLLM's
-Transformers backend (``model_impl="transformers"`` with the folder's remote code). The real model's chat runs here on
-the Transformers backend, and in test_openai_server.py on the native model. DIFF V1 (native model only; the
+Transformers backend (``model_impl="transformers"`` with the folder's remote code). The real model's chat runs in
+test_openai_server.py, on the native model. DIFF V1 (native model only; the
 Transformers backend refuses it), grouped differential attention and Motif-2 folders are tested in test_vllm_native.py.
 
-vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model); ``max_num_batched_tokens``
+vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model on the native model; the
+Transformers backend runs it eager, as every other engine of these tests but one V1 model in test_vllm_native.py:
+compilation costs ~30 s of CI's CPU per engine and vLLM's compiled Transformers backend is vLLM's own path); ``max_num_batched_tokens``
 is set below the prompt lengths so that chunked prefill really splits prompts, and a second round of prompts
 sharing a cached prefix checks that prefix-cache hits happen and change nothing.
 """
@@ -19,10 +21,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="serving tests need the vLLM venv: bash scripts/setup_vllm.sh")
 
 from serving_utils import (  # noqa: E402
-    CHAT_PROMPTS,
-    CHAT_TOKENS,
     LOGPROB_TOL,
-    REAL_LOGPROB_TOL,
     ROOT,
     assert_matches,
     greedy_reference,
@@ -56,7 +55,7 @@ def random_v2(tmp_path_factory):
 # How vLLM runs a DIFF V2 folder: keyword arguments of vllm.LLM.
 IMPLS = {
     "native": dict(),  # model_impl="auto": the architecture is registered by the package's vLLM plugin
-    "transformers": dict(model_impl="transformers", trust_remote_code=True),
+    "transformers": dict(model_impl="transformers", trust_remote_code=True, enforce_eager=True),
 }
 
 
@@ -106,31 +105,6 @@ def test_v2_batch_with_chunked_prefill_and_prefix_caching_equals_generate(random
     out_second = run_vllm(random_v2_llm, second)  # same prefix: served from the prefix cache
     assert all(o.num_cached_tokens >= 128 for o in out_second), [o.num_cached_tokens for o in out_second]
     assert_equal_to_reference(out_second, refs[6:], LOGPROB_TOL)
-
-
-@pytest.fixture(scope="module")
-def smollm2_llm(smollm2_v2_folder):
-    """The Transformers backend (the folder's remote code); test_openai_server.py runs the same chat on the native
-    model. enforce_eager: vLLM's torch.compile of the 30 layers costs minutes of start-up on CPU; the random model
-    above covers the compiled path."""
-    llm = vllm.LLM(model=str(smollm2_v2_folder), **IMPLS["transformers"], dtype="float32", seed=0, max_model_len=1024,
-                   enforce_eager=True)
-    assert_impl(llm, "transformers")
-    yield llm
-    shutdown(llm)
-
-
-def test_smollm2_v2_upcycle_chat_equals_generate(smollm2_llm, smollm2_chat_refs):
-    refs = smollm2_chat_refs
-    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
-    params = vllm.SamplingParams(temperature=0, max_tokens=CHAT_TOKENS, logprobs=0)
-    outputs = smollm2_llm.chat(conversations, params, use_tqdm=False)  # 8 concurrent requests
-    for prompt, out, ref in zip(CHAT_PROMPTS, outputs, refs, strict=True):
-        assert out.prompt_token_ids == ref.prompt_ids, prompt  # the same chat template, applied the same way
-        got = out.outputs[0]
-        logprobs = [step[token].logprob for step, token in zip(got.logprobs, got.token_ids, strict=True)]
-        assert_matches(got.token_ids, logprobs, ref, REAL_LOGPROB_TOL, prompt)
-    assert outputs[0].outputs[0].text == "The capital of France is Paris."
 
 
 def test_docs_quote_the_v1_error():
