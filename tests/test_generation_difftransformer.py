@@ -78,11 +78,10 @@ def _confident_model(layout, period=11, steps=60):
 
 
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
-def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantization_error(layout):
+def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantization_error(layout, quanto_without_its_compiled_kernel):
     """The quantized cache stores keys/values in 4 bits: decoding logits are off by their quantization error `err`.
     Greedy output equals the uncached greedy output at every step whose top-2 logit margin exceeds 2·err (then no
     perturbation of at most err per logit can change the argmax). On a model with clear margins, every step does."""
-    pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
     model, cycle = _confident_model(layout)
     ids = cycle[torch.arange(3, 9) % len(cycle)][None]
     cache_config = {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 2}
@@ -124,6 +123,26 @@ def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantiz
             right = (stored - want).abs().max() / want.abs().max()
             swapped = (stored - want.flip(1)).abs().max() / want.abs().max()
             assert right < 0.12 and swapped > 8 * right, (layer, name, right.item(), swapped.item())
+
+
+def test_the_quantized_cache_tests_unpack_equals_quantos_compiled_kernel():
+    """The quantized-cache tests run quanto with conftest's torch unpack (``quanto_without_its_compiled_kernel``);
+    where quanto's C++ kernel is already built in this venv, both give the same bits (building it here would cost the
+    minutes the stand-in saves)."""
+    pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
+    import os
+
+    from conftest import _unpack_bits
+    from optimum.quanto.library.extensions import get_extension
+
+    ext = get_extension("quanto_cpp")
+    if not os.path.exists(os.path.join(ext.build_directory, "pytorch_version.txt")):
+        pytest.skip("quanto's C++ kernel is not built in this venv (the quantized-cache tests do not need it)")
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(64, 33), (7, 5, 3)]:
+        packed = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        for bits in (2, 4):
+            assert torch.equal(ext.lib.unpack(packed, bits), _unpack_bits(packed, bits)), (shape, bits)
 
 
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])

@@ -372,10 +372,9 @@ def test_batched_left_padding_equals_each_prompt_alone(layout, attn):
 
 
 @pytest.mark.parametrize("layout", ["v1_gda4", "v2_gda4"])
-def test_quantized_cache_within_its_error(layout):
+def test_quantized_cache_within_its_error(layout, quanto_without_its_compiled_kernel):
     """As tests/test_generation_difftransformer.py: on a model trained to clear margins, greedy with the 4-bit cache
     equals uncached greedy, every step's margin exceeds twice its logit error, and the error stays small."""
-    pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
     model = _model(layout).train()
     period = 11
     cycle = torch.randperm(model.config.vocab_size - 3, generator=torch.Generator().manual_seed(0))[:period] + 3
