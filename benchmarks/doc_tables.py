@@ -374,7 +374,7 @@ def check_numbers(marker: Numbers, root: str = _ROOT) -> list[str]:
         errors.append(f"{where}: the paragraph does not contain {marker.text!r}")
     datas = [load(f, root) for f in marker.files]
     names = {"__builtins__": {"min": min, "max": max, "sum": sum, "len": len, "round": round, "abs": abs,
-                              "sorted": sorted, "set": set, "float": float}, "j": datas[0], "js": datas}
+                              "sorted": sorted, "set": set, "float": float, "range": range}, "j": datas[0], "js": datas}
     values = _flatten(eval(marker.expr, names))  # globals only: comprehensions see j and js
     shown = NUMBER.findall(marker.text)
     if len(shown) != len(values):
