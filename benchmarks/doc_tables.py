@@ -261,6 +261,59 @@ def render_upcycle(datas: list[dict], opts: dict) -> list[str]:
     return lines
 
 
+def render_upcycle_perplexity(datas: list[dict], opts: dict) -> list[str]:
+    """examples/upcycle.py's reports: held-out perplexity (ratio to the teacher) of the teacher, and of each
+    student converted and fine-tuned, with its training budget."""
+    texts = ("validation", "pydoc_topics")
+    teacher = datas[0]["teacher"]["perplexity"]
+    lines = ["| model | training | validation split (ratio to teacher) | pydoc_data.topics (ratio to teacher) |",
+             "|---|---|---|---|",
+             "| teacher (SmolLM2-135M-Instruct, GGUF Q4_1 de-quantised) | – | "
+             + " | ".join(f"{teacher[t]:.3f}" for t in texts) + " |"]
+    for report in datas:
+        assert report["teacher"]["perplexity"] == teacher, "the reports must share their teacher"
+        label, ratio, train = _upcycle_label(report), report["ratio_to_teacher"], report["training"]
+        notes = " ".join(report["conversion"]["notes"])
+        how = " (`duplicate`, calibrated)" if label == "V1" and "--v1-init duplicate" in notes else ""
+        before = " | ".join(f"{report['before']['perplexity'][t]:.3f} ({ratio['before'][t]:.3f})" for t in texts)
+        after = " | ".join(f"**{report['after']['perplexity'][t]:.3f} ({ratio['after'][t]:.3f})**" for t in texts)
+        lines.append(f"| {label}, converted{how} | – | {before} |")
+        lines.append(f"| {label}, fine-tuned | {train['global_step']} steps, {train['tokens']:,} tokens, "
+                     f"{round(train['train_runtime_s']):,} s | {after} |")
+    return lines
+
+
+def render_compare_upcycled(datas: list[dict], opts: dict) -> list[str]:
+    """compare_upcycled.py's results, as docs/upcycling.md shows them: held-out perplexity before → after (the lowest
+    after in bold) and the probes after, the means over the run's seeds; ``telemetry=1``: the upcycles' map
+    separation and negative share instead."""
+    results = datas[0]
+    summary, labels = results["summary"], results["meta"]["labels"]
+    if opts.get("telemetry"):
+        lines = ["| model | map separation before → after (largest layer) | negative share after |", "|---|---|---|"]
+        for name, phases in summary.items():
+            if "telemetry" in phases:
+                before, after = phases["telemetry"]["before"], phases["telemetry"]["after"]
+                label = labels[name].replace(" (subln eps = 1)", "")
+                lines.append(f"| {label} | {before['map_separation']['layer_mean']['mean']:.4f} → "
+                             f"{after['map_separation']['layer_mean']['mean']:.4f} "
+                             f"({after['map_separation']['layer_max']['mean']:.4f}) | "
+                             f"{after['negative_share']['layer_mean']['mean']:.4f} |")
+        return lines
+    texts = ("ppl_validation", "ppl_pydoc_topics")
+    best = {t: min(phases["after"][t]["mean"] for phases in summary.values()) for t in texts}
+    lines = ["| model | validation split before → after | pydoc topics before → after | NIAH after | MQAR after | ICL after |",
+             "|---|---|---|---|---|---|"]
+    for name, phases in summary.items():
+        cells = []
+        for t in texts:
+            after = phases["after"][t]["mean"]
+            cells.append(f"{phases['before'][t]['mean']:.3f} → " + (f"**{after:.3f}**" if after == best[t] else f"{after:.3f}"))
+        cells += [f"{phases['after'][f'{probe}_acc']['mean']:.3f}" for probe in ("niah", "mqar", "icl")]
+        lines.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_compare_small(datas: list[dict], opts: dict) -> list[str]:
     """compare_small.py's summary table of one run, or of several (seeds) in one table."""
     from benchmarks import compare_small
@@ -282,7 +335,8 @@ RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench": render_bench, "bench-summary": render_bench_summary, "micro": render_micro,
     "v2-prompt": render_v2_prompt, "v2-threshold": render_v2_threshold, "decode-parts": render_decode_parts,
     "profile": render_profile, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
-    "vllm": render_vllm, "upcycle": render_upcycle, "v1-init": render_v1_init,
+    "vllm": render_vllm, "upcycle": render_upcycle, "upcycle-perplexity": render_upcycle_perplexity,
+    "v1-init": render_v1_init, "compare-upcycled": render_compare_upcycled,
     "compare-small": render_compare_small,
 }
 

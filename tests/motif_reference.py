@@ -318,6 +318,12 @@ def motif_state_dict_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def parameter_count(kind: str, **overrides) -> int:
+    """The parameters of a Motif checkpoint of ``kind`` (with ``overrides``), from its key shapes: how
+    docs/motif-sources.md infers the released models' vocabularies, layer counts and tying."""
+    return sum(math.prod(shape) for shape in motif_state_dict_shapes(motif_config(kind, **overrides)).values())
+
+
 def random_motif_checkpoint(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
                             lambda_std: float = 0.25) -> dict[str, torch.Tensor]:
     """Random weights in Motif's exact key layout, scaled so every stage carries O(1) activations and the logits have a

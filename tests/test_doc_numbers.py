@@ -159,14 +159,26 @@ def test_no_result_is_quoted_in_prose_without_its_marker():
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(strict=False, reason="not done: numbers quoted in the prose of docs/analysis.md, docs/convert.md, "
-                   "docs/ecosystem.md, docs/model.md, docs/models.md, docs/motif-sources.md, docs/serving.md and "
-                   "docs/upcycling.md carry no markers yet (the README and docs/performance.md do: tested above)")
+# Quoted in prose without a marker, with the reason. Each entry must still be found (a stale entry fails).
+UNMARKED = {
+    ("docs/analysis.md", "1.7%"): "the uniform-attention level of the probe prompts (1.5–1.7% of their tokens are the "
+                                  "answer value): derived from the prompts, not stored in the run's results.json",
+}
+
+
 def test_no_doc_quotes_a_result_in_prose_without_its_marker():
-    found = []
+    """Every number that looks like a result (two or more decimals, or a percentage) in the README's and docs' prose
+    is checked by a numbers marker or a table block, except the entries of ``UNMARKED``."""
+    found, seen = [], set()
     for doc in doc_tables.docs(str(ROOT)):
-        found += doc_tables.unchecked_numbers(doc, (ROOT / doc).read_text().split("\n"))
+        for line in doc_tables.unchecked_numbers(doc, (ROOT / doc).read_text().split("\n")):
+            key = (doc, line.split(": ", 1)[1].split(" in ", 1)[0])
+            if key in UNMARKED:
+                seen.add(key)
+            else:
+                found.append(line)
     assert not found, f"{len(found)} unmarked numbers:\n" + "\n".join(found[:40])
+    assert seen == set(UNMARKED), f"no longer found (remove from UNMARKED): {set(UNMARKED) - seen}"
 
 
 def test_the_readme_remeasure_script_runs_the_rows_it_promises():
