@@ -15,7 +15,8 @@
 #               is ready and runs beside the other runs: its test process mostly waits for vLLM's engine, which
 #               computes on one core.
 # The newest and lowest runs leave out what does not depend on the transformers version and costs minutes, and the
-# pinned run covers: flex_attention's compiled kernels (torch's), grouped-head layouts beyond the Motif-2 ones.
+# pinned run covers: flex_attention's compiled kernels (torch's), grouped-head layouts beyond the Motif-2 ones; the
+# lowest run also bf16 (the same code paths as float32) and the released Motif-2 layer shapes (large, not API).
 # Every pytest run lists its skips with their reasons; a skipped module, or a skipped
 # test that guards a README claim, is repeated by name in the summary at the end (tests/conftest.py). Extra
 # arguments go to the first run.
@@ -77,9 +78,10 @@ t=$(date +%s)
 bash scripts/setup.sh
 phase setup "$t" "$(versions .venv)"
 
-# 1. pinned: the whole suite. Two workers (pytest-xdist), each test file whole on one worker (module fixtures once).
+# 1. pinned: the whole suite. Two workers (pytest-xdist), each test file whole on one worker (module fixtures once),
+#    the slowest files first (tests/conftest.py, SLOWEST_FIRST).
 t=$(date +%s)
-DIFFTRANSFORMER_VENV=pinned .venv/bin/python -m pytest tests -q -p no:cacheprovider -rs --durations=15 -n 2 --dist loadfile "$@"
+DIFFTRANSFORMER_VENV=pinned .venv/bin/python -m pytest tests -q -p no:cacheprovider -rs --durations=15 -n 2 --dist loadfile --no-loadscope-reorder "$@"
 phase pinned "$t" "$(versions .venv)"
 
 # 2. newest releases setup.py allows, resolved now.
@@ -91,7 +93,7 @@ if [ "$(cat "$logs/newest.state")" = 0 ]; then
     echo "newest releases setup.py allows, resolved now: $(cat "$logs/newest.versions") (the pinned ones)"
     phases+=("$(printf '%-9s %5s    %s' newest - "$(cat "$logs/newest.versions"): resolved now, the pinned releases: whole suite run above")")
 else
-    DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
+    DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile --no-loadscope-reorder \
         tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
         tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
         tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
@@ -106,10 +108,11 @@ while [ ! -f "$logs/vllm.rc" ] && kill -0 "$serving_pid" 2>/dev/null; do sleep 5
 cat "$logs/vllm"
 [ "$(cat "$logs/vllm.rc" 2>/dev/null)" = 0 ] || { echo "setting up .venv-vllm failed" >&2; exit 1; }
 min_venv=$(bash scripts/setup_min.sh .venv-vllm)
-DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
+DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile --no-loadscope-reorder \
     tests/test_upstream_api.py tests/test_modeling_difftransformer.py tests/test_save_load_difftransformer.py \
     tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_remote_code_folders.py \
-    tests/test_convert_llama.py tests/test_peft.py tests/test_pipeline.py tests/test_motif.py -k "not flex"
+    tests/test_convert_llama.py tests/test_peft.py tests/test_pipeline.py tests/test_motif.py \
+    -k "not flex and not bfloat16 and not released_layer_shapes"
 phase lowest "$t" "$(versions "$min_venv")"
 
 # 4. serving: started above, beside the other runs; its output and outcome.

@@ -118,6 +118,22 @@ def pytest_runtest_logreport(report):
         _record_skip(report.nodeid, report.longrepr, module=False)
 
 
+# The slowest test files (on a fresh CI machine: torch.compile, the real model, subprocesses), slowest first. They run
+# first (scripts/test.sh passes --no-loadscope-reorder to pytest-xdist, which then hands out files in this order), so
+# that the last files to finish are short ones and neither worker idles long while the other finishes a slow file.
+SLOWEST_FIRST = [
+    "test_real_model.py", "test_modeling_difftransformer.py", "test_grouped_differential_attention.py",
+    "test_transformers_common.py", "test_generation_difftransformer.py", "test_distributed.py",
+    "test_benchmarks_smoke.py", "test_upcycle.py", "test_remote_code_folders.py", "test_lm_eval.py", "test_analysis.py",
+    "test_gpu_check.py", "test_examples_train.py", "test_convert_io.py", "test_kernels_difftransformer.py", "test_motif.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
+
+
 def pytest_collection_finish(session):
     if session.config.getoption("keyword", None) or session.config.getoption("markexpr", None):
         return  # a -k / -m selection runs part of the suite on purpose

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.convert import convert
-from difftransformer.hub import SOURCE_FILES, update_remote_code
+from difftransformer.hub import SOURCE_FILES, main_update_code, update_remote_code
 from difftransformer.modeling_difftransformer import CACHE_RENAMED
 from utils_difftransformer import tiny_config
 
@@ -34,36 +34,47 @@ ASSETS = Path(__file__).parent / "assets" / "remote_code_0.1.0"
 PACKAGE = Path(__file__).resolve().parents[1] / "difftransformer"
 NEW_TOKENS = 8
 
-# Runs in a fresh interpreter where `import difftransformer` fails: the folder's own code is all there is.
+# Runs in a fresh interpreter where `import difftransformer` fails: the folder's own code is all there is. Its argument
+# is a JSON list of [folder, prompt ids] pairs (one interpreter for all of a test's folders: each start costs seconds).
 REMOTE_GENERATE = textwrap.dedent(
     """
     import json, sys, torch
     sys.modules["difftransformer"] = None
     from transformers import AutoModelForCausalLM
-    folder, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    model.generation_config.eos_token_id = None
-    out = {}
-    for name, kwargs in {"cached": {}, "uncached": {"use_cache": False}}.items():
-        seq = model.generate(ids, max_new_tokens=%d, do_sample=False, pad_token_id=0, **kwargs)
-        out[name] = seq[:, ids.shape[1]:].tolist()
-    print("RESULT " + json.dumps(out))
+    results = []
+    for folder, ids in json.loads(open(sys.argv[1]).read()):
+        ids = torch.tensor(ids)
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        model.generation_config.eos_token_id = None
+        out = {}
+        for name, kwargs in {"cached": {}, "uncached": {"use_cache": False}}.items():
+            seq = model.generate(ids, max_new_tokens=%d, do_sample=False, pad_token_id=0, **kwargs)
+            out[name] = seq[:, ids.shape[1]:].tolist()
+        results.append(out)
+    print("RESULT " + json.dumps(results))
     """
     % NEW_TOKENS
 )
 
 
-def remote_generate(folder: Path, ids: torch.Tensor, tmp_path: Path) -> dict:
-    """Greedy tokens of ``folder`` loaded as remote code in a process without the package: cached and uncached."""
-    script = tmp_path / "remote_generate.py"
+def remote_generate_all(jobs: list[tuple[Path, torch.Tensor]], tmp_path: Path) -> list[dict]:
+    """Greedy tokens of each folder loaded as remote code, in one process without the package: cached and
+    uncached, per (folder, ids) job."""
+    script, job_file = tmp_path / "remote_generate.py", tmp_path / "remote_generate_jobs.json"
     script.write_text(REMOTE_GENERATE)
+    job_file.write_text(json.dumps([[str(folder), ids.tolist()] for folder, ids in jobs]))
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(script), str(folder), json.dumps(ids.tolist())],
+    result = subprocess.run([sys.executable, str(script), str(job_file)],
                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, result.stdout + result.stderr
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def remote_generate(folder: Path, ids: torch.Tensor, tmp_path: Path) -> dict:
+    """:func:`remote_generate_all` for one folder."""
+    return remote_generate_all([(folder, ids)], tmp_path)[0]
 
 
 def package_greedy(folder: Path, ids: torch.Tensor) -> list:
@@ -115,19 +126,29 @@ FOLDERS = {
 }
 
 
+@pytest.fixture(scope="module")
+def remote_results(tmp_path_factory):
+    """kind → (folder, the package's greedy tokens, the folder's cached and uncached greedy tokens as remote code):
+    every kind of folder built, then all loaded in one process without the package."""
+    built = {}
+    for kind, make in FOLDERS.items():
+        folder = make(tmp_path_factory.mktemp(kind))
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        ids = torch.randint(3, vocab, (1, 7), generator=torch.Generator().manual_seed(4))
+        built[kind] = (folder, ids, package_greedy(folder, ids))
+    got = remote_generate_all([(folder, ids) for folder, ids, _ in built.values()], tmp_path_factory.mktemp("remote"))
+    return {kind: (folder, expected, result) for (kind, (folder, _, expected)), result in zip(built.items(), got, strict=True)}
+
+
 @pytest.mark.parametrize("kind", FOLDERS)
-def test_saved_folders_generate_correctly_as_remote_code_without_the_package(tmp_path, kind):
-    folder = FOLDERS[kind](tmp_path)
+def test_saved_folders_generate_correctly_as_remote_code_without_the_package(remote_results, kind):
+    folder, expected, got = remote_results[kind]
     for name in SOURCE_FILES:  # the folder carries exactly this release's code
         assert (folder / name).read_bytes() == (PACKAGE / name).read_bytes(), name
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    ids = torch.randint(3, vocab, (1, 7), generator=torch.Generator().manual_seed(4))
-    expected = package_greedy(folder, ids)
-    got = remote_generate(folder, ids, tmp_path)
     assert got["cached"] == expected and got["uncached"] == expected, (got, expected)
 
 
-def test_update_code_command_refreshes_a_folder_saved_by_release_0_1_0(tmp_path):
+def test_update_code_command_refreshes_a_folder_saved_by_release_0_1_0(tmp_path, capsys):
     """A folder whose code is release 0.1.0's (before transformers 5.24 support): wrong cached decoding where the
     installed transformers renamed the cache argument; after `difftransformer-update-code`, right everywhere."""
     folder = saved_folder(tmp_path, "v2_gqa")
@@ -142,10 +163,10 @@ def test_update_code_command_refreshes_a_folder_saved_by_release_0_1_0(tmp_path)
     else:
         assert before["cached"] == expected
 
+    assert main_update_code(["--check", str(folder)]) == 1  # the command's --check, in this process
+    assert "modeling_difftransformer.py" in capsys.readouterr().out
     command = Path(sys.executable).parent / "difftransformer-update-code"
     assert command.is_file(), "the console script is installed with the package (pip install -e .)"
-    check = subprocess.run([str(command), "--check", str(folder)], capture_output=True, text=True)
-    assert check.returncode == 1 and "modeling_difftransformer.py" in check.stdout, check.stdout + check.stderr
     run = subprocess.run([str(command), str(folder)], capture_output=True, text=True)
     assert run.returncode == 0 and "updated" in run.stdout, run.stdout + run.stderr
     assert update_remote_code(folder, check=True) == []
