@@ -4,9 +4,10 @@ Transformers backend (``model_impl="transformers"`` with the folder's remote cod
 test_openai_server.py, on the native model. DIFF V1 (native model only; the
 Transformers backend refuses it), grouped differential attention and Motif-2 folders are tested in test_vllm_native.py.
 
-vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model on the native model; the
-Transformers backend runs it eager, as every other engine of these tests but one V1 model in test_vllm_native.py:
-compilation costs ~30 s of CI's CPU per engine and vLLM's compiled Transformers backend is vLLM's own path); ``max_num_batched_tokens``
+vLLM's defaults stay on (prefix caching, chunked prefill, torch.compile for the random model on the native model; on
+the Transformers backend it runs eager, like every engine of these tests but this native one and one V1 model in
+test_vllm_native.py: compilation costs ~30 s of CI's CPU per engine, and vLLM's compilation of its Transformers backend
+is vLLM's own path); ``max_num_batched_tokens``
 is set below the prompt lengths so that chunked prefill really splits prompts, and a second round of prompts
 sharing a cached prefix checks that prefix-cache hits happen and change nothing.
 """
