@@ -52,7 +52,7 @@ logs=$(mktemp -d)
     echo $? >"$logs/vllm.rc.tmp" && mv "$logs/vllm.rc.tmp" "$logs/vllm.rc"
     [ "$(cat "$logs/vllm.rc")" = 0 ] || exit 1
     t0=$(date +%s)
-    DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs \
+    DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs --durations=15 \
         --basetemp "$logs/serving-tmp" >"$logs/serving" 2>&1
     rc=$?
     echo "$(( $(date +%s) - t0 ))" >"$logs/serving.seconds"
