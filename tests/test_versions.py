@@ -11,14 +11,19 @@ REPO = Path(__file__).resolve().parents[1]
 BOUNDED = ("torch", "transformers", "peft", "accelerate", "safetensors", "tokenizers")
 
 
+def _newest_versions():
+    """scripts/newest_versions.py, which CI runs to compare pip's resolution with the pins."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("newest_versions", REPO / "scripts" / "newest_versions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def pins() -> dict[str, str]:
-    """requirements-dev.txt: what scripts/setup.sh installs (the pinned run)."""
-    found = {}
-    for line in (REPO / "requirements-dev.txt").read_text().splitlines():
-        match = re.match(r"^([A-Za-z0-9_.-]+)==([0-9][^\s#]*)", line.strip())
-        if match:
-            found[match[1].lower()] = match[2]
-    return found
+    """requirements-dev.txt: what scripts/setup.sh installs (the pinned run); names normalised (huggingface-hub)."""
+    return _newest_versions().pinned()
 
 
 def lower_bounds() -> dict[str, list[str]]:
@@ -74,17 +79,11 @@ def test_newest_versions_tells_whether_the_newest_releases_are_the_pinned_ones()
     """scripts/newest_versions.py reads pip's dry-run report: exit 0 (the pinned run covered them) only where every
     package CI names is at its pinned version; 3 where one is newer (CI then builds .venv-latest and tests there);
     2 where the report lacks one."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("newest_versions", REPO / "scripts" / "newest_versions.py")
-    nv = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nv)
-    names = {"torch": "torch", "transformers": "transformers", "peft": "peft", "accelerate": "accelerate",
-             "huggingface_hub": "huggingface-hub", "tokenizers": "tokenizers", "safetensors": "safetensors"}
+    nv = _newest_versions()
 
     def report(**versions):
-        return {"install": [{"metadata": {"name": names[n], "version": versions.get(n, pins()[n])}} for n in names]
-                + [{"metadata": {"name": "numpy", "version": "9.9"}}]}
+        return {"install": [{"metadata": {"name": n, "version": versions.get(n, pins()[nv.normalize(n)])}}
+                            for n in nv.PACKAGES] + [{"metadata": {"name": "numpy", "version": "9.9"}}]}
 
     line, code = nv.compare(report(torch=pins()["torch"] + "+cpu"))
     assert code == 0 and f"transformers {pins()['transformers']}" in line and "numpy" not in line
