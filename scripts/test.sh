@@ -25,9 +25,6 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DIFFTRANSFORMER_CI=1
 # torch.compile compiles in the process that asks (no pool of compile workers): every core is busy with test processes.
 export TORCHINDUCTOR_COMPILE_THREADS=1
-# pip installs without byte-compiling every module of every package (pip's --no-compile; its environment form of a
-# "no-" flag takes 0): Python compiles the modules the tests import, once, when they are first imported.
-export PIP_NO_COMPILE=0
 export DIFFTRANSFORMER_SKIP_REPORT=$(mktemp)
 start=$(date +%s)
 phases=()
