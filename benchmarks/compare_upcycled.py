@@ -45,6 +45,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--icl-demos", help="comma-separated ICL demonstration counts")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in OUT/results.json (same settings required) and run only the missing "
+                        "model and seed pairs; the provenance records the earlier run's as resumed_from")
     return p
 
 
@@ -336,7 +340,7 @@ def run_one(name: str, seed: int, source: up.Source, data: dict, args, workdir: 
     model = student(name, source, seed, workdir)
     # The source and its exact V2 upcycle start as the same function for every seed: measured once.
     before = before_shared.get(name) or evaluate(model, tokenizer, data["held"], data["probes"])
-    if name in ("llama", "v2"):
+    if name in ("llama", "v2"):  # they start as the teacher's function for every seed: measured once
         before_shared[name] = before
     model = up.prepare_student(model, args.method, args.lora_r, 2 * args.lora_r, "all-linear", freeze_embeddings=True)
     train = fine_tune(model, source, data["train"], data["probe_batch"], seed, args, workdir)
@@ -362,6 +366,31 @@ def results_of(runs: dict, meta: dict, provenance: dict) -> dict:
     return {"provenance": provenance, "meta": meta, "summary": summary, "runs": runs}
 
 
+# Flags that change no number of a run: a resumed run may differ from the earlier one in these only.
+_RESUME_FREE = ("seeds", "no_progress", "resume")
+
+
+def previous_runs(args) -> tuple[dict, dict | None, float]:
+    """For ``--resume``: the runs already in ``args.out``/results.json (seed keys as ints), that file's provenance and
+    its wall seconds; an error naming the first setting that differs from this command's."""
+    path = os.path.join(args.out, "results.json")
+    if not args.resume or not os.path.exists(path):
+        return {}, None, 0.0
+    with open(path, encoding="utf-8") as f:
+        earlier = json.load(f)
+    mine = {k: v for k, v in vars(args).items() if k not in ("argv", "runs")}
+    for key, value in earlier["meta"]["args"].items():
+        if key not in _RESUME_FREE and mine.get(key) != value:
+            raise SystemExit(f"--resume: {path} was run with {key}={value!r}, this command has {mine.get(key)!r}; "
+                             f"resume with the same settings or write to another --out.")
+    runs = {name: {int(s): r for s, r in per_seed.items()} for name, per_seed in earlier["runs"].items() if name in args.models}
+    seconds = earlier["meta"].get("wall_seconds")
+    if seconds is None:  # written before wall_seconds was recorded: the setting line's "wall time Ns"
+        found = re.search(r"wall time (\d+)s", earlier["meta"]["setting"])
+        seconds = float(found.group(1)) if found else 0.0
+    return runs, earlier["provenance"], float(seconds)
+
+
 def _meta(args, source: up.Source, probe_examples: dict, eval_length: int, seconds: float) -> dict:
     tokens = args.steps * args.batch_size * args.block_size
     command = "python benchmarks/compare_upcycled.py " + " ".join(shlex.quote(a) for a in args.argv)
@@ -376,9 +405,10 @@ def _meta(args, source: up.Source, probe_examples: dict, eval_length: int, secon
                     f"loss (1 − w)·LM + w·KL(teacher ‖ student) with w = {args.distill_weight}, λ learning rate × {args.lambda_lr_scale}; held-out perplexity on "
                     f"{args.eval_blocks}×{eval_length} tokens per text; telemetry probe: the first {PROBE_BLOCKS}×{min(PROBE_LENGTH, eval_length)} "
                     f"validation tokens; torch threads {torch.get_num_threads()}; wall time {seconds:.0f}s"),
+        "wall_seconds": seconds,
         "chance": {k: sum(1 / len(e.candidates) for e in v) / len(v) for k, v in probe_examples.items()},
         "probe_items": {k: len(v) for k, v in probe_examples.items()},
-        "args": {k: v for k, v in vars(args).items() if k != "argv"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("argv", "runs")},
     }
 
 
@@ -404,15 +434,23 @@ def run(args: argparse.Namespace) -> dict:
     data = {"held": held, "probes": probe_sets(source.tokenizer, args),
             "train": up.training_blocks(source.tokenizer, args.block_size, max_blocks=args.steps * args.batch_size),
             "probe_batch": held["validation"][:PROBE_BLOCKS, : min(PROBE_LENGTH, eval_length)]}
-    runs: dict = {}
+    runs, earlier, earlier_seconds = previous_runs(args)
     args.runs = runs
-    before_shared: dict = {}
+    # The source and its exact V2 upcycle start as the same function for every seed: measured once.
+    before_shared = {name: next(iter(runs[name].values()))["before"] for name in ("llama", "v2") if runs.get(name)}
+    results = None
     with tempfile.TemporaryDirectory(prefix="compare_upcycled-") as tmp:
         for seed in args.seeds:
-            for name in args.models:
+            todo = [name for name in args.models if seed not in runs.get(name, {})]
+            for name in todo:
                 runs.setdefault(name, {})[seed] = run_one(name, seed, source, data, args, Path(tmp), before_shared)
-            meta = _meta(args, source, data["probes"], eval_length, time.time() - t_start)
-            results = results_of(runs, meta, up.provenance("compare_upcycled.py", meta["command"]))
+            if not todo and results is not None:
+                continue
+            meta = _meta(args, source, data["probes"], eval_length, earlier_seconds + time.time() - t_start)
+            provenance = up.provenance("compare_upcycled.py", meta["command"])
+            if earlier is not None:
+                provenance["resumed_from"] = earlier
+            results = results_of(runs, meta, provenance)
             write_results(results, args.out)
     return results
 

@@ -484,6 +484,21 @@ def test_compare_upcycled_smoke(tmp_path):
     assert "telemetry" not in results["summary"]["llama"]
 
 
+def test_compare_upcycled_resume_runs_only_the_missing_seeds_and_refuses_other_settings(tmp_path):
+    bench = _load("compare_upcycled", REPO / "benchmarks" / "compare_upcycled.py")
+    common = ["--size", "smoke", "--out", str(tmp_path), "--no-progress", "--threads", "1", "--models", "llama,v1"]
+    first = bench.main(common + ["--seeds", "0"])
+    again = bench.main(common + ["--seeds", "0,1", "--resume"])
+    assert again["meta"]["seeds"] == [0, 1] and all(set(p) == {0, 1} for p in again["runs"].values())
+    # Seed 0 comes from the file, not from a second run (its training time would differ).
+    for name in ("llama", "v1"):
+        assert again["runs"][name][0]["train"]["seconds"] == first["runs"][name][0]["train"]["seconds"]
+    assert again["provenance"]["resumed_from"]["utc"] == first["provenance"]["utc"]
+    assert again["meta"]["wall_seconds"] > first["meta"]["wall_seconds"]
+    with pytest.raises(SystemExit, match="steps=3"):
+        bench.main(common + ["--seeds", "0,1,2", "--resume", "--steps", "4"])
+
+
 # ----------------------------------------------------------------------------------------------- GGUF source
 
 
