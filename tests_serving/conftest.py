@@ -27,6 +27,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# The references (generate(), the SmolLM2 conversions) run on one thread: CI keeps both cores busy, and two OpenMP
+# threads on a busy machine stall at every barrier (a 16-token generate() of a tiny model: 1.8 s on two threads
+# beside another busy process, 0.09 s on one). vLLM's engines pick their own threads (one per rank, bound).
+torch.set_num_threads(1)
+
 from serving_utils import chat_references, serve_smollm2  # noqa: E402
 
 
