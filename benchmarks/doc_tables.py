@@ -104,7 +104,12 @@ def provenance_sentence(path: str, data: dict) -> str:
     versions = prov.get("versions") or {}
     soft = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers") if versions.get(k))
     command = prov.get("command") or "command not recorded"
-    return f"`{path}`: `{command}`; {at}; {where}" + (f", {soft}" if soft else "") + "."
+    sentence = f"`{path}`: `{command}`; {at}; {where}" + (f", {soft}" if soft else "") + "."
+    earlier = prov.get("resumed_from")
+    if earlier:  # a run continued with --resume: the runs it kept come from the earlier one
+        kept = provenance_sentence(path, {"provenance": earlier}).split("`; ", 1)[1]
+        sentence += f" It kept the runs of an earlier run (`--resume`): `{earlier.get('command')}`; {kept}"
+    return sentence
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -285,8 +290,8 @@ def render_upcycle_perplexity(datas: list[dict], opts: dict) -> list[str]:
 
 def render_compare_upcycled(datas: list[dict], opts: dict) -> list[str]:
     """compare_upcycled.py's results, as docs/upcycling.md shows them: held-out perplexity before → after (the lowest
-    after in bold) and the probes after, the means over the run's seeds; ``telemetry=1``: the upcycles' map
-    separation and negative share instead."""
+    after in bold) and the probes after: mean ± sample standard deviation over the run's seeds (the mean alone for
+    one seed); ``telemetry=1``: the upcycles' map separation and negative share instead."""
     results = datas[0]
     summary, labels = results["summary"], results["meta"]["labels"]
     if opts.get("telemetry"):
@@ -304,12 +309,15 @@ def render_compare_upcycled(datas: list[dict], opts: dict) -> list[str]:
     best = {t: min(phases["after"][t]["mean"] for phases in summary.values()) for t in texts}
     lines = ["| model | validation split before → after | pydoc topics before → after | NIAH after | MQAR after | ICL after |",
              "|---|---|---|---|---|---|"]
+    several = len(results["meta"]["seeds"]) > 1
+
+    def cell(stats: dict, bold: bool = False) -> str:
+        text = f"**{stats['mean']:.3f}**" if bold else f"{stats['mean']:.3f}"
+        return text + (f" ± {stats['std']:.3f}" if several else "")
+
     for name, phases in summary.items():
-        cells = []
-        for t in texts:
-            after = phases["after"][t]["mean"]
-            cells.append(f"{phases['before'][t]['mean']:.3f} → " + (f"**{after:.3f}**" if after == best[t] else f"{after:.3f}"))
-        cells += [f"{phases['after'][f'{probe}_acc']['mean']:.3f}" for probe in ("niah", "mqar", "icl")]
+        cells = [f"{cell(phases['before'][t])} → {cell(phases['after'][t], phases['after'][t]['mean'] == best[t])}" for t in texts]
+        cells += [cell(phases["after"][f"{probe}_acc"]) for probe in ("niah", "mqar", "icl")]
         lines.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
     return lines
 

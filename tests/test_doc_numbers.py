@@ -225,3 +225,20 @@ def test_a_commit_that_changes_only_comments_and_docstrings_leaves_a_result_curr
     assert harness.measured_code_changes(measured, "scratch.py", root=str(tmp_path)) == []
     changed = commit('def f(y):\n    """Twice y."""\n    return 2 * y\n', "a renamed argument")
     assert harness.measured_code_changes(measured, "scratch.py", root=str(tmp_path)) == [changed]
+
+
+@needs_history
+def test_a_resumed_result_names_the_run_it_kept_and_whether_that_code_changed_since():
+    """A run continued with ``--resume`` (compare_upcycled.py) keeps the earlier run's provenance as ``resumed_from``:
+    the source line names both commands, both commits and both transformers releases, and says of the earlier one
+    when the code it measured changed after it."""
+    data = json.loads((ROOT / "benchmarks/results/compare_upcycled_smollm2/results.json").read_text())
+    earlier = data["provenance"]["resumed_from"]
+    line = doc_tables.provenance_sentence("results.json", data)
+    assert line.count("`python benchmarks/compare_upcycled.py") == 2 and "It kept the runs of an earlier run" in line
+    assert f"measured at commit {data['provenance']['commit'][:7]}" in line
+    assert f"measured at commit {earlier['commit'][:7]}" in line
+    for prov in (data["provenance"], earlier):
+        assert f"transformers {prov['versions']['transformers']}" in line
+    changes = harness.measured_code_changes(earlier["commit"], "compare_upcycled.py", first=True)
+    assert (f"before {changes[0][:7]} changed the code it measures" in line.split("It kept")[1]) == bool(changes)
