@@ -340,7 +340,7 @@ def run_one(name: str, seed: int, source: up.Source, data: dict, args, workdir: 
     model = student(name, source, seed, workdir)
     # The source and its exact V2 upcycle start as the same function for every seed: measured once.
     before = before_shared.get(name) or evaluate(model, tokenizer, data["held"], data["probes"])
-    if name in ("llama", "v2"):  # they start as the teacher's function for every seed: measured once
+    if name in ("llama", "v2"):
         before_shared[name] = before
     model = up.prepare_student(model, args.method, args.lora_r, 2 * args.lora_r, "all-linear", freeze_embeddings=True)
     train = fine_tune(model, source, data["train"], data["probe_batch"], seed, args, workdir)
