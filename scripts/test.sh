@@ -52,7 +52,7 @@ logs=$(mktemp -d)
     echo $? >"$logs/vllm.rc.tmp" && mv "$logs/vllm.rc.tmp" "$logs/vllm.rc"
     [ "$(cat "$logs/vllm.rc")" = 0 ] || exit 1
     t0=$(date +%s)
-    DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs --durations=15 \
+    DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs --durations=30 \
         --basetemp "$logs/serving-tmp" >"$logs/serving" 2>&1
     rc=$?
     echo "$(( $(date +%s) - t0 ))" >"$logs/serving.seconds"
@@ -81,7 +81,7 @@ phase setup "$t" "$(versions .venv)"
 # 1. pinned: the whole suite. Two workers (pytest-xdist), each test file whole on one worker (module fixtures once),
 #    the slowest files first (tests/conftest.py, SLOWEST_FIRST).
 t=$(date +%s)
-DIFFTRANSFORMER_VENV=pinned .venv/bin/python -m pytest tests -q -p no:cacheprovider -rs --durations=15 -n 2 --dist loadfile --no-loadscope-reorder "$@"
+DIFFTRANSFORMER_VENV=pinned .venv/bin/python -m pytest tests -q -p no:cacheprovider -rs --durations=30 -n 2 --dist loadfile --no-loadscope-reorder "$@"
 phase pinned "$t" "$(versions .venv)"
 
 # 2. newest releases setup.py allows, resolved now.

@@ -26,6 +26,10 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The processes the tests start (convert.py for the SmolLM2 folders, ``vllm serve``) compute on one thread too, for the
+# reason below: the V1 conversion took 98 s on two threads beside a busy core, 53 s on one. vLLM's CPU workers bind
+# their own threads whatever this says (VLLM_CPU_OMP_THREADS_BIND).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
