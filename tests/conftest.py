@@ -62,12 +62,16 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_llama(smollm2_gguf):
-    """``(model, tokenizer)`` exactly as transformers' GGUF loader gives them: a float32 ``LlamaForCausalLM``."""
+    """``(model, tokenizer)`` exactly as transformers' GGUF loader gives them: a float32 ``LlamaForCausalLM`` (the
+    file's metadata parsed once for both, as the converter does)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from difftransformer.convert.gguf_source import reading_each_file_once
+
     folder, name = smollm2_gguf.parent, smollm2_gguf.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with reading_each_file_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
 
 

@@ -131,6 +131,36 @@ def test_loaded_gguf_model_is_plain_trainable_and_saveable_with_the_files_functi
                                rtol=0, atol=0)
 
 
+def test_load_gguf_parses_the_file_once_and_restores_the_reader(tmp_path, monkeypatch):
+    """transformers' loader builds a gguf.GGUFReader for the config, the weights and the tokenizer; load_gguf has the
+    three share one (the real model's metadata takes about 10 s per parse), then puts gguf.GGUFReader back, also when
+    the block fails. The shared reader gives the same model as three fresh ones."""
+    import gguf as gguf_package
+
+    from difftransformer.convert import load_gguf
+    from difftransformer.convert.gguf_source import reading_each_file_once
+
+    (tmp_path / "src").mkdir()
+    path = write_tiny_gguf(tmp_path / "src" / "tiny.gguf", **TINY["llama_odd_heads_tied"])
+    built = []
+    original = gguf_package.GGUFReader
+
+    def counting_reader(*args, **kwargs):
+        built.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", counting_reader)
+    source = load_gguf(path, progress=False)
+    assert len(built) == 1 and Path(built[0]).resolve() == path.resolve(), built
+    assert gguf_package.GGUFReader is counting_reader and source.tokenizer is not None
+    torch.testing.assert_close(logits(source.model), logits(gguf_llama(path)), rtol=0, atol=0)  # three fresh readers
+    assert len(built) == 3  # gguf_llama (config, weights) without the block: two readers more
+    with pytest.raises(RuntimeError, match="inside"), reading_each_file_once():
+        assert gguf_package.GGUFReader is not counting_reader
+        raise RuntimeError("inside")
+    assert gguf_package.GGUFReader is counting_reader
+
+
 @pytest.mark.parametrize("case", list(TINY))
 def test_tiny_gguf_to_v2_is_exact_and_brings_tokenizer_and_generation_config(tmp_path, case):
     (tmp_path / "src").mkdir()

@@ -90,6 +90,33 @@ def _progress_bars(enabled: bool):
             hf_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def reading_each_file_once():
+    """Within the block, transformers' GGUF loader parses each file's metadata once, not once per part it loads.
+
+    ``AutoConfig``, ``AutoModelForCausalLM`` and ``AutoTokenizer`` each build a new ``gguf.GGUFReader`` of the file
+    (``load_gguf_checkpoint``), and the reader builds every metadata field in Python: SmolLM2's 49152 tokens and 48900
+    merges take about 10 s a time. The reader is read-only (a memory map of the file, mode "r"), so the first one built
+    for a path serves the later loads of the block. ``gguf.GGUFReader`` is restored on leaving, errors included; a
+    transformers release that builds its reader another way only loses the saving."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers = {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(Path(path).resolve()), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def gguf_generation_config(metadata: dict) -> GenerationConfig:
     """bos, pad and the end-of-generation ids the file names (eos, and eot/eom where present: llama.cpp stops at all)."""
     eos = []
@@ -109,7 +136,7 @@ def load_gguf(path: str | Path, progress: bool = True) -> GgufSource:
     metadata, _ = read_gguf_header(path)
     folder, name = path.resolve().parent, path.name
     notes = []
-    with _progress_bars(progress):
+    with _progress_bars(progress), reading_each_file_once():
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
             if config.model_type not in ("llama", "mistral", "qwen2"):
