@@ -134,7 +134,7 @@ def test_loaded_gguf_model_is_plain_trainable_and_saveable_with_the_files_functi
 def test_load_gguf_parses_the_file_once_and_restores_the_reader(tmp_path, monkeypatch):
     """transformers' loader builds a gguf.GGUFReader for the config, the weights and the tokenizer; load_gguf has the
     three share one (the real model's metadata takes about 10 s per parse), then puts gguf.GGUFReader back, also when
-    the block fails. The shared reader gives the same model as three fresh ones."""
+    the block fails. The shared reader gives the same model as fresh readers do."""
     import gguf as gguf_package
 
     from difftransformer.convert import load_gguf
@@ -153,7 +153,7 @@ def test_load_gguf_parses_the_file_once_and_restores_the_reader(tmp_path, monkey
     source = load_gguf(path, progress=False)
     assert len(built) == 1 and Path(built[0]).resolve() == path.resolve(), built
     assert gguf_package.GGUFReader is counting_reader and source.tokenizer is not None
-    torch.testing.assert_close(logits(source.model), logits(gguf_llama(path)), rtol=0, atol=0)  # three fresh readers
+    torch.testing.assert_close(logits(source.model), logits(gguf_llama(path)), rtol=0, atol=0)  # fresh readers
     assert len(built) == 3  # gguf_llama (config, weights) without the block: two readers more
     with pytest.raises(RuntimeError, match="inside"), reading_each_file_once():
         assert gguf_package.GGUFReader is not counting_reader
