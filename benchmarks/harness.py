@@ -324,13 +324,20 @@ def source_digest(root: str = ROOT) -> str:
     return h.hexdigest()[:16]
 
 
+# Environment variables that change what a run measures without changing its arguments (the memory allocator: glibc's
+# malloc tunables, or a preloaded allocator): where set, they lead the recorded command.
+MEASURED_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
 def command_line(argv: Sequence[str] | None = None, script: str | None = None) -> str:
-    """The command as a user would type it from the repository root: ``python <script> <argv>``."""
+    """The command as a user would type it from the repository root: ``python <script> <argv>``, after the
+    ``MEASURED_ENV`` variables that are set (``NAME=value python ...``)."""
     script = script or sys.argv[0]
     if os.path.isabs(script) and script.startswith(ROOT + os.sep):
         script = os.path.relpath(script, ROOT)
     args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["python", script, *args])
+    env = [f"{name}={shlex.quote(os.environ[name])}" for name in MEASURED_ENV if os.environ.get(name)]
+    return " ".join(env + [shlex.join(["python", script, *args])])
 
 
 def _versions() -> dict:

@@ -46,11 +46,14 @@ with the folder's remote code) serves V2 folders and refuses V1 ones (``VLLM_V1_
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterable
 
 import torch
 from vllm.config import VllmConfig
+from vllm import _custom_ops as vllm_ops
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -131,6 +134,77 @@ class DiffTransformerPolyNormMLP(LlamaMLP):
         return x
 
 
+@CustomOp.register("difftransformer_head_rms_norm")
+class DiffTransformerHeadRMSNormOp(CustomOp):
+    """V1's per-head norm ``scale · RMSNorm_2d(O_h) ⊙ w`` (``subln.weight``; scale ``1 − λinit``), computed as the
+    transformers model computes it: over the heads in float32, the weight times the scale in float32, one rounding
+    to the model's dtype at the end.
+
+    A vLLM custom op, so vLLM's dispatch picks the form: ``forward_native`` (the transformers module's own forward,
+    :class:`DiffTransformerHeadRMSNorm`) where vLLM compiles the model (Inductor fuses it with the differential
+    step); in eager mode on CPU, ``forward_cpu`` runs vLLM's fused ``rms_norm`` kernel on the same float32 operands
+    (one pass instead of torch's five: the same products, summed in another order)."""
+
+    def __init__(self, width: int, eps: float, scale: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width), requires_grad=False)
+        self.eps = eps
+        self.scale = scale
+
+    def forward_native(self, heads: torch.Tensor) -> torch.Tensor:
+        return DiffTransformerHeadRMSNorm.forward(self, heads, self.scale)
+
+    def forward_cpu(self, heads: torch.Tensor) -> torch.Tensor:
+        if heads.dtype == torch.float64:  # the kernel knows float32, float16 and bfloat16
+            return self.forward_native(heads)
+        x = heads.to(torch.float32).reshape(-1, heads.shape[-1])
+        out = torch.empty_like(x)
+        vllm_ops.rms_norm(out, x, self.weight.to(torch.float32) * self.scale, self.eps)
+        return out.view(heads.shape).to(heads.dtype)
+
+
+@CustomOp.register("difftransformer_query_pad")
+class DiffTransformerQueryPadOp(CustomOp):
+    """V1's padded queries: ``(tokens, G·rows·d)`` half-head queries in, ``(tokens, G·rows·2d)`` out, each signal
+    (first-map) row ``[q | 0]`` and each noise (second-map) row ``[0 | q]`` (``signal_rows`` signal rows, then the
+    noise rows, per KV group).
+
+    ``forward_native`` (what vLLM's torch.compile fuses into the step before the attention call) multiplies by a
+    broadcast 0/1 factor. In eager mode on CPU, ``forward_cpu`` writes the queries into a reused zero buffer, one per
+    thread and layout, whose zero halves are never written: a 4096-token prefill's padded queries are 2·Hq·d floats
+    per token (38 MB for SmolLM2's V1 upcycle in float32), and glibc's malloc maps every block over 32 MB afresh, so a
+    new tensor of that size costs page faults on each layer (docs/serving.md measures it). The buffer's rows past the
+    step's tokens hold stale queries and are never returned."""
+
+    _per_thread = threading.local()  # (not `_buffers`: nn.Module's registered buffers)
+
+    def __init__(self, groups: int, rows: int, signal_rows: int, head_dim: int) -> None:
+        super().__init__()
+        self.groups, self.rows, self.signal_rows, self.head_dim = groups, rows, signal_rows, head_dim
+        pad = torch.zeros(rows, 2, 1)
+        pad[:signal_rows, 0] = 1.0
+        pad[signal_rows:, 1] = 1.0
+        self.register_buffer("query_pad", pad, persistent=False)
+
+    def forward_native(self, q: torch.Tensor) -> torch.Tensor:
+        padded = q.unflatten(-1, (self.groups, self.rows, 1, self.head_dim)) * self.query_pad.to(q.dtype)
+        return padded.flatten(1)  # (tokens, G·rows·2·d)
+
+    def forward_cpu(self, q: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a traced write into a buffer outside the graph would be copied whole
+            return self.forward_native(q)
+        tokens, n = q.shape[0], self.signal_rows
+        key = (self.groups, self.rows, n, self.head_dim, q.dtype, q.device)
+        cache = self._per_thread.__dict__.setdefault("by_layout", {})
+        buffer = cache.get(key)
+        if buffer is None or buffer.shape[0] < tokens:
+            buffer = cache[key] = q.new_zeros(tokens, self.groups, self.rows, 2, self.head_dim)
+        out, qv = buffer[:tokens], q.view(tokens, self.groups, self.rows, self.head_dim)
+        out[:, :, :n, 0].copy_(qv[:, :, :n])
+        out[:, :, n:, 1].copy_(qv[:, :, n:])
+        return out.view(tokens, -1)
+
+
 class DiffTransformerV1Attention(LlamaAttention):
     """DIFF V1 in one call of vLLM's attention layer (module docstring): ``G`` KV heads of width ``2d`` per rank,
     ``Hq`` zero-padded query heads of width ``2d``, scale ``1/√d``; then ``A1·V − λ·A2·V``, the per-head RMSNorm and
@@ -208,15 +282,9 @@ class DiffTransformerV1Attention(LlamaAttention):
             setattr(self, name, torch.nn.Parameter(torch.zeros(d, dtype=torch.float32), requires_grad=False))
         offset = getattr(config, "lambda_init_layer_offset", 0) or 0
         self.lambda_init = config.lambda_init if config.lambda_init is not None else lambda_init_fn(layer_idx + offset)
-        self.subln = DiffTransformerHeadRMSNorm(2 * d, eps=config.subln_eps)  # subln.weight, replicated
-        self.subln.weight.requires_grad_(False)
-        # Per query row of a group: [q | 0] for a signal (first-map) row, [0 | q] for a noise (second-map) row, as a
-        # broadcast factor over (tokens, group, row, half, d).
-        rows_per_group = self.num_heads // groups
-        pad = torch.zeros(rows_per_group, 2, 1)
-        pad[: self.pair_stride, 0] = 1.0
-        pad[self.pair_stride :, 1] = 1.0
-        self.register_buffer("query_pad", pad, persistent=False)
+        self.subln = DiffTransformerHeadRMSNormOp(2 * d, config.subln_eps, 1.0 - self.lambda_init)  # subln.weight
+        # Per query row of a group: [q | 0] for a signal (first-map) row, [0 | q] for a noise (second-map) row.
+        self.query_pad = DiffTransformerQueryPadOp(groups, self.num_heads // groups, self.pair_stride, d)
 
     def lambda_full(self) -> torch.Tensor:
         """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``: a float32 scalar, as ``DiffTransformerV1Attention.lambda_full``."""
@@ -227,11 +295,10 @@ class DiffTransformerV1Attention(LlamaAttention):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)  # every d-wide half-head rotated, as the transformers model does
         # k, v: (tokens, Hkv·d) = (tokens, G·2d) already: [K_g,0 | K_g,1] per group, in the (g, c) row order.
-        rows = self.query_pad.shape[0]
-        padded = q.unflatten(-1, (-1, rows, 1, self.head_dim)) * self.query_pad.to(q.dtype)  # (tokens, G, rows, 2, d)
-        maps = self.attn(padded.flatten(1), k, v).view(-1, self.num_heads, 2 * self.head_dim)  # (tokens, Hq, 2d): A·V
+        padded = self.query_pad(q)  # (tokens, G·rows·2d): [q1 | 0] and [0 | q2] half-head rows
+        maps = self.attn(padded, k, v).view(-1, self.num_heads, 2 * self.head_dim)  # (tokens, Hq, 2d): A·V
         combined = differential_combine(maps, self.lambda_full(), self.pair_stride, dim=1, noise_ratio=self.noise_ratio)
-        combined = self.subln(combined, scale=1.0 - self.lambda_init)  # (tokens, H, 2d): (1 − λinit)·RMSNorm_2d(O_h)⊙w
+        combined = self.subln(combined)  # (tokens, H, 2d): (1 − λinit)·RMSNorm_2d(O_h)⊙w
         output, _ = self.o_proj(combined.flatten(1))
         return output
 

@@ -59,3 +59,18 @@ def test_smollm2_floors_quoted_in_docs():
     assert round(generation_flops(v2, 128, 64) / base, 3) == 1.113
     assert round(generation_flops(v1, 128, 64) / base, 3) == 1.251
     assert round((generation_flops(v1, 128, 64) + padded_call_extra_flops(v1, 128, 64)) / base, 3) == 1.307
+
+
+def test_recorded_command_names_the_allocator_settings(monkeypatch):
+    """A run under glibc's malloc tunables (docs/serving.md measures V1 with and without them) records them in its
+    command, so the line under its table re-runs it as it ran; unset, the command is plain."""
+    from benchmarks import harness
+
+    for name in harness.MEASURED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    plain = harness.command_line(["--compile"], "benchmarks/bench_vllm.py")
+    assert plain == "python benchmarks/bench_vllm.py --compile"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "268435456")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1073741824")
+    assert harness.command_line(["--compile"], "benchmarks/bench_vllm.py") == (
+        "MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 " + plain)
