@@ -325,19 +325,30 @@ def source_digest(root: str = ROOT) -> str:
 
 
 # Environment variables that change what a run measures without changing its arguments (the memory allocator: glibc's
-# malloc tunables, or a preloaded allocator): where set, they lead the recorded command.
+# malloc tunables, or a preloaded allocator): those set when the benchmark started lead its recorded command. Read at
+# import, before the benchmark imports libraries that set some of them for themselves (vLLM's CPU platform preloads
+# libgomp).
 MEASURED_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
-def command_line(argv: Sequence[str] | None = None, script: str | None = None) -> str:
+def measured_env(environ=os.environ) -> dict[str, str]:
+    """The ``MEASURED_ENV`` variables set in ``environ``."""
+    return {name: environ[name] for name in MEASURED_ENV if environ.get(name)}
+
+
+STARTUP_ENV = measured_env()
+
+
+def command_line(argv: Sequence[str] | None = None, script: str | None = None, env: dict[str, str] | None = None) -> str:
     """The command as a user would type it from the repository root: ``python <script> <argv>``, after the
-    ``MEASURED_ENV`` variables that are set (``NAME=value python ...``)."""
+    ``MEASURED_ENV`` variables ``env`` holds (default: those set at start, ``STARTUP_ENV``) as ``NAME=value``."""
     script = script or sys.argv[0]
     if os.path.isabs(script) and script.startswith(ROOT + os.sep):
         script = os.path.relpath(script, ROOT)
     args = list(sys.argv[1:] if argv is None else argv)
-    env = [f"{name}={shlex.quote(os.environ[name])}" for name in MEASURED_ENV if os.environ.get(name)]
-    return " ".join(env + [shlex.join(["python", script, *args])])
+    env = STARTUP_ENV if env is None else env
+    return " ".join([f"{name}={shlex.quote(value)}" for name, value in env.items()]
+                    + [shlex.join(["python", script, *args])])
 
 
 def _versions() -> dict:
