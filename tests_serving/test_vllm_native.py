@@ -226,3 +226,36 @@ def test_tensor_parallel_shards_whole_groups():
     assert tensor_parallel_groups(v2, 2) == 1
     with pytest.raises(ValueError, match=r"must divide the 2 KV groups"):
         tensor_parallel_groups(v2, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v1_eager_forms_equal_the_native_forms(dtype):
+    """The forms V1's custom ops take in eager mode on CPU equal the native forms (what vLLM compiles, and the
+    transformers model's own): the padded queries exactly, over a reused buffer that grows, is read back by a
+    shorter step after a longer one (its stale rows must not leak) and holds GDA's uneven rows; the per-head norm
+    on vLLM's fused kernel within float32 rounding (the same float32 products, summed in another order), cast to the
+    model's dtype once."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from difftransformer.vllm_model import DiffTransformerHeadRMSNormOp, DiffTransformerQueryPadOp
+
+    torch.manual_seed(0)
+    with set_current_vllm_config(VllmConfig()):
+        pads = [DiffTransformerQueryPadOp(groups=2, rows=6, signal_rows=3, head_dim=16),  # r = 1: n = 3
+                DiffTransformerQueryPadOp(groups=2, rows=5, signal_rows=4, head_dim=16)]  # GDA r = 4: 4 + 1 rows
+        norm = DiffTransformerHeadRMSNormOp(32, eps=1e-5, scale=0.7)
+    for pad in pads:
+        width = pad.groups * pad.rows * pad.head_dim
+        for tokens in (7, 40, 3, 40, 1):  # grows at 40, then shorter steps over stale rows
+            qkv = torch.randn(tokens, width + 2 * 16, dtype=dtype)
+            q = qkv[:, :width]  # a column slice of the fused projection, as vLLM's split gives it
+            eager = pad.forward_cpu(q)
+            assert eager.shape == (tokens, 2 * width) and torch.equal(eager, pad.forward_native(q)), (pad.rows, tokens)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(32))
+    heads = (3 * torch.randn(11, 4, 32)).to(dtype)
+    eager, native = norm.forward_cpu(heads), norm.forward_native(heads)
+    assert eager.dtype == native.dtype == dtype
+    # float32 rounding of the sums, then (bfloat16) one rounding each: at most one ulp of the output's dtype apart.
+    ulp = torch.finfo(dtype).eps * native.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((eager.float() - native.float()).abs() <= ulp + 1e-6 * native.float().abs()).all()
