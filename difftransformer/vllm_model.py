@@ -154,6 +154,9 @@ class DiffTransformerHeadRMSNormOp(CustomOp):
     def forward_native(self, heads: torch.Tensor) -> torch.Tensor:
         return DiffTransformerHeadRMSNorm.forward(self, heads, self.scale)
 
+    def forward_cuda(self, heads: torch.Tensor) -> torch.Tensor:  # (CustomOp's own raises: GPUs run eager too)
+        return self.forward_native(heads)
+
     def forward_cpu(self, heads: torch.Tensor) -> torch.Tensor:
         if heads.dtype == torch.float64:  # the kernel knows float32, float16 and bfloat16
             return self.forward_native(heads)
@@ -172,9 +175,10 @@ class DiffTransformerQueryPadOp(CustomOp):
     ``forward_native`` (what vLLM's torch.compile fuses into the step before the attention call) multiplies by a
     broadcast 0/1 factor. In eager mode on CPU, ``forward_cpu`` writes the queries into a reused zero buffer, one per
     thread and layout, whose zero halves are never written: a 4096-token prefill's padded queries are 2·Hq·d floats
-    per token (38 MB for SmolLM2's V1 upcycle in float32), and glibc's malloc maps every block over 32 MB afresh, so a
-    new tensor of that size costs page faults on each layer (docs/serving.md measures it). The buffer's rows past the
-    step's tokens hold stale queries and are never returned."""
+    per token (38 MB for SmolLM2's V1 upcycle in float32), and glibc's malloc maps every block over its mmap threshold
+    (at most 32 MiB) afresh, so a new tensor of that size is page-faulted in on each layer (docs/serving.md, "The
+    memory allocator and V1"). The buffer's rows past the step's tokens hold stale queries and are never returned.
+    Other platforms run ``forward_native``."""
 
     _per_thread = threading.local()  # (not `_buffers`: nn.Module's registered buffers)
 
@@ -189,6 +193,9 @@ class DiffTransformerQueryPadOp(CustomOp):
     def forward_native(self, q: torch.Tensor) -> torch.Tensor:
         padded = q.unflatten(-1, (self.groups, self.rows, 1, self.head_dim)) * self.query_pad.to(q.dtype)
         return padded.flatten(1)  # (tokens, G·rows·2·d)
+
+    def forward_cuda(self, q: torch.Tensor) -> torch.Tensor:  # (CustomOp's own raises: GPUs run eager too)
+        return self.forward_native(q)
 
     def forward_cpu(self, q: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a traced write into a buffer outside the graph would be copied whole

@@ -244,6 +244,13 @@ def test_v1_eager_forms_equal_the_native_forms(dtype):
         pads = [DiffTransformerQueryPadOp(groups=2, rows=6, signal_rows=3, head_dim=16),  # r = 1: n = 3
                 DiffTransformerQueryPadOp(groups=2, rows=5, signal_rows=4, head_dim=16)]  # GDA r = 4: 4 + 1 rows
         norm = DiffTransformerHeadRMSNormOp(32, eps=1e-5, scale=0.7)
+    # Every platform's form runs: vLLM dispatches eager GPUs to forward_cuda (CustomOp's own raises), ROCm to
+    # forward_hip (which calls it), the others to their native forms.
+    platform_forms = ("forward_cuda", "forward_hip", "forward_xpu", "forward_tpu", "forward_oot")
+    q = torch.randn(5, pads[0].groups * pads[0].rows * pads[0].head_dim)
+    for form in platform_forms:
+        assert torch.equal(getattr(pads[0], form)(q), pads[0].forward_native(q)), form
+        assert torch.equal(getattr(norm, form)(q.view(5, -1, 32)), norm.forward_native(q.view(5, -1, 32))), form
     for pad in pads:
         width = pad.groups * pad.rows * pad.head_dim
         for tokens in (7, 40, 3, 40, 1):  # grows at 40, then shorter steps over stale rows
