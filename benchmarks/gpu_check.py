@@ -7,11 +7,12 @@ minutes, survives its own failures, and writes one JSON report (``gpu_check.json
 
 Correctness, each check one entry ``{name, status, passed, max_err, bound, detail, seconds}`` (status: pass, fail,
 error — it raised, skipped — with the reason, absent — the backend's package is not installed); a failing or raising
-check never stops the others. The bounds are the CPU tests' (tests/utils_difftransformer.py, whose helpers are
-imported, not copied):
+check never stops the others. The reference and the bounds are the CPU tests' own, from the module both import
+(difftransformer/testing_utils.py):
 
 * ``reference {layout}``: the float64 model on the device (``.double()``, eager) equals the explicit float64
-  reference of the tests (tests/utils_difftransformer.py: docs/model.md, "What it computes") (on the CPU), within the CPU tests' float32 tolerance: it is a trustworthy reference;
+  reference (testing_utils.reference_forward: docs/model.md, "What it computes") on the CPU, within the float32
+  tolerance: it is a trustworthy reference;
 * ``forward {layout} {backend} {dtype}``: a left-padded batch's logits in fp32, bf16 and fp16 against the float64 model
   with the same weights, on the same device. fp32: the CPU tests' 2e-5; bf16 and fp16: the rounding model of the CPU
   tests (``RoundingModel``, 8 draws, 3 × the largest drawn error; fp16 with its own unit roundoff 2⁻¹¹);
@@ -59,12 +60,16 @@ _STARTED = time.perf_counter()  # the time budget counts from here, before torch
 import torch  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (_ROOT, os.path.join(_ROOT, "tests")):  # benchmarks.bench, and the CPU tests' reference and bounds
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if _ROOT not in sys.path:  # benchmarks.bench when run as a script
+    sys.path.insert(0, _ROOT)
 
 from benchmarks import bench, harness  # noqa: E402
-from utils_difftransformer import (  # noqa: E402
+from difftransformer.testing_utils import (  # noqa: E402
+    FP32_LOGITS_ATOL,
+    GRAD_RTOL,
+    ROUNDING_DRAWS,
+    ROUNDING_FACTOR,
+    SCORES_ATOL,
     RoundingModel,
     bf16_error_bound,
     left_padded_batch,
@@ -77,20 +82,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 # The package each flash backend needs; without it the backend is reported "absent".
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
-LAYOUTS = ("v1_gqa", "v1_mha", "v2_gqa", "v2_mha")  # tests/utils_difftransformer.py's LAYOUTS: V1/V2, GQA and MHA
+LAYOUTS = ("v1_gqa", "v1_mha", "v2_gqa", "v2_mha")  # testing_utils.LAYOUTS: V1/V2, GQA and MHA
 # Every flex_attention check compiles: the three layouts of test_modeling_difftransformer.py's FLEX_PAIRS.
 FLEX_LAYOUTS = ("v1_gqa", "v1_mha", "v2_gqa")
 COMPILED_LAYOUTS = ("v1_gqa", "v2_gqa")  # as tests/test_generation_difftransformer.py: one compile each
 # Every check's model has heads 32 wide (tiny_config's default is 8): flex attention's GPU kernels need at least 16.
 HEAD_DIM = 32
-# test_modeling_difftransformer.py's float32 tolerance (TOL) for logits against the float64 reference.
-FP32_TOL = 2e-5
-# Rounding model (tests/utils_difftransformer.py): draws and factor of the CPU tests' bf16 bounds.
-ROUNDING_DRAWS, ROUNDING_FACTOR = 8, 3.0
-# generate() checks: scores of equal sequences may differ by this much (test_generation_difftransformer.py's atol).
-SCORES_TOL = 1e-4
-# fp32 gradients of another backend against eager's: test_kernels_difftransformer.py's rtol.
-GRAD_RTOL = 1e-4
+# The tolerances (FP32_LOGITS_ATOL, SCORES_ATOL, GRAD_RTOL, ROUNDING_DRAWS × ROUNDING_FACTOR) are testing_utils'.
 REPORT, SUMMARY = "gpu_check.json", "gpu_check.txt"
 
 
@@ -329,14 +327,14 @@ def run_forward_checks(rec: Recorder, profile: Profile) -> None:
                     exact = twin(case["ids"], attention_mask=case["mask"]).logits[case["mask"].bool()]
                 errors[dtype] = _max_abs(exact, spec)
                 if dtype == "fp32":
-                    bound = FP32_TOL
+                    bound = FP32_LOGITS_ATOL
                 else:  # the rounding model's spread around the exact result, as the CPU tests derive their bounds
                     draws = [reference_forward(low, ids, mask, rnd=ROUNDING_MODELS[dtype](seed), state_dict=weights)[0][valid]
                              for seed in range(profile.rounding_draws)]
                     bound = bf16_error_bound(draws, spec, factor=ROUNDING_FACTOR)
                 case[dtype] = {"model": low, "exact": exact, "bound": bound}
             worst = max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e)
-            return {"max_err": worst, "bound": FP32_TOL, "detail": "float64 model on the device vs the tests' float64 reference "
+            return {"max_err": worst, "bound": FP32_LOGITS_ATOL, "detail": "float64 model on the device vs the tests' float64 reference "
                     "(CPU), per weight dtype: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items())}
 
         ref_entry = rec.check(f"reference {layout}", reference)
@@ -398,7 +396,7 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
                 ref_seq, ref_scores = _greedy(model, ids, use_cache=False)
                 seq, scores = _greedy(model, ids)
                 same = torch.equal(seq, ref_seq)
-                return {"passed": same, "max_err": _max_abs(scores, ref_scores), "bound": SCORES_TOL,
+                return {"passed": same, "max_err": _max_abs(scores, ref_scores), "bound": SCORES_ATOL,
                         "detail": ("" if same else "greedy sequences differ; ") + "scores vs uncached greedy"}
 
             rec.check(f"generate {layout} {backend} dynamic", cached)
@@ -420,7 +418,7 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
                     if not torch.equal(batch_seq[b, -(length + 10):], alone_seq[0]):
                         differ.append(b)
                     worst = max(worst, _max_abs(batch_scores[:, b], alone_scores[:, 0]))
-                return {"passed": not differ, "max_err": worst, "bound": SCORES_TOL,
+                return {"passed": not differ, "max_err": worst, "bound": SCORES_ATOL,
                         "detail": (f"prompts {differ} generate other tokens in the batch; " if differ else "")
                         + "scores of batch rows vs each prompt alone"}
 
@@ -442,7 +440,7 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
             seq, scores = _greedy(model, ids, cache_implementation="static", compile_config=compile_config)
             took = hasattr(model, "_compiled_call")
             same = torch.equal(seq, ref_seq)
-            return {"passed": same and took, "max_err": _max_abs(scores, ref_scores), "bound": SCORES_TOL,
+            return {"passed": same and took, "max_err": _max_abs(scores, ref_scores), "bound": SCORES_ATOL,
                     "detail": ("" if took else "generate() did not take the compiled path; ")
                     + ("" if same else "greedy sequences differ; ") + "scores vs uncached greedy"}
 

@@ -181,7 +181,7 @@ MEASURED_CODE: dict[str, list[str]] = {
     "attention_micro.py": _MODEL + ["benchmarks/attention_micro.py", "benchmarks/harness.py"],
     "v2_prompt_attention.py": _MODEL + ["benchmarks/v2_prompt_attention.py", "benchmarks/attention_micro.py",
                                         "benchmarks/harness.py"],
-    "gpu_check.py": _MODEL + _BENCH + ["benchmarks/gpu_check.py", "tests/utils_difftransformer.py"],
+    "gpu_check.py": _MODEL + _BENCH + ["benchmarks/gpu_check.py", "difftransformer/testing_utils.py"],
     "bench_vllm.py": _MODEL + ["difftransformer/vllm_model.py", "difftransformer/vllm_plugin.py",
                                "benchmarks/bench_vllm.py", "benchmarks/harness.py", "examples/serve_smollm2.py"],
     "compare_small.py": _MODEL + ["benchmarks/compare_small.py", "difftransformer/probes.py",
