@@ -26,9 +26,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pydoc_data.topics import topics  # noqa: E402
+
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from pydoc_data.topics import topics  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from difftransformer.convert import convert, load_gguf  # noqa: E402

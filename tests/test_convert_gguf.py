@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from convert_scripts.convert import main
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.convert import ConversionError, convert
+from difftransformer.convert.cli import main
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"

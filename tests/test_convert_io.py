@@ -28,8 +28,9 @@ from transformers import (
 
 import difftransformer.convert as conv
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
-from convert_scripts.convert import build_parser, main
 from difftransformer.convert import ConversionError, convert
+from difftransformer.convert.cli import build_parser, main
+from difftransformer.convert.engine import is_lambda_vector
 from test_convert_gguf import write_tiny_gguf
 from test_convert_microsoft import ms_config, ms_state_dict, write_source
 from test_motif import motif_folder
@@ -294,8 +295,8 @@ def test_auto_dtype_follows_the_weights_not_the_float32_lambdas(tmp_path):
     """A Microsoft checkpoint has no dtype in its config: `--dtype auto` takes the dtype holding most weights, even when
     the (always float32) λ vectors come first; λ stays float32 in the output."""
     sd = ms_state_dict(1, 4, 2, seed=3)
-    sd = {k: v if conv._is_lambda_vector(k) else v.to(torch.bfloat16) for k, v in sd.items()}
-    sd = dict(sorted(sd.items(), key=lambda kv: not conv._is_lambda_vector(kv[0])))  # λ first
+    sd = {k: v if is_lambda_vector(k) else v.to(torch.bfloat16) for k, v in sd.items()}
+    sd = dict(sorted(sd.items(), key=lambda kv: not is_lambda_vector(kv[0])))  # λ first
     src = write_source(tmp_path / "ms", sd, ms_config(4, 2, module="MultiheadFlashDiff1"))
     convert("microsoft-v1", src, tmp_path / "out", progress=False)
     weights = load_file(tmp_path / "out" / "model.safetensors")

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from convert_scripts import convert as convert_cli
 from difftransformer import DiffTransformerForCausalLM, MotifConfig, MotifForCausalLM
+from difftransformer.convert import cli as convert_cli
 from difftransformer.motif import MotifQueryRows, motif_query_heads
 from motif_reference import motif_config, motif_forward, random_motif_checkpoint
 

@@ -36,8 +36,9 @@ How a conversion runs (its guarantees):
 Modules (one per source format over the shared engine): :mod:`.engine` (checkpoints, plans, index maps, checks,
 atomic writing), :mod:`.llama` (Llama-style → V2 / V1 ``pair`` / V1 ``duplicate`` and its calibration),
 :mod:`.gguf_source` (``.gguf`` input), :mod:`.diffllama`, :mod:`.microsoft`, :mod:`.motif`, :mod:`.ours`, :mod:`.gda`
-(GDA ↔ duplicated), and :mod:`.api`
-(:func:`convert`, :func:`build_plan`, :func:`verify_conversion`).
+(GDA ↔ duplicated plans), :mod:`.api` (:func:`convert`, :func:`build_plan`, :func:`verify_conversion`,
+:func:`gda_to_duplicated`, :func:`duplicated_to_gda`) and :mod:`.cli` (``difftransformer-convert``). Each imports only
+the ones before it in this list (the engine first, the command line last).
 
 Microsoft full-model state dicts: Microsoft released modules, not models, so the rest of the model is named as in
 Llama (``model.embed_tokens.weight``, ``model.layers.{l}.input_layernorm.weight``, ...), the attention module at
@@ -48,7 +49,16 @@ Llama (``model.embed_tokens.weight``, ``model.layers.{l}.input_layernorm.weight`
 layer index.
 """
 
-from .api import SOURCES, TARGETS, ConversionResult, build_plan, convert, verify_conversion
+from .api import (
+    SOURCES,
+    TARGETS,
+    ConversionResult,
+    build_plan,
+    convert,
+    duplicated_to_gda,
+    gda_to_duplicated,
+    verify_conversion,
+)
 from .diffllama import config_from_diffllama, diffllama_config_from, plan_from_diffllama, to_diffllama
 from .engine import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -59,17 +69,17 @@ from .engine import (
     ConversionError,
     Plan,
     Step,
-    _is_lambda_vector,
     check_source,
     expand_heads,
     interleaved_to_rotate_half,
     invert,
+    is_lambda_vector,
     v1_kv_heads_from,
     v1_query_heads_from,
     verify_prompt,
     write_plan,
 )
-from .gda import duplicated_to_gda, gda_query_heads, gda_to_duplicated, to_duplicated, to_gda
+from .gda import gda_query_heads, to_duplicated, to_gda
 from .gguf_source import GGUF_ARCHITECTURES, load_gguf, read_gguf_header
 from .llama import (
     LLAMA_STYLE_MODEL_TYPES,
@@ -82,18 +92,28 @@ from .llama import (
     resolve_v1_init,
     v1_output_scales,
 )
-from .microsoft import MICROSOFT_CONFIG_FIELDS, MICROSOFT_V1_MODULES, config_from_microsoft, load_key_map, plan_from_microsoft, rename_checkpoint
+from .microsoft import (
+    MICROSOFT_CONFIG_FIELDS,
+    MICROSOFT_V1_MODULES,
+    config_from_microsoft,
+    load_key_map,
+    plan_from_microsoft,
+    rename_checkpoint,
+)
 from .motif import config_from_motif, plan_from_motif
 from .ours import plan_from_difftransformer
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "DTYPES",
+    "GENERATION_CONFIG_FILE",
     "GGUF_ARCHITECTURES",
     "LLAMA_STYLE_MODEL_TYPES",
+    "MICROSOFT_CONFIG_FIELDS",
     "MICROSOFT_V1_MODULES",
     "SOURCES",
     "TARGETS",
+    "TOKENIZER_FILES",
     "V1_CALIBRATIONS",
     "V1_INITS",
     "Checkpoint",
@@ -112,12 +132,29 @@ __all__ = [
     "convert",
     "diffllama_config_from",
     "duplicated_to_gda",
+    "expand_heads",
     "gda_query_heads",
     "gda_to_duplicated",
     "interleaved_to_rotate_half",
+    "invert",
+    "is_lambda_vector",
     "load_gguf",
     "load_key_map",
+    "plan_from_diffllama",
+    "plan_from_difftransformer",
+    "plan_from_llama",
+    "plan_from_microsoft",
     "plan_from_motif",
+    "read_gguf_header",
+    "rename_checkpoint",
+    "resolve_v1_init",
+    "to_diffllama",
+    "to_duplicated",
+    "to_gda",
+    "v1_kv_heads_from",
+    "v1_output_scales",
+    "v1_query_heads_from",
     "verify_conversion",
     "verify_prompt",
+    "write_plan",
 ]

@@ -1,4 +1,5 @@
-"""The entry points: :func:`build_plan`, :func:`convert` and :func:`verify_conversion`."""
+"""The entry points: :func:`build_plan`, :func:`convert`, :func:`verify_conversion`, and GDA ↔ duplicated for models in
+memory or folders (:func:`gda_to_duplicated`, :func:`duplicated_to_gda`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
+from ..configuration_difftransformer import DiffTransformerConfig
+from ..modeling_difftransformer import DiffTransformerForCausalLM
 from .diffllama import plan_from_diffllama, to_diffllama
 from .engine import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -23,18 +26,20 @@ from .engine import (
     Checkpoint,
     ConversionError,
     Plan,
-    _copy_side_files,
-    _install,
-    _prepare_output,
-    _resolve_dtype,
-    _write_config,
+    Step,
     check_source,
+    copy_side_files,
+    expand_heads,
+    install_folder,
     one_line,
+    prepare_output,
     read_json_file,
+    resolve_dtype,
     verify_prompt,
+    write_config,
     write_plan,
 )
-from .gda import to_duplicated, to_gda
+from .gda import QUERY_PROJ, duplicated_config, gda_query_heads, to_duplicated, to_gda
 from .gguf_source import is_gguf_path, load_gguf
 from .llama import (
     LLAMA_STYLE_MODEL_TYPES,
@@ -46,7 +51,7 @@ from .llama import (
     describe_output_rms,
     plan_from_llama,
 )
-from .microsoft import _microsoft_subln_affine, load_key_map, plan_from_microsoft, rename_checkpoint
+from .microsoft import load_key_map, microsoft_subln_affine, plan_from_microsoft, rename_checkpoint
 from .motif import check_motif_fields, plan_from_motif
 from .ours import plan_from_difftransformer
 
@@ -293,7 +298,7 @@ def convert(
             f"--input {str(in_path)!r} is a GGUF file: GGUF files convert with --from llama (Llama-family models), not --from {source}."
         )
     _check_v1_options(source, diff_version, v1_init, v1_calibration, v1_subln_eps)
-    _prepare_output(output, [in_path] if in_path is not None else [], overwrite)
+    prepare_output(output, [in_path] if in_path is not None else [], overwrite)
 
     notes: list[str] = []
     generation_config = getattr(model, "generation_config", None) if model is not None else None
@@ -334,7 +339,7 @@ def convert(
         subln_affine = True
         if source.startswith("microsoft"):
             ckpt = rename_checkpoint(ckpt, load_key_map(key_map))
-            subln_affine = _microsoft_subln_affine(ckpt)
+            subln_affine = microsoft_subln_affine(ckpt)
         elif key_map is not None:
             raise ConversionError("--key-map applies to Microsoft sources only.")
         plan_args = (source, target, src_config, diff_version, microsoft_module, subln_affine, seed)
@@ -342,7 +347,7 @@ def convert(
         with _config_errors(config_where):
             plan = build_plan(*plan_args, v1_init=v1_init, v1_subln_eps=v1_subln_eps, **layout)
         check_source(plan, ckpt, source)
-        out_dtype = _resolve_dtype(dtype, plan, ckpt)
+        out_dtype = resolve_dtype(dtype, plan, ckpt)
         method = plan.info.get("v1_init")
         if method == "pair" and not (isinstance(v1_calibration, str) and v1_calibration == "auto"):
             raise ConversionError("--v1-calibration applies to --v1-init duplicate only; this conversion pairs heads (--v1-init pair).")
@@ -361,9 +366,9 @@ def convert(
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.converting-", dir=output.parent))
         try:
             write_plan(plan, ckpt, tmp, out_dtype, max_shard_size, progress)
-            _write_config(plan.config, tmp, out_dtype)
-            copied = _copy_side_files([in_folder] if in_folder is not None else [], tmp, generation_config, tokenizer)
-            _install(tmp, output)
+            write_config(plan.config, tmp, out_dtype)
+            copied = copy_side_files([in_folder] if in_folder is not None else [], tmp, generation_config, tokenizer)
+            install_folder(tmp, output)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -407,3 +412,50 @@ def verify_conversion(source: str, input, output: str | os.PathLike) -> float | 
     diff = (ref_logits - new_logits).abs().max().item()
     print(f"verify: max |logit difference| between source and result on a {ids.shape[1]}-token prompt: {diff:.3e}")
     return diff
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GDA <-> duplicated, for a model in memory or a folder
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _model_like(model, config: DiffTransformerConfig, state: dict) -> DiffTransformerForCausalLM:
+    """A new model of ``config`` holding ``state``, every tensor in the dtype and on the device it has in ``state`` (V1's
+    λ vectors stay float32 in a bf16 model), with ``model``'s generation config, attention implementation and mode."""
+    result = DiffTransformerForCausalLM(config)
+    for name, param in result.named_parameters():
+        param.data = param.data.to(dtype=state[name].dtype, device=state[name].device)
+    result.load_state_dict(state, strict=True)
+    result.generation_config = model.generation_config
+    result.set_attn_implementation(model.config._attn_implementation)
+    return result.to(model.device).train(model.training)
+
+
+def gda_to_duplicated(model_or_folder, output: str | os.PathLike | None = None, **convert_kwargs):
+    """A GDA model written as a plain (r = 1) DIFF model, with every noise head's query rows duplicated (exact).
+
+    ``model_or_folder``: a ``DiffTransformerForCausalLM`` in memory (returns the new model, or writes it to ``output``
+    when given) or a folder (``output`` required; :func:`~difftransformer.convert.convert` with ``target="duplicated"``,
+    which takes ``convert_kwargs``)."""
+    if isinstance(model_or_folder, (str, os.PathLike)) or output is not None:
+        if output is None:
+            raise ConversionError("gda_to_duplicated(folder) needs output=: the folder to write.")
+        return convert("difftransformer", model_or_folder, output, target="duplicated", **convert_kwargs)
+    config = model_or_folder.config
+    to_duplicated(Plan({}, {}, [], config, {}))  # the same checks as the folder path
+    rows = expand_heads(gda_query_heads(config), config.head_dim)
+    state = {k: v.index_select(0, rows.to(v.device)) if QUERY_PROJ.search(k) else v for k, v in model_or_folder.state_dict().items()}
+    return _model_like(model_or_folder, duplicated_config(config), state)
+
+
+def duplicated_to_gda(model_or_folder, num_noise_heads: int, output: str | os.PathLike | None = None, **convert_kwargs):
+    """The inverse of :func:`gda_to_duplicated`: a plain model whose noise query rows come in ``r`` identical copies per
+    noise head, written with ``num_noise_heads`` noise heads (refused, naming the heads, when the copies differ)."""
+    if isinstance(model_or_folder, (str, os.PathLike)) or output is not None:
+        if output is None:
+            raise ConversionError("duplicated_to_gda(folder) needs output=: the folder to write.")
+        return convert("difftransformer", model_or_folder, output, target="gda", num_noise_heads=num_noise_heads, **convert_kwargs)
+    plan = to_gda(Plan({}, {}, [Step(k, (k,), lambda get, k=k: get(k)) for k in model_or_folder.state_dict()],
+                       model_or_folder.config, {}), num_noise_heads)
+    state = model_or_folder.state_dict()
+    return _model_like(model_or_folder, plan.config, {s.target: s.fn(state.__getitem__) for s in plan.steps})  # checks every copy

@@ -19,15 +19,15 @@ from .engine import (
     ConversionError,
     Plan,
     Step,
-    _common_steps,
-    _copy,
-    _layer_prefix,
-    _meta_shapes,
-    _rows,
-    _shared_fields,
-    _tied_optional,
+    attention_prefix,
+    common_steps,
+    copy_of,
     expand_heads,
     invert,
+    meta_shapes,
+    rows_of,
+    shared_fields,
+    tied_lm_head_shapes,
     v1_kv_heads_from,
     v1_query_heads_from,
 )
@@ -38,7 +38,7 @@ def config_from_diffllama(src: DiffLlamaConfig) -> DiffTransformerConfig:
     if src.attention_dropout not in (None, 0, 0.0):
         raise ConversionError(f"DiffLlama attention_dropout={src.attention_dropout}: the Differential Transformer defines none; expected 0.")
     return DiffTransformerConfig(
-        **_shared_fields(src),
+        **shared_fields(src),
         num_attention_heads=src.num_attention_heads,
         num_key_value_heads=src.num_key_value_heads,
         head_dim=src.head_dim,
@@ -52,24 +52,24 @@ def config_from_diffllama(src: DiffLlamaConfig) -> DiffTransformerConfig:
 
 def plan_from_diffllama(src: DiffLlamaConfig) -> Plan:
     config = config_from_diffllama(src)
-    source_shapes = _meta_shapes(DiffLlamaForCausalLM, src)
-    target_shapes = _meta_shapes(DiffTransformerForCausalLM, config)
+    source_shapes = meta_shapes(DiffLlamaForCausalLM, src)
+    target_shapes = meta_shapes(DiffTransformerForCausalLM, config)
     d, G = config.head_dim, config.num_kv_groups
     n = config.num_diff_heads // G
     q_rows = expand_heads(v1_query_heads_from("diffllama", G, n), d)
     kv_rows = expand_heads(v1_kv_heads_from("diffllama", G), d)
-    steps = _common_steps(target_shapes)
+    steps = common_steps(target_shapes)
     for layer in range(config.num_hidden_layers):
-        p = _layer_prefix(layer)
+        p = attention_prefix(layer)
         for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
             for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-                steps.append(Step(f"{p}{proj}.{kind}", (f"{p}{proj}.{kind}",), _rows(f"{p}{proj}.{kind}", rows)))
+                steps.append(Step(f"{p}{proj}.{kind}", (f"{p}{proj}.{kind}",), rows_of(f"{p}{proj}.{kind}", rows)))
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-            steps.append(Step(f"{p}o_proj.{kind}", (f"{p}o_proj.{kind}",), _copy(f"{p}o_proj.{kind}")))
+            steps.append(Step(f"{p}o_proj.{kind}", (f"{p}o_proj.{kind}",), copy_of(f"{p}o_proj.{kind}")))
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            steps.append(Step(p + name, (p + name,), _copy(p + name), keep_float32=True))
+            steps.append(Step(p + name, (p + name,), copy_of(p + name), keep_float32=True))
         steps.append(Step(p + "subln.weight", (), lambda get: torch.ones(2 * d)))
-    return Plan(source_shapes, _tied_optional(config, config.hidden_size), steps, config, target_shapes)
+    return Plan(source_shapes, tied_lm_head_shapes(config, config.hidden_size), steps, config, target_shapes)
 
 
 def diffllama_config_from(config: DiffTransformerConfig) -> DiffLlamaConfig:
@@ -92,7 +92,7 @@ def diffllama_config_from(config: DiffTransformerConfig) -> DiffLlamaConfig:
             f"--to diffllama: DiffLlama's per-head norm uses rms_norm_eps ({config.rms_norm_eps}), this model's uses "
             f"subln_eps ({config.subln_eps}); folding subln into o_proj is exact only when they are equal (docs/convert.md)."
         )
-    fields = _shared_fields(config)
+    fields = shared_fields(config)
     return DiffLlamaConfig(
         **fields,
         num_attention_heads=config.num_attention_heads,
@@ -108,7 +108,7 @@ def to_diffllama(plan: Plan) -> Plan:
     """Compose a plan producing our V1 format with the map ours → DiffLlama (inverse row order, subln folded)."""
     config = plan.config
     dl_config = diffllama_config_from(config)
-    target_shapes = _meta_shapes(DiffLlamaForCausalLM, dl_config)
+    target_shapes = meta_shapes(DiffLlamaForCausalLM, dl_config)
     ours = {s.target: s for s in plan.steps}
     d, G = config.head_dim, config.num_kv_groups
     n = config.num_diff_heads // G

@@ -51,7 +51,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # Old Llama checkpoints store the (deterministic, recomputed) rotary buffer; transformers ignores it on load.
-_DROPPABLE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+DROPPABLE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 class ConversionError(ValueError):
@@ -93,6 +93,10 @@ class Checkpoint:
 
     def close(self):
         self._stack.close()
+
+    def on_close(self, callback: Callable[[], object]) -> None:
+        """Run ``callback`` when this checkpoint is closed (e.g. close the checkpoint a renamed view reads)."""
+        self._stack.callback(callback)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor]) -> Checkpoint:
@@ -264,15 +268,17 @@ class Plan:
     info: dict = field(default_factory=dict)  # facts about how the plan was made (e.g. {"v1_init": "duplicate"})
 
 
-def _copy(key: str) -> Callable[[Getter], torch.Tensor]:
+def copy_of(key: str) -> Callable[[Getter], torch.Tensor]:
+    """A step function that takes the source tensor ``key`` as it is."""
     return lambda get: get(key)
 
 
-def _rows(key: str, rows: torch.Tensor) -> Callable[[Getter], torch.Tensor]:
+def rows_of(key: str, rows: torch.Tensor) -> Callable[[Getter], torch.Tensor]:
+    """A step function that takes the rows ``rows`` (an index map) of the source tensor ``key``."""
     return lambda get: get(key).index_select(0, rows)
 
 
-def _meta_shapes(model_cls, config) -> dict[str, tuple]:
+def meta_shapes(model_cls, config) -> dict[str, tuple]:
     """The state-dict keys and shapes a model class has for ``config``, without allocating weights."""
     with torch.device("meta"):
         model = model_cls(config) if model_cls is not AutoModelForCausalLM else AutoModelForCausalLM.from_config(config)
@@ -282,24 +288,27 @@ def _meta_shapes(model_cls, config) -> dict[str, tuple]:
     return shapes
 
 
-def _is_lambda_vector(key: str) -> bool:
+def is_lambda_vector(key: str) -> bool:
+    """Whether ``key`` is one of V1's λ vectors (``lambda_q1`` ... ``lambda_k2``), which stay float32."""
     return re.search(r"\.lambda_[qk][12]$", key) is not None
 
 
-def _layer_prefix(layer: int) -> str:
+def attention_prefix(layer: int) -> str:
+    """The state-dict prefix of layer ``layer``'s attention module."""
     return f"model.layers.{layer}.self_attn."
 
 
-def _common_steps(target_shapes: dict[str, tuple]) -> list[Step]:
+def common_steps(target_shapes: dict[str, tuple]) -> list[Step]:
     """Everything outside attention keeps its Llama name and value."""
-    return [Step(k, (k,), _copy(k)) for k in target_shapes if ".self_attn." not in k]
+    return [Step(k, (k,), copy_of(k)) for k in target_shapes if ".self_attn." not in k]
 
 
-def _tied_optional(config, hidden: int) -> dict[str, tuple]:
+def tied_lm_head_shapes(config, hidden: int) -> dict[str, tuple]:
+    """The optional source tensors of a tied model: an ``lm_head.weight`` a checkpoint may hold and the result drops."""
     return {"lm_head.weight": (config.vocab_size, hidden)} if config.tie_word_embeddings else {}
 
 
-def _shared_fields(src) -> dict:
+def shared_fields(src) -> dict:
     """Fields with the same meaning in Llama-style configs and ours."""
     fields = {}
     for name in (
@@ -366,7 +375,8 @@ def check_source(plan: Plan, ckpt: Checkpoint, source_name: str) -> None:
         raise ConversionError("internal: the conversion plan and the target model's keys differ")
 
 
-def _resolve_dtype(dtype, plan: Plan, ckpt: Checkpoint) -> torch.dtype:
+def resolve_dtype(dtype, plan: Plan, ckpt: Checkpoint) -> torch.dtype:
+    """The dtype ``--dtype`` names; for ``auto`` the config's, else the dtype holding most of the weights."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -379,7 +389,7 @@ def _resolve_dtype(dtype, plan: Plan, ckpt: Checkpoint) -> torch.dtype:
         # in every format and never decide it.
         counts: dict[torch.dtype, int] = {}
         for key, t in ckpt.dtypes.items():
-            if t is not None and t.is_floating_point and not _is_lambda_vector(key):
+            if t is not None and t.is_floating_point and not is_lambda_vector(key):
                 counts[t] = counts.get(t, 0) + math.prod(ckpt.shapes[key])
         return max(counts, key=counts.get) if counts else torch.float32
     if dtype not in DTYPES:
@@ -387,7 +397,8 @@ def _resolve_dtype(dtype, plan: Plan, ckpt: Checkpoint) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _prepare_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
+def prepare_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
+    """Refuse an output that is or holds an input, is not a folder, or is not empty without ``overwrite``."""
     out = output.resolve()
     for inp in inputs:
         inp = inp.resolve()
@@ -416,7 +427,7 @@ def _default_permissions(folder: Path) -> None:
             os.chmod(path, 0o666 & ~umask)
 
 
-def _install(tmp: Path, output: Path) -> None:
+def install_folder(tmp: Path, output: Path) -> None:
     """Move the finished temporary folder into place; an existing output is replaced only now."""
     _default_permissions(tmp)
     backup = None
@@ -466,7 +477,8 @@ def write_plan(
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _write_config(config: PreTrainedConfig, folder: Path, dtype: torch.dtype) -> None:
+def write_config(config: PreTrainedConfig, folder: Path, dtype: torch.dtype) -> None:
+    """Save the result's config (and, for our format, the source files and ``auto_map`` of remote code)."""
     config.dtype = dtype
     if isinstance(config, DiffTransformerConfig):
         config.architectures = ["DiffTransformerForCausalLM"]
@@ -484,7 +496,7 @@ def _write_config(config: PreTrainedConfig, folder: Path, dtype: torch.dtype) ->
     config.save_pretrained(folder)
 
 
-def _copy_side_files(inputs: list[Path], folder: Path, generation_config=None, tokenizer=None) -> list[str]:
+def copy_side_files(inputs: list[Path], folder: Path, generation_config=None, tokenizer=None) -> list[str]:
     """Tokenizer files and generation_config.json: copied from input folders, else saved from the objects given."""
     copied = []
     for inp in inputs:

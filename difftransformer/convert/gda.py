@@ -8,6 +8,10 @@ knows only plain V1/V2 models can run it, at the cost of r − 1 extra query row
 (``duplicated_to_gda``) keeps one copy of each noise head's rows and refuses a model whose copies differ (then it is
 not a duplicated GDA model). Keys, values, ``o_proj``, λ and everything else are unchanged in both directions.
 
+This module holds the plan transforms (``--to duplicated`` / ``--to gda``); :func:`~difftransformer.convert.api.
+gda_to_duplicated` and :func:`~difftransformer.convert.api.duplicated_to_gda` apply them to a model in memory or a
+folder.
+
 Row orders (docs/model.md): V1 GDA has, per KV group g, its n signal rows then its m = n / r noise rows; V1 plain has
 ``(g, c, j)``: the group's n signal rows, then n noise rows, noise row j of the group pairing with signal j. V2 GDA has
 ``[signal × r, noise]`` per noise head; V2 plain has adjacent pairs ``(2h, 2h + 1)``.
@@ -15,14 +19,13 @@ Row orders (docs/model.md): V1 GDA has, per KV group g, its n signal rows then i
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 from ..configuration_difftransformer import DiffTransformerConfig
 from ..modeling_difftransformer import DiffTransformerForCausalLM
-from .engine import ConversionError, Plan, Step, _meta_shapes, expand_heads
+from .engine import ConversionError, Plan, Step, expand_heads, meta_shapes
 
 
 def gda_query_heads(config: DiffTransformerConfig) -> torch.Tensor:
@@ -71,7 +74,8 @@ def grouped_config(config: DiffTransformerConfig, num_noise_heads: int) -> DiffT
         raise ConversionError(f"--num-noise-heads {num_noise_heads}: {' '.join(str(err).split())}") from None
 
 
-_QUERY = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
+# The query projection of every layer (the tensors GDA and its duplicated form differ in).
+QUERY_PROJ = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
 
 
 def to_duplicated(plan: Plan) -> Plan:
@@ -86,11 +90,11 @@ def to_duplicated(plan: Plan) -> Plan:
     rows = expand_heads(gda_query_heads(config), config.head_dim)
     steps = []
     for step in plan.steps:
-        if _QUERY.search(step.target):
+        if QUERY_PROJ.search(step.target):
             steps.append(Step(step.target, step.sources, lambda get, s=step: s.fn(get).index_select(0, rows), step.keep_float32))
         else:
             steps.append(step)
-    target_shapes = _meta_shapes(DiffTransformerForCausalLM, new_config)
+    target_shapes = meta_shapes(DiffTransformerForCausalLM, new_config)
     notes = list(plan.notes) + [
         f"Written as a plain DIFF V{config.diff_version} model: each of the {config.noise_heads} noise heads' query rows "
         f"duplicated {config.noise_ratio} times (num_attention_heads {config.num_attention_heads} -> "
@@ -123,9 +127,9 @@ def to_gda(plan: Plan, num_noise_heads: int) -> Plan:
             )
         return kept
 
-    steps = [Step(s.target, s.sources, lambda get, s=s: deduplicate(get, s), s.keep_float32) if _QUERY.search(s.target) else s
+    steps = [Step(s.target, s.sources, lambda get, s=s: deduplicate(get, s), s.keep_float32) if QUERY_PROJ.search(s.target) else s
              for s in plan.steps]
-    target_shapes = _meta_shapes(DiffTransformerForCausalLM, new_config)
+    target_shapes = meta_shapes(DiffTransformerForCausalLM, new_config)
     notes = list(plan.notes) + [
         f"Written as grouped differential attention: num_noise_heads={num_noise_heads}, r = {new_config.noise_ratio} "
         f"(num_attention_heads {config.num_attention_heads} -> {new_config.num_attention_heads}); same function."
@@ -133,50 +137,4 @@ def to_gda(plan: Plan, num_noise_heads: int) -> Plan:
     return Plan(plan.source_shapes, plan.optional_sources, steps, new_config, target_shapes, plan.exact, notes, dict(plan.info))
 
 
-def _model_like(model, config: DiffTransformerConfig, state: dict) -> DiffTransformerForCausalLM:
-    """A new model of ``config`` holding ``state``, every tensor in the dtype and on the device it has in ``state`` (V1's
-    λ vectors stay float32 in a bf16 model), with ``model``'s generation config, attention implementation and mode."""
-    result = DiffTransformerForCausalLM(config)
-    for name, param in result.named_parameters():
-        param.data = param.data.to(dtype=state[name].dtype, device=state[name].device)
-    result.load_state_dict(state, strict=True)
-    result.generation_config = model.generation_config
-    result.set_attn_implementation(model.config._attn_implementation)
-    return result.to(model.device).train(model.training)
-
-
-def gda_to_duplicated(model_or_folder, output: str | os.PathLike | None = None, **convert_kwargs):
-    """A GDA model written as a plain (r = 1) DIFF model, with every noise head's query rows duplicated (exact).
-
-    ``model_or_folder``: a ``DiffTransformerForCausalLM`` in memory (returns the new model, or writes it to ``output``
-    when given) or a folder (``output`` required; :func:`~difftransformer.convert.convert` with ``target="duplicated"``,
-    which takes ``convert_kwargs``)."""
-    if isinstance(model_or_folder, (str, os.PathLike)) or output is not None:
-        if output is None:
-            raise ConversionError("gda_to_duplicated(folder) needs output=: the folder to write.")
-        from .api import convert
-
-        return convert("difftransformer", model_or_folder, output, target="duplicated", **convert_kwargs)
-    config = model_or_folder.config
-    to_duplicated(Plan({}, {}, [], config, {}))  # the same checks as the folder path
-    rows = expand_heads(gda_query_heads(config), config.head_dim)
-    state = {k: v.index_select(0, rows.to(v.device)) if _QUERY.search(k) else v for k, v in model_or_folder.state_dict().items()}
-    return _model_like(model_or_folder, duplicated_config(config), state)
-
-
-def duplicated_to_gda(model_or_folder, num_noise_heads: int, output: str | os.PathLike | None = None, **convert_kwargs):
-    """The inverse of :func:`gda_to_duplicated`: a plain model whose noise query rows come in ``r`` identical copies per
-    noise head, written with ``num_noise_heads`` noise heads (refused, naming the heads, when the copies differ)."""
-    if isinstance(model_or_folder, (str, os.PathLike)) or output is not None:
-        if output is None:
-            raise ConversionError("duplicated_to_gda(folder) needs output=: the folder to write.")
-        from .api import convert
-
-        return convert("difftransformer", model_or_folder, output, target="gda", num_noise_heads=num_noise_heads, **convert_kwargs)
-    plan = to_gda(Plan({}, {}, [Step(k, (k,), lambda get, k=k: get(k)) for k in model_or_folder.state_dict()],
-                       model_or_folder.config, {}), num_noise_heads)
-    state = model_or_folder.state_dict()
-    return _model_like(model_or_folder, plan.config, {s.target: s.fn(state.__getitem__) for s in plan.steps})  # checks every copy
-
-
-__all__ = ["duplicated_config", "duplicated_to_gda", "gda_query_heads", "gda_to_duplicated", "grouped_config", "to_duplicated", "to_gda"]
+__all__ = ["duplicated_config", "gda_query_heads", "grouped_config", "to_duplicated", "to_gda"]

@@ -29,18 +29,18 @@ from transformers import AutoModelForCausalLM
 from ..configuration_difftransformer import POSITIVE_INT_FIELDS, DiffTransformerConfig
 from ..modeling_difftransformer import DiffTransformerForCausalLM, lambda_init_fn
 from .engine import (
-    _DROPPABLE_BUFFER,
+    DROPPABLE_BUFFER,
     ConversionError,
     Plan,
     Step,
-    _common_steps,
-    _copy,
-    _layer_prefix,
-    _meta_shapes,
-    _rows,
-    _shared_fields,
-    _tied_optional,
+    attention_prefix,
+    common_steps,
+    copy_of,
     expand_heads,
+    meta_shapes,
+    rows_of,
+    shared_fields,
+    tied_lm_head_shapes,
 )
 
 LLAMA_STYLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -135,7 +135,7 @@ def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | 
     # Qwen2 has q/k/v biases but no o_proj bias; our attention_bias covers all four, o_proj's is then zero.
     has_bias = any(k.endswith("self_attn.q_proj.bias") for k in source_shapes) if source_shapes else bool(getattr(src, "attention_bias", False))
     return DiffTransformerConfig(
-        **_shared_fields(src),
+        **shared_fields(src),
         num_attention_heads=hq if method == "pair" else 2 * hq,
         num_key_value_heads=2 * hkv if method == "duplicate" else hkv,
         head_dim=head_dim,
@@ -143,8 +143,9 @@ def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | 
         mlp_bias=bool(getattr(src, "mlp_bias", False)),
         diff_version=diff_version,
         # V1: by default the per-head norm gets the model's eps, so that the result can also be exported to DiffLlama
-        # exactly. A large eps makes the norm near-linear at the start (see docs/convert.md, "--v1-subln-eps").
-        subln_eps=src.rms_norm_eps if v1_subln_eps is None else v1_subln_eps,
+        # exactly. A large eps makes the norm near-linear at the start (see docs/convert.md, "--v1-subln-eps"). V2
+        # has no per-head norm: the field keeps its default there.
+        **({"subln_eps": src.rms_norm_eps if v1_subln_eps is None else v1_subln_eps} if diff_version == 1 else {}),
     )
 
 
@@ -196,10 +197,10 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
     :func:`calibrate_v1_output_scales`); ``None`` takes ``ρ = 1`` (uncalibrated).
     """
     check_source_fields(src)
-    source_shapes = {k: v for k, v in _meta_shapes(AutoModelForCausalLM, src).items()}
+    source_shapes = {k: v for k, v in meta_shapes(AutoModelForCausalLM, src).items()}
     config = config_from_llama(src, diff_version, source_shapes, v1_init, v1_subln_eps)
     method = resolve_v1_init(src, v1_init) if diff_version == 1 else None
-    target_shapes = _meta_shapes(DiffTransformerForCausalLM, config)
+    target_shapes = meta_shapes(DiffTransformerForCausalLM, config)
     hq, hkv, d = _head_counts(src)
     E = config.hidden_size
     if method == "duplicate":
@@ -209,19 +210,19 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
                 f"v1_output_rms must be a positive finite tensor of shape (num_hidden_layers, num_attention_heads) = "
                 f"{(config.num_hidden_layers, hq)}; got shape {tuple(rho.shape)}."
             )
-    steps = _common_steps(target_shapes)
+    steps = common_steps(target_shapes)
     src_bias = config.attention_bias
     src_o_bias = any(k.endswith("self_attn.o_proj.bias") for k in source_shapes)
     kinds = ("weight", "bias") if src_bias else ("weight",)
     scales = []
     for layer in range(config.num_hidden_layers):
-        p = _layer_prefix(layer)
+        p = attention_prefix(layer)
         kv_rows = None  # k and v copied unchanged
         if diff_version == 2:
             # Query head j → heads 2j, 2j+1; λ = sigmoid(0) = 0.5, so o_h = a_j − 0.5·a_j and o_proj doubles.
             q_rows = expand_heads(torch.arange(hq).repeat_interleave(2), d)
             for kind in kinds:
-                steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), _rows(f"{p}q_proj.{kind}", q_rows)))
+                steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), rows_of(f"{p}q_proj.{kind}", q_rows)))
             steps.append(Step(f"{p}o_proj.weight", (f"{p}o_proj.weight",), lambda get, k=f"{p}o_proj.weight": get(k) * 2))
             steps.append(Step(p + "lambda_proj.weight", (), lambda get: torch.zeros(config.num_diff_heads, E)))
         elif method == "pair":
@@ -231,7 +232,7 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
             n = config.num_diff_heads // G
             cols = expand_heads(_v1_output_blocks(G, n), d)
             for kind in kinds:
-                steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), _copy(f"{p}q_proj.{kind}")))
+                steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), copy_of(f"{p}q_proj.{kind}")))
             steps.append(Step(f"{p}o_proj.weight", (f"{p}o_proj.weight",), lambda get, k=f"{p}o_proj.weight", c=cols: get(k).index_select(1, c)))
             lambdas = _draw_lambdas(seed, layer, d, config.lambda_std)
             for name, value in lambdas.items():
@@ -242,7 +243,7 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
             q_rows = expand_heads(torch.tensor([g * n + r for g in range(hkv) for c in range(2) for r in range(n)]), d)
             kv_rows = expand_heads(torch.arange(hkv).repeat_interleave(2), d)
             for kind in kinds:
-                steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), _rows(f"{p}q_proj.{kind}", q_rows)))
+                steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), rows_of(f"{p}q_proj.{kind}", q_rows)))
             lambda_init = _layer_lambda_init(config, layer)
             lambdas = _draw_lambdas(seed, layer, d, config.lambda_std, lambda_init)
             scale = v1_output_scales(rho[layer], _lambda_of(lambdas, lambda_init), lambda_init, config.subln_eps)
@@ -254,15 +255,15 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
         for proj in ("k_proj", "v_proj"):
             for kind in kinds:
                 key = f"{p}{proj}.{kind}"
-                steps.append(Step(key, (key,), _copy(key) if kv_rows is None else _rows(key, kv_rows)))
+                steps.append(Step(key, (key,), copy_of(key) if kv_rows is None else rows_of(key, kv_rows)))
         if src_bias:
             if src_o_bias:
-                steps.append(Step(f"{p}o_proj.bias", (f"{p}o_proj.bias",), _copy(f"{p}o_proj.bias")))
+                steps.append(Step(f"{p}o_proj.bias", (f"{p}o_proj.bias",), copy_of(f"{p}o_proj.bias")))
             else:
                 steps.append(Step(f"{p}o_proj.bias", (), lambda get: torch.zeros(E)))
-    optional = _tied_optional(config, E)
+    optional = tied_lm_head_shapes(config, E)
     for key in list(source_shapes):
-        if _DROPPABLE_BUFFER.search(key):
+        if DROPPABLE_BUFFER.search(key):
             optional[key] = source_shapes.pop(key)
     plan = Plan(source_shapes, optional, steps, config, target_shapes, exact=diff_version == 2, notes=_llama_notes(src))
     if method is not None:

@@ -23,14 +23,14 @@ from .engine import (
     ConversionError,
     Plan,
     Step,
-    _common_steps,
-    _copy,
-    _layer_prefix,
-    _meta_shapes,
-    _rows,
-    _tied_optional,
+    attention_prefix,
+    common_steps,
+    copy_of,
     expand_heads,
     interleaved_to_rotate_half,
+    meta_shapes,
+    rows_of,
+    tied_lm_head_shapes,
     v1_query_heads_from,
 )
 
@@ -137,7 +137,7 @@ def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None
                 "heads, so both softmax maps of a differential head read the same key head instead of K1 and K2 "
                 "(docs/convert.md). They cannot be represented here; only n = 1 (MHA) checkpoints from that file convert."
             )
-    target_shapes = _meta_shapes(DiffTransformerForCausalLM, config)
+    target_shapes = meta_shapes(DiffTransformerForCausalLM, config)
     d, E = config.head_dim, config.hidden_size
     rope_rows = interleaved_to_rotate_half(d)
     # V1 query rows (g, r, c) → (g, c, r); V2 rows already pair adjacent heads. k and v keep their order. Every q
@@ -148,31 +148,31 @@ def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None
         q_rows, out_name = expand_heads(torch.arange(config.num_attention_heads), d, rope_rows), "o_proj"
     k_rows = expand_heads(torch.arange(config.num_key_value_heads), d, rope_rows)
     source_shapes = {k: v for k, v in target_shapes.items() if ".self_attn." not in k}
-    steps = _common_steps(target_shapes)
+    steps = common_steps(target_shapes)
     for layer in range(config.num_hidden_layers):
-        p = _layer_prefix(layer)
+        p = attention_prefix(layer)
         q_shape, kv_shape = target_shapes[p + "q_proj.weight"], target_shapes[p + "k_proj.weight"]
         source_shapes.update({p + "q_proj.weight": q_shape, p + "k_proj.weight": kv_shape, p + "v_proj.weight": kv_shape})
         source_shapes[f"{p}{out_name}.weight"] = target_shapes[p + "o_proj.weight"]
         steps += [
-            Step(p + "q_proj.weight", (p + "q_proj.weight",), _rows(p + "q_proj.weight", q_rows)),
-            Step(p + "k_proj.weight", (p + "k_proj.weight",), _rows(p + "k_proj.weight", k_rows)),
-            Step(p + "v_proj.weight", (p + "v_proj.weight",), _copy(p + "v_proj.weight")),
-            Step(p + "o_proj.weight", (f"{p}{out_name}.weight",), _copy(f"{p}{out_name}.weight")),
+            Step(p + "q_proj.weight", (p + "q_proj.weight",), rows_of(p + "q_proj.weight", q_rows)),
+            Step(p + "k_proj.weight", (p + "k_proj.weight",), rows_of(p + "k_proj.weight", k_rows)),
+            Step(p + "v_proj.weight", (p + "v_proj.weight",), copy_of(p + "v_proj.weight")),
+            Step(p + "o_proj.weight", (f"{p}{out_name}.weight",), copy_of(f"{p}{out_name}.weight")),
         ]
         if version == 1:
             for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 source_shapes[p + name] = (d,)
-                steps.append(Step(p + name, (p + name,), _copy(p + name), keep_float32=True))
+                steps.append(Step(p + name, (p + name,), copy_of(p + name), keep_float32=True))
             if subln_affine:
                 source_shapes[p + "subln.weight"] = (2 * d,)
-                steps.append(Step(p + "subln.weight", (p + "subln.weight",), _copy(p + "subln.weight")))
+                steps.append(Step(p + "subln.weight", (p + "subln.weight",), copy_of(p + "subln.weight")))
             else:  # early versions of the file used a weightless RMSNorm: weight = ones
                 steps.append(Step(p + "subln.weight", (), lambda get: torch.ones(2 * d)))
         else:
             source_shapes[p + "lambda_proj.weight"] = (config.num_diff_heads, E)
-            steps.append(Step(p + "lambda_proj.weight", (p + "lambda_proj.weight",), _copy(p + "lambda_proj.weight")))
-    return Plan(source_shapes, _tied_optional(config, E), steps, config, target_shapes)
+            steps.append(Step(p + "lambda_proj.weight", (p + "lambda_proj.weight",), copy_of(p + "lambda_proj.weight")))
+    return Plan(source_shapes, tied_lm_head_shapes(config, E), steps, config, target_shapes)
 
 
 # -- key maps (Microsoft full models) ------------------------------------------------------------------------------
@@ -224,11 +224,11 @@ def rename_checkpoint(ckpt: Checkpoint, rules: list[tuple[re.Pattern, str]]) -> 
             raise ConversionError(f"--key-map maps both {mapping[new]!r} and {key!r} to {new!r}.")
         mapping[new] = key
     renamed = Checkpoint({k: ckpt.shapes[v] for k, v in mapping.items()}, {k: ckpt.dtypes[v] for k, v in mapping.items()}, lambda k: ckpt.get(mapping[k]))
-    renamed._stack.callback(ckpt.close)
+    renamed.on_close(ckpt.close)
     return renamed
 
 
-def _microsoft_subln_affine(ckpt: Checkpoint) -> bool:
+def microsoft_subln_affine(ckpt: Checkpoint) -> bool:
     """True when the V1 modules carry ``subln.weight`` (current files); False when none do (the early weightless
     norm). A checkpoint where only some layers have it is left to ``check_source``, which names the missing ones."""
     return any(k.endswith(".subln.weight") for k in ckpt.shapes) or not any(k.endswith(".lambda_q1") for k in ckpt.shapes)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from ..configuration_difftransformer import DiffTransformerConfig
 from ..modeling_difftransformer import DiffTransformerForCausalLM
 from ..motif import motif_query_rows
-from .engine import Plan, Step, _copy, _is_lambda_vector, _meta_shapes, _rows, _shared_fields, _tied_optional
+from .engine import Plan, Step, copy_of, is_lambda_vector, meta_shapes, rows_of, shared_fields, tied_lm_head_shapes
 
 # Fields of a Motif config.json that hold counts and epsilons, checked before any config class divides by them.
 _POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -40,7 +40,7 @@ def check_motif_fields(raw: Mapping) -> None:
 def config_from_motif(src) -> DiffTransformerConfig:
     """A :class:`~difftransformer.motif.MotifConfig` → our config (``model_type "difftransformer"``), same function."""
     return DiffTransformerConfig(
-        **_shared_fields(src),
+        **shared_fields(src),
         num_attention_heads=src.num_attention_heads,
         num_key_value_heads=src.num_key_value_heads,
         head_dim=src.head_dim,
@@ -59,15 +59,15 @@ def plan_from_motif(src, query_rows_in_motif_order: bool = True) -> Plan:
     """Every tensor copied, ``q_proj`` rows reordered into ours. ``query_rows_in_motif_order=False`` for a
     ``MotifForCausalLM`` in memory, whose rows were already reordered when it was loaded."""
     config = config_from_motif(src)
-    shapes = _meta_shapes(DiffTransformerForCausalLM, config)
+    shapes = meta_shapes(DiffTransformerForCausalLM, config)
     rows = motif_query_rows(config) if query_rows_in_motif_order else None
     steps = []
     for key in shapes:
         if rows is not None and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            steps.append(Step(key, (key,), _rows(key, rows)))
+            steps.append(Step(key, (key,), rows_of(key, rows)))
         else:
-            steps.append(Step(key, (key,), _copy(key), keep_float32=_is_lambda_vector(key)))
-    optional = _tied_optional(config, config.hidden_size)
+            steps.append(Step(key, (key,), copy_of(key), keep_float32=is_lambda_vector(key)))
+    optional = tied_lm_head_shapes(config, config.hidden_size)
     half = config.head_dim // 2
     optional["model.rotary_emb.inv_freq"] = (half,)
     for layer in range(config.num_hidden_layers):
