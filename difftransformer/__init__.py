@@ -29,7 +29,7 @@ from .modeling_difftransformer import (
 )
 from .motif import MOTIF_MODEL_TYPE, MotifConfig, MotifForCausalLM, motif_weight_conversions
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _AUTO_CLASSES = {
     AutoModel: DiffTransformerModel,

@@ -11,8 +11,8 @@ set -euo pipefail
 exec 3>&1 1>&2
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-MIN=$(sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' setup.py)
-[ -n "$MIN" ] || { echo "setup_min.sh: no 'transformers>=X,' requirement in setup.py" >&2; exit 2; }
+MIN=$(sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+[ -n "$MIN" ] || { echo "setup_min.sh: no 'transformers>=X,' requirement in pyproject.toml" >&2; exit 2; }
 has_lowest() { "$1/bin/python" -c "import sys, transformers; sys.exit(not transformers.__version__.startswith('$MIN.'))" 2>/dev/null; }
 if [ -n "${1:-}" ] && has_lowest "$1"; then
     echo "ready (lowest supported): transformers $MIN.x is in $1"

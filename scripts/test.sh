@@ -78,6 +78,9 @@ t=$(date +%s)
 bash scripts/setup.sh
 phase setup "$t" "$(versions .venv)"
 
+# Lint: ruff with the rules of pyproject.toml ([tool.ruff]); seconds.
+.venv/bin/ruff check .
+
 # 1. pinned: the whole suite. Two workers (pytest-xdist), each test file whole on one worker (module fixtures once),
 #    the slowest files first (tests/conftest.py, SLOWEST_FIRST).
 t=$(date +%s)

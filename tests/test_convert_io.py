@@ -278,7 +278,7 @@ def test_cli_help_explains_every_option():
 
 
 def test_installed_console_command_converts_with_a_progress_bar(tmp_path, llama_dir):
-    """`difftransformer-convert` (setup.py's console script) runs the same CLI; tqdm reports progress over tensors."""
+    """`difftransformer-convert` (pyproject.toml's console script) runs the same CLI; tqdm reports progress over tensors."""
     command = Path(sys.executable).parent / "difftransformer-convert"
     if not command.exists():
         pytest.skip(f"difftransformer-convert is not installed beside {sys.executable} (package not pip-installed)")

@@ -1,11 +1,17 @@
-"""The declared version ranges are true: every lower bound in setup.py is a version CI installs, and the README's
-"Tested versions" line names exactly what the CI scripts install (scripts/setup.sh: requirements-dev.txt;
-scripts/setup_min.sh: setup.py's lowest transformers; scripts/setup_latest.sh: the newest releases, resolved per run)."""
+"""The declared version ranges are true: every lower bound in pyproject.toml is a version CI installs, and the
+README's "Tested versions" line names exactly what the CI scripts install (scripts/setup.sh: requirements-dev.txt;
+scripts/setup_min.sh: pyproject.toml's lowest transformers; scripts/setup_latest.sh: the newest releases, resolved
+per run)."""
 
 import re
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml needs tomllib (Python 3.11) or tomli")
 
 REPO = Path(__file__).resolve().parents[1]
 BOUNDED = ("torch", "transformers", "peft", "accelerate", "safetensors", "tokenizers")
@@ -26,19 +32,32 @@ def pins() -> dict[str, str]:
     return _newest_versions().pinned()
 
 
+def requirements() -> list[str]:
+    """Every requirement pyproject.toml declares: the dependencies and every extra's."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+
+
 def lower_bounds() -> dict[str, list[str]]:
-    """Every `name>=X` in setup.py (install_requires and extras), by package."""
+    """Every `name>=X` in pyproject.toml (dependencies and extras), by package."""
     bounds: dict[str, list[str]] = {}
-    for name, version in re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)', (REPO / "setup.py").read_text()):
-        bounds.setdefault(name.lower(), []).append(version)
+    for requirement in requirements():
+        match = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9.]*)", requirement)
+        if match:
+            bounds.setdefault(match[1].lower(), []).append(match[2])
     return bounds
 
 
 def lowest_transformers() -> str:
-    """What scripts/setup_min.sh installs: the X.Y of setup.py's `transformers>=X.Y,` (any X.Y.* release)."""
+    """What scripts/setup_min.sh installs: the X.Y of pyproject.toml's `transformers>=X.Y,` (any X.Y.* release), read
+    with the script's own sed expression."""
     script = (REPO / "scripts" / "setup_min.sh").read_text()
-    assert 'MIN=$(sed -n \'s/.*"transformers>=\\([0-9.]*\\),.*/\\1/p\' setup.py)' in script, "setup_min.sh reads setup.py"
-    return lower_bounds()["transformers"][0]
+    command = 'MIN=$(sed -n \'s/.*"transformers>=\\([0-9.]*\\),.*/\\1/p\' pyproject.toml)'
+    assert command in script, "setup_min.sh reads pyproject.toml"
+    lines = [line for line in (REPO / "pyproject.toml").read_text().splitlines() if re.match(r'.*"transformers>=([0-9.]*),', line)]
+    found = {re.match(r'.*"transformers>=([0-9.]*),', line)[1] for line in lines}
+    assert found == set(lower_bounds()["transformers"]) and len(found) == 1, (found, lower_bounds()["transformers"])
+    return found.pop()
 
 
 def same_release(bound: str, installed: str) -> bool:
@@ -54,11 +73,11 @@ def same_release(bound: str, installed: str) -> bool:
 @pytest.mark.parametrize("package", BOUNDED)
 def test_every_lower_bound_is_a_version_ci_runs(package):
     bounds = lower_bounds().get(package)
-    assert bounds, f"setup.py declares no lower bound for {package}"
+    assert bounds, f"pyproject.toml declares no lower bound for {package}"
     ci_runs = {pins()[package]} | ({lowest_transformers()} if package == "transformers" else set())
     for bound in bounds:
         assert any(same_release(bound, version) for version in ci_runs), (
-            f"setup.py: {package}>={bound}, but CI installs {sorted(ci_runs)} (raise the bound or test that version)"
+            f"pyproject.toml: {package}>={bound}, but CI installs {sorted(ci_runs)} (raise the bound or test that version)"
         )
 
 

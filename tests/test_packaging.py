@@ -1,0 +1,89 @@
+"""What ``pip install`` puts on a user's machine: the wheel built from pyproject.toml holds the package and nothing
+else (not convert_scripts/, benchmarks/ or tests/), its version is ``difftransformer.__version__``, it carries the MIT
+license, and every console script and plugin entry point names a function that exists. The changelog has a section
+for the version."""
+
+import configparser
+import email
+import importlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import difftransformer
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml needs tomllib (Python 3.11) or tomli")
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = {
+    ("console_scripts", "difftransformer-convert"): "difftransformer.convert.cli:main",
+    ("console_scripts", "difftransformer-update-code"): "difftransformer.hub:main_update_code",
+    ("vllm.general_plugins", "difftransformer"): "difftransformer.vllm_plugin:register",
+}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """The wheel setuptools builds from a copy of the files a source distribution holds (the checkout stays clean)."""
+    pytest.importorskip("setuptools", minversion="77", reason="pyproject.toml's build backend needs setuptools >= 77")
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        (src / name).write_bytes((REPO / name).read_bytes())
+    for name in ("difftransformer", "convert_scripts", "benchmarks", "tests"):  # only the first may end up in the wheel
+        subprocess.run(["cp", "-r", str(REPO / name), str(src / name)], check=True)
+    out = src / "dist"
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    proc = subprocess.run([sys.executable, "-c", build, str(out)], cwd=src, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with zipfile.ZipFile(out / proc.stdout.strip().splitlines()[-1]) as archive:
+        yield archive
+
+
+def test_wheel_holds_only_the_package(wheel):
+    dist_info = f"difftransformer-{difftransformer.__version__}.dist-info/"
+    outside = sorted({name.split("/")[0] for name in wheel.namelist()} - {"difftransformer", dist_info.rstrip("/")})
+    assert not outside, outside
+    modules = {name for name in wheel.namelist() if name.endswith(".py")}
+    assert {"difftransformer/__init__.py", "difftransformer/convert/cli.py", "difftransformer/upcycle/job.py"} <= modules
+    packages = {p.relative_to(REPO).as_posix() + "/__init__.py" for p in (REPO / "difftransformer").rglob("*")
+                if p.is_dir() and (p / "__init__.py").is_file()}
+    assert packages <= modules, packages - modules  # every subpackage of the checkout is installed
+
+
+def test_wheel_metadata_version_license_and_dependencies(wheel):
+    dist_info = f"difftransformer-{difftransformer.__version__}.dist-info/"
+    metadata = email.message_from_string(wheel.read(dist_info + "METADATA").decode("utf-8"))
+    assert metadata["Name"] == "difftransformer" and metadata["Version"] == difftransformer.__version__
+    assert metadata["License-Expression"] == "MIT"
+    assert wheel.read(dist_info + "licenses/LICENSE") == (REPO / "LICENSE").read_bytes()
+    assert "MIT License" in (REPO / "LICENSE").read_text()
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    installed = [r for r in metadata.get_all("Requires-Dist") if "extra ==" not in r]
+    assert {str(Requirement(r)) for r in installed} == {str(Requirement(r)) for r in declared}
+    assert metadata["Requires-Python"] == ">=3.10"
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata.get_payload().strip() == (REPO / "README.md").read_text().strip()  # the readme is the long description
+
+
+def test_every_entry_point_names_a_function_that_exists(wheel):
+    dist_info = f"difftransformer-{difftransformer.__version__}.dist-info/"
+    parser = configparser.ConfigParser()
+    parser.optionxform = str  # entry point names are case-sensitive
+    parser.read_string(wheel.read(dist_info + "entry_points.txt").decode())
+    found = {(group, name): value.strip() for group in parser.sections() for name, value in parser[group].items()}
+    assert found == ENTRY_POINTS
+    for target in found.values():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
+
+
+def test_changelog_has_a_section_for_this_version():
+    text = (REPO / "CHANGELOG.md").read_text()
+    assert f"## [{difftransformer.__version__}]" in text
