@@ -430,6 +430,54 @@ class ExamplesLens:
     shares: dict[str, torch.Tensor]
     lambdas: torch.Tensor | None
     examples: int
+    # :func:`lens_on_spans` with extra regions: ``region_shares[region][kind]`` ``(L, heads)``, the share of the
+    # attention (same mode) that falls on that region.
+    region_shares: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class SpanExample:
+    """A tokenised prompt for :func:`lens_on_spans`: ``input_ids`` ``(T,)``, the ``answer`` token span, the ``context``
+    span (``None``: the whole prompt) and optional extra ``regions`` (name → token span or boolean mask of length T)
+    whose shares are reported beside answer / noise / other, e.g. the distractors of a multi-needle prompt."""
+
+    input_ids: torch.Tensor
+    answer: tuple[int, int]
+    context: tuple[int, int] | None = None
+    regions: dict = field(default_factory=dict)
+
+
+def lens_on_spans(model, examples: Sequence[SpanExample], mode: str = "positive") -> ExamplesLens:
+    """Mean attention shares over tokenised prompts whose spans are known in tokens (synthetic tasks without a
+    tokenizer, :mod:`difftransformer.retrieval_tasks`), from the last token (which predicts the answer).
+
+    ``shares[kind]`` ``(L, heads, 3)`` over ``REGIONS`` as in :func:`lens`; ``region_shares[name][kind]`` ``(L, heads)``:
+    the share of each extra region (its mass over all mass of the row, same ``mode``; every example must name the
+    same regions)."""
+    if not examples:
+        raise ValueError("`examples` is empty.")
+    names = set(examples[0].regions)
+    if any(set(ex.regions) != names for ex in examples):
+        raise ValueError(f"every example must name the same `regions`, got {[sorted(ex.regions) for ex in examples]}.")
+    total: dict[str, torch.Tensor] = {}
+    regions: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+    lambdas = None
+    for ex in examples:
+        ids = ex.input_ids.reshape(-1)
+        report = lens(model, ids, ex.answer, ex.context, None, mode, keep_maps=bool(names))
+        for kind, s in report.shares.items():
+            total[kind] = total.get(kind, 0) + s
+        for name in names:
+            mask = _span_mask(ex.regions[name], ids.shape[0], name)
+            for kind in report.kinds:
+                # the region as "answer", no context: its share of the whole row
+                s = torch.stack([attention_shares(lm.maps[kind][0], mask, None, None, mode)[..., 0] for lm in report.maps])
+                regions[name][kind] = regions[name].get(kind, 0) + s
+        if report.lambdas is not None:
+            lambdas = report.lambdas if lambdas is None else lambdas + report.lambdas
+    n = len(examples)
+    return ExamplesLens({kind: s / n for kind, s in total.items()}, None if lambdas is None else lambdas / n, n,
+                        {name: {kind: s / n for kind, s in per.items()} for name, per in regions.items()})
 
 
 def lens_on_examples(model, tokenizer, examples, mode: str = "positive") -> ExamplesLens:

@@ -175,10 +175,8 @@ def _marker_embeddings(model, marker):
             layer.input_layernorm.weight.fill_(1.0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "v1", "v2"])
-def test_a_model_that_attends_only_to_the_answer_scores_100_percent(kind):
-    """Hand-set weights: every head of layer 0 puts (almost) all its attention on the answer token."""
-    marker, T = 7, 16
+def _marker_model(kind, marker=7):
+    """A one-layer model whose every head puts (almost) all its attention on the token ``marker``."""
     common = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, head_dim=8,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e12})
     if kind == "llama":
@@ -195,6 +193,14 @@ def test_a_model_that_attends_only_to_the_answer_scores_100_percent(kind):
         with torch.no_grad():
             for h in range(2):
                 attn.q_proj.weight[(2 * h + 1) * 8 : (2 * h + 2) * 8] = 0
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "v1", "v2"])
+def test_a_model_that_attends_only_to_the_answer_scores_100_percent(kind):
+    """Hand-set weights: every head of layer 0 puts (almost) all its attention on the answer token."""
+    marker, T = 7, 16
+    model = _marker_model(kind, marker)
     ids = torch.full((T,), 3)
     ids[5] = marker
     report = lens(model, ids, answer_span=(5, 6), context_span=(0, T - 1))
@@ -206,6 +212,31 @@ def test_a_model_that_attends_only_to_the_answer_scores_100_percent(kind):
         # The first map finds the answer; the second (uniform) map carries the "noise" that the difference cancels.
         assert torch.all(report.shares["softmax1"][0, :, 0] > 0.999)
         torch.testing.assert_close(report.shares["softmax2"][0, :, 0], torch.full((2,), 1 / T))
+
+
+@pytest.mark.parametrize("kind", ["llama", "v1"])
+def test_lens_on_spans_averages_prompts_and_reports_extra_regions(kind):
+    """Token-span prompts (synthetic tasks): the shares are the mean of lens() over the prompts, and an extra region
+    covering the answer gets exactly the answer's share (both are that region's part of the whole row)."""
+    marker, T = 7, 16
+    model = _marker_model(kind, marker)
+    prompts = []
+    for at in (5, 9):
+        ids = torch.full((T,), 3)
+        ids[at] = marker
+        prompts.append(analysis.SpanExample(ids, (at, at + 1), (0, T - 1), {"marker": (at, at + 1), "start": (0, 2)}))
+    got = analysis.lens_on_spans(model, prompts)
+    main = "softmax" if kind == "llama" else "diff"
+    reports = [lens(model, p.input_ids, p.answer, p.context) for p in prompts]
+    assert got.examples == 2 and set(got.shares) == set(reports[0].shares)
+    for k in got.shares:
+        torch.testing.assert_close(got.shares[k], (reports[0].shares[k] + reports[1].shares[k]) / 2)
+    torch.testing.assert_close(got.region_shares["marker"][main], got.shares[main][..., 0])
+    assert torch.all(got.region_shares["marker"][main] > 0.999) and torch.all(got.region_shares["start"][main] < 1e-3)
+    if kind == "v1":
+        torch.testing.assert_close(got.lambdas, (reports[0].lambdas + reports[1].lambdas) / 2)
+    with pytest.raises(ValueError, match="regions"):
+        analysis.lens_on_spans(model, [prompts[0], analysis.SpanExample(prompts[1].input_ids, (9, 10))])
 
 
 def test_find_token_span_and_errors():
