@@ -1,6 +1,7 @@
 """transformers Trainer with DiffTransformer: defaults, evaluation, checkpoint resume, gradient checkpointing, bf16,
 label smoothing (shifted labels) and num_items_in_batch (gradient accumulation with uneven label counts)."""
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,13 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer.data import get_tokenizer, lm_datasets
-
+from difftransformer.testing_utils import (
+    ROUNDING_DRAWS,
+    ROUNDING_FACTOR,
+    RoundingModel,
+    bf16_error_bound,
+    reference_forward,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -113,24 +120,48 @@ def test_gradient_checkpointing_gives_the_same_training(tokenizer, datasets, tmp
     assert_same_params(params(checkpointed), params(plain), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(
-    not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()) and not torch.cuda.is_available(),
-    reason="this CPU has no bfloat16 instructions (AVX512-BF16/AMX); bf16 training would be emulated",
-)
+def _bf16_bound(model, ids):
+    """(float64 loss, bound): transformers' loss of ``model`` on ``ids`` from the float64 reference, and the bf16 bound
+    on it from the rounding model (difftransformer.testing_utils.RoundingModel: every intermediate and weight that a
+    bf16 kernel may round, rounded by a relative error of at most 2^-8; the bound is ROUNDING_FACTOR x the largest error
+    of ROUNDING_DRAWS draws). It holds whichever CPU runs the bf16 matmuls: AMX, AVX512-BF16 or torch's emulation."""
+    exact = reference_forward(model, ids, labels=ids)[2]
+    draws = [reference_forward(model, ids, labels=ids, rnd=RoundingModel(seed))[2] for seed in range(ROUNDING_DRAWS)]
+    return exact.item(), bf16_error_bound(draws, exact, ROUNDING_FACTOR)
+
+
 def test_bf16_mixed_precision_training(tokenizer, datasets, tmp_path):
+    """bf16=True on the CPU: autocast runs the projections in bfloat16 and the weights stay float32. Runs on every x86
+    CPU (without AVX512-BF16/AMX, torch emulates bf16 matmuls: slower, the same rounding). The first step's loss and
+    the evaluation loss lie within the rounding model's bf16 bound of their float64 values; float32 evaluation of the
+    same weights lies within float32 rounding of it."""
     train, valid = datasets
     model = make_model(tokenizer)
-    dtypes = []
+    initial = copy.deepcopy(model)
+    dtypes, first = [], []
     model.lm_head.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+
+    def record_first_step(module, positional, kwargs, output):
+        if not first:
+            first.append((kwargs["input_ids"].clone(), output.loss.detach()))
+
+    model.register_forward_hook(record_first_step, with_kwargs=True)
     trainer = Trainer(model=model, args=args(tmp_path, max_steps=3, bf16=True), train_dataset=train, eval_dataset=valid)
     trainer.train()
-    assert torch.bfloat16 in dtypes  # autocast was active in the forward pass
+    assert dtypes and set(dtypes) == {torch.bfloat16}  # autocast was active in every forward pass
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay float32
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
-    fp32_eval = Trainer(model=model, args=args(tmp_path / "eval"), eval_dataset=valid).evaluate()["eval_loss"]
+    ids, loss = first[0]
+    exact, bound = _bf16_bound(initial, ids)
+    assert abs(loss.item() - exact) <= bound, (loss.item(), exact, bound)
+    # Evaluation of the trained weights, bf16 (autocast) and float32, against the float64 loss of the same weights on
+    # the whole validation set (equal batches of equal blocks: the Trainer's mean of batch means is the token mean).
+    exact, bound = _bf16_bound(model, valid.blocks)
     bf16_eval = trainer.evaluate()["eval_loss"]
-    assert bf16_eval == pytest.approx(fp32_eval, abs=0.05)
+    assert abs(bf16_eval - exact) <= bound, (bf16_eval, exact, bound)
+    fp32_eval = Trainer(model=model, args=args(tmp_path / "eval"), eval_dataset=valid).evaluate()["eval_loss"]
+    assert fp32_eval == pytest.approx(exact, rel=1e-5)  # float32: about 100 ulps (2^-24) of a 2-layer model's loss
 
 
 def test_label_smoothing_scores_next_tokens(tokenizer, datasets, tmp_path):
