@@ -1,0 +1,391 @@
+"""The fused DIFF V1 Triton kernel (difftransformer/triton_difftransformer.py) against a float64 formula.
+
+Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set by a module fixture and restored after: the
+kernel module decorates its kernels on first use, so the switch only has to be on when they first run). Sizes are tiny
+and the launch tiles are shrunk to 16 rows/keys so that every case crosses several tiles: blocks below the causal
+diagonal (no masks), blocks on it, partial blocks at the end.
+
+Error model (what every bound below is derived from). The reference is computed in float64 from the very inputs the
+kernel receives (for bf16/fp16 the rounded values), so the inputs' own rounding is not an error of the kernel; its
+errors are the roundings it performs:
+
+* float32 accumulation (unit roundoff u32 = 2^-24): a sum of L terms is off by at most γ_L·Σ|terms| with
+  γ_L ≈ L·u32 (worst case, any summation order). Scores are sums of d products; a score error δ moves every softmax
+  probability by a factor within e^(±2δ), so the maps carry a relative error ≤ 2·d·u32·σ, with σ the largest
+  scale·Σ_k|q_k||k_k| over the scores. Every later sum (over keys S, over the 2d value columns, the key/value
+  gradients over every query row of a group B·G·(n+m)·T at most, exp2/log2 evaluations a few ulps each) adds its
+  length: L = 4d + S + B·G·(n+m)·T + 32.
+* 16-bit inputs (unit roundoff u_p = 2^-8 bf16, 2^-11 fp16; u_p = u32 for float32): the probabilities are rounded to
+  the input type before the value product (relative u_p per element), the saved outputs O and O2 are rounded
+  (δ = rowsum(dO ∘ O1) inherits their error), and the backward rounds dS, λ·P2 and the summed dO' of a noise row
+  before its products: at most 2 such roundings in any forward chain and 4 in any backward chain.
+* the stored result is rounded to its dtype once more: u_out·|result|.
+
+Each quantity's error is bounded by coef·magnitude + u_out·|reference|, where the magnitude is the same formula
+evaluated with absolute values everywhere (so every rounding's absolute contribution is at most its relative size
+times the magnitude): forward coef = 2·u_p + u32·(2·d·σ + L), backward coef = 4·u_p + u32·(2·d·σ + L).
+Nothing here depends on the CPU the tests run on.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused kernel needs triton (pip install triton)")
+
+from difftransformer import triton_difftransformer as tdt  # noqa: E402
+
+U32 = 2.0**-24
+UNIT = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+SMALL_TILES = {"forward": dict(rows=16, block_n=16), "dq": dict(rows=16, block_n=16),
+               "dkdv": dict(rows=16, block_n=16), "preprocess": dict(rows=16), "decode": dict(block_n=16)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        mp.setattr(tdt, "_TUNING", dict(SMALL_TILES))
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# float64 reference: A1, A2 materialised with repeat-free indexing (a group's heads read its keys through a view)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def visibility(b, t, s, mask, is_causal):
+    """(B, 1, T, S): query t sits at position S − T + t; causal and/or the boolean mask."""
+    vis = torch.ones(b, 1, t, s, dtype=torch.bool)
+    if is_causal:
+        vis = vis & (torch.arange(s)[None, :] <= torch.arange(t)[:, None] + (s - t))
+    if mask is not None:
+        vis = vis & mask.expand(b, 1, t, s)
+    return vis
+
+
+def softmax_maps(query, key, scaling, n, r, mask=None, is_causal=True):
+    """A1 (B, G, n, T, S) of the signal rows and A2 (B, G, m, T, S) of the noise rows; a row that sees no key is 0."""
+    b, t, _, d = query.shape
+    g, s = key.shape[1] // 2, key.shape[2]
+    q = query.reshape(b, t, g, n + n // r, d)
+    k = key.reshape(b, g, 2, s, d)
+    s1 = torch.einsum("btgjd,bgsd->bgjts", q[:, :, :, :n], k[:, :, 0]) * scaling
+    s2 = torch.einsum("btgud,bgsd->bguts", q[:, :, :, n:], k[:, :, 1]) * scaling
+    vis = visibility(b, t, s, mask, is_causal)[:, None]  # (B, 1, 1, T, S)
+    return tuple(torch.softmax(x.masked_fill(~vis, -1e300), -1) * vis for x in (s1, s2))
+
+
+def wide_value(value):
+    """[V0 | V1] per group: (B, G, S, 2d)."""
+    b, hkv, s, d = value.shape
+    v = value.reshape(b, hkv // 2, 2, s, d)
+    return torch.cat([v[:, :, 0], v[:, :, 1]], -1)
+
+
+def reference(query, key, value, lam, scaling, n, r, mask=None, is_causal=True):
+    """O_h = (A1 − λ·A2)·[V0 | V1], (B, T, G·n, 2d); signal row j of a group subtracts noise row j // r."""
+    b, t, _, d = query.shape
+    g, s = key.shape[1] // 2, key.shape[2]
+    a1, a2 = softmax_maps(query, key, scaling, n, r, mask, is_causal)
+    diff = a1.reshape(b, g, n // r, r, t, s) - lam * a2[:, :, :, None]
+    return torch.einsum("bgurts,bgse->btgure", diff, wide_value(value)).reshape(b, t, g * n, 2 * d)
+
+
+def magnitudes(query, key, value, lam, dout, scaling, n, r, mask=None, is_causal=True):
+    """Every quantity evaluated with absolute values (the error model's Σ|terms|), and σ (largest |score| bound)."""
+    b, t, _, d = query.shape
+    g, s = key.shape[1] // 2, key.shape[2]
+    m = n // r
+    a1, a2 = softmax_maps(query, key, scaling, n, r, mask, is_causal)
+    lam = abs(float(lam))
+    vv = wide_value(value).abs()
+    qa = query.abs().reshape(b, t, g, n + m, d)
+    ka = key.abs().reshape(b, g, 2, s, d)
+    o1 = torch.einsum("bgjts,bgse->bgjte", a1, vv)
+    o2 = torch.einsum("bguts,bgse->bgute", a2, vv)
+    o2_rows = o2.repeat_interleave(r, dim=2)  # each signal row's noise output
+    mags = {"out": (o1 + lam * o2_rows).permute(0, 3, 1, 2, 4).reshape(b, t, g * n, 2 * d)}
+    if dout is not None:
+        do = dout.abs().reshape(b, t, g, n, 2 * d).permute(0, 2, 3, 1, 4)  # (B, G, n, T, 2d)
+        dsum = do.reshape(b, g, m, r, t, 2 * d).sum(3)
+        delta1 = (do * (o1 + 2 * lam * o2_rows)).sum(-1)
+        delta2 = (dsum * o2).sum(-1)
+        w1 = a1 * (torch.einsum("bgjte,bgse->bgjts", do, vv) + delta1[..., None])
+        w2 = lam * a2 * (torch.einsum("bgute,bgse->bguts", dsum, vv) + delta2[..., None])
+        dq1 = torch.einsum("bgjts,bgsd->btgjd", w1, ka[:, :, 0])
+        dq2 = torch.einsum("bguts,bgsd->btgud", w2, ka[:, :, 1])
+        mags["query"] = scaling * torch.cat([dq1, dq2], 3).reshape(b, t, g * (n + m), d)
+        dk1 = torch.einsum("bgjts,btgjd->bgsd", w1, qa[:, :, :, :n])
+        dk2 = torch.einsum("bguts,btgud->bgsd", w2, qa[:, :, :, n:])
+        mags["key"] = scaling * torch.stack([dk1, dk2], 2).reshape(b, 2 * g, s, d)
+        dv = torch.einsum("bgjts,bgjte->bgse", a1, do) + lam * torch.einsum("bguts,bgute->bgse", a2, dsum)
+        mags["value"] = dv.reshape(b, g, s, 2, d).transpose(2, 3).reshape(b, 2 * g, s, d)
+        mags["lam"] = (dsum * o2).sum()
+    sigma = scaling * max(torch.einsum("btgjd,bgsd->bgjts", qa[:, :, :, :n], ka[:, :, 0]).max().item(),
+                          torch.einsum("btgud,bgsd->bguts", qa[:, :, :, n:], ka[:, :, 1]).max().item())
+    return mags, sigma
+
+
+def assert_within(name, got, ref, bound):
+    err = (got.double() - ref).abs()
+    bad = err > bound
+    if bad.any():
+        ratio = (err / bound.clamp_min(1e-300)).max().item()
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{name}: error {err[idx].item():.3g} exceeds its bound {bound[idx].item():.3g} at {idx} "
+                             f"(worst error/bound ratio {ratio:.3g})")
+
+
+def coefficients(dtype, d, s, t, b, g, n, m, sigma):
+    u_p = UNIT[dtype]
+    length = 4 * d + s + b * g * (n + m) * t + 32
+    fp32_part = U32 * (2 * d * sigma + length)
+    return 2 * u_p + fp32_part, 4 * u_p + fp32_part, u_p
+
+
+def make_inputs(b, t, s, g, n, r, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    m = n // r
+    query = torch.randn(b, t, g * (n + m), d, generator=gen).to(dtype)
+    key = torch.randn(b, 2 * g, s, d, generator=gen).to(dtype)
+    value = torch.randn(b, 2 * g, s, d, generator=gen).to(dtype)
+    return query, key, value, torch.tensor(0.6)
+
+
+def check_forward_backward(query, key, value, lam, n, r, mask=None, is_causal=True):
+    """Forward and every gradient (of query, key, value and λ; ``.grad`` must be retained) against the float64
+    reference, within the error model. Returns the kernel's and the reference's outputs."""
+    b, t, _, d = query.shape
+    g, s = key.shape[1] // 2, key.shape[2]
+    scaling = d**-0.5
+    out = tdt.differential_attention_triton(query, key, value, lam, scaling, n, r, attention_mask=mask,
+                                            is_causal=is_causal)
+    assert out.shape == (b, t, g * n, 2 * d) and out.dtype == query.dtype
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(dout)
+
+    q64, k64, v64, lam64 = (x.detach().double().requires_grad_() for x in (query, key, value, lam))
+    ref = reference(q64, k64, v64, lam64, scaling, n, r, mask, is_causal)
+    ref.backward(dout.double())
+    mags, sigma = magnitudes(q64.detach(), k64.detach(), v64.detach(), lam64.detach(), dout.double(), scaling, n, r,
+                             mask, is_causal)
+    coef_f, coef_b, u_out = coefficients(query.dtype, d, s, t, b, g, n, n // r, sigma)
+    assert_within("output", out.detach(), ref.detach(), coef_f * mags["out"] + u_out * ref.detach().abs())
+    grads = {"query": query.grad, "key": key.grad, "value": value.grad}
+    refs = {"query": q64.grad, "key": k64.grad, "value": v64.grad}
+    for name, got in grads.items():
+        assert_within(f"d{name}", got, refs[name], coef_b * mags[name] + u_out * refs[name].abs())
+    # dλ is a float32 sum (no 16-bit rounding of the result itself).
+    assert_within("dlam", lam.grad, lam64.grad, coef_b * mags["lam"] + U32 * lam64.grad.abs())
+    return out, ref
+
+
+def leaf_inputs(b, t, s, g, n, r, d, dtype=torch.float32):
+    return tuple(x.requires_grad_() for x in make_inputs(b, t, s, g, n, r, d, dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Forward and gradients
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "b, g, n, r, t, s",
+    [
+        pytest.param(2, 2, 1, 1, 24, 24, id="causal-n1-two-groups"),  # the paper's layout, several batches and groups
+        pytest.param(1, 1, 2, 1, 24, 24, id="gqa-n2"),
+        pytest.param(1, 1, 4, 1, 24, 24, id="gqa-n4"),
+        pytest.param(1, 2, 2, 2, 24, 24, id="gda-r2"),  # one noise row shared by two signal rows, two groups
+        pytest.param(1, 1, 4, 2, 24, 24, id="gda-n4-r2"),  # two noise rows per group
+        pytest.param(1, 1, 2, 1, 10, 24, id="chunked-T<S"),  # the 10 queries are the last 10 of 24 positions
+    ],
+)
+def test_forward_and_gradients_float32(b, g, n, r, t, s):
+    query, key, value, lam = leaf_inputs(b, t, s, g, n, r, 16)
+    check_forward_backward(query, key, value, lam, n, r)
+
+
+@pytest.mark.parametrize("mask_shape", ["full", "keys-only"])
+def test_left_padding(mask_shape):
+    """transformers' sdpa mask for a left-padded batch: padded rows see no key, output exactly 0, get no gradient."""
+    b, t, g, n, r, d = 2, 24, 1, 2, 1, 16
+    query, key, value, lam = leaf_inputs(b, t, t, g, n, r, d)
+    pad = torch.tensor([0, 9])  # sequence 1 starts at position 9
+    keys_ok = torch.arange(t)[None, :] >= pad[:, None]  # (B, S)
+    if mask_shape == "full":
+        mask = keys_ok[:, None, None, :] & (torch.arange(t)[None, :] <= torch.arange(t)[:, None])
+    else:  # (B, 1, 1, S): the causal part comes from is_causal
+        mask = keys_ok[:, None, None, :]
+    out, _ = check_forward_backward(query, key, value, lam, n, r, mask=mask)
+    assert (out[1, :9] == 0).all() and (out[0] != 0).all()
+    assert (query.grad[1, :9] == 0).all()
+    assert (key.grad[1, :, :9] == 0).all() and (value.grad[1, :, :9] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_inputs(dtype):
+    """bf16/fp16 inputs, float32 accumulation: within the 16-bit roundings of the error model; GDA so that the summed
+    dO' of a noise row is rounded too."""
+    query, key, value, lam = leaf_inputs(1, 10, 24, 1, 2, 2, 16, dtype)
+    out, _ = check_forward_backward(query, key, value, lam, 2, 2)
+    assert query.grad.dtype == key.grad.dtype == value.grad.dtype == dtype
+
+
+def test_noncontiguous_inputs():
+    """Strided views: a query permuted from (B, Hq, T, d), key/value transposed from a (B, S, 2G, d) projection and
+    sliced from a longer static cache. Gradients reach the underlying tensors."""
+    b, t, s, g, n, r, d = 1, 24, 24, 1, 2, 1, 16
+    gen = torch.Generator().manual_seed(3)
+    q_base = torch.randn(b, g * (n + n // r), t, d, generator=gen).requires_grad_()
+    k_base = torch.randn(b, s, 2 * g, d, generator=gen).requires_grad_()
+    v_base = torch.randn(b, 2 * g, s + 8, d, generator=gen).requires_grad_()  # a static cache longer than S
+    lam = torch.tensor(0.6, requires_grad=True)
+    query, key, value = q_base.transpose(1, 2), k_base.transpose(1, 2), v_base[:, :, :s]
+    for x in (query, key, value):
+        x.retain_grad()
+    assert not any(x.is_contiguous() for x in (query, key, value))
+    check_forward_backward(query, key, value, lam, n, r)
+    assert (v_base.grad[:, :, s:] == 0).all()
+    torch.testing.assert_close(k_base.grad, key.grad.transpose(1, 2), rtol=0, atol=0)
+
+
+def test_single_token_with_grad():
+    """One query token under autograd (not the decode path): gradients of everything."""
+    query, key, value, lam = leaf_inputs(1, 1, 24, 1, 2, 1, 16)
+    check_forward_backward(query, key, value, lam, 2, 1)
+
+
+def test_head_dim_not_a_power_of_two():
+    query, key, value, lam = leaf_inputs(1, 24, 24, 1, 2, 1, 20)
+    check_forward_backward(query, key, value, lam, 2, 1)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_bidirectional(with_mask):
+    """is_causal=False: every key (or the mask alone) decides, e.g. an encoder."""
+    query, key, value, lam = leaf_inputs(1, 24, 24, 1, 2, 1, 16)
+    mask = (torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(5)) < 0.7) if with_mask else None
+    check_forward_backward(query, key, value, lam, 2, 1, mask=mask, is_causal=False)
+
+
+def test_default_launch_configuration(monkeypatch):
+    """The tile sizes the GPU gets (64-row tiles here cover the whole tiny problem) compute the same function."""
+    monkeypatch.setattr(tdt, "_TUNING", {})
+    query, key, value, lam = leaf_inputs(1, 20, 20, 1, 2, 1, 16)
+    check_forward_backward(query, key, value, lam, 2, 1)
+
+
+def test_no_grad_forward_matches():
+    """Without autograd the forward saves nothing and gives the same output as under autograd."""
+    query, key, value, lam = make_inputs(1, 24, 24, 1, 2, 1, 16)
+    with torch.no_grad():
+        plain = tdt.differential_attention_triton(query, key, value, lam, 0.25, 2)
+    tracked = tdt.differential_attention_triton(query, key, value, lam.clone().requires_grad_(), 0.25, 2)
+    torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decode: one token per sequence over a cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, r, splits, padded",
+    [
+        pytest.param(2, 1, 1, False, id="one-split"),
+        pytest.param(2, 1, 3, False, id="three-splits"),
+        pytest.param(4, 2, 2, True, id="gda-left-padding"),
+    ],
+)
+def test_decode_steps(monkeypatch, n, r, splits, padded):
+    """Three decode steps over a static cache (a strided slice of a longer buffer), against the reference."""
+    monkeypatch.setitem(tdt._TUNING, "decode", dict(block_n=16, splits=splits))
+    b, g, d, s_max, prompt = 2, 1, 16, 56, 40  # 40 keys in 16-key blocks: three splits of 16, 16, 8+
+    gen = torch.Generator().manual_seed(7)
+    m = n // r
+    k_cache = torch.randn(b, 2 * g, s_max, d, generator=gen)
+    v_cache = torch.randn(b, 2 * g, s_max, d, generator=gen)
+    lam = torch.tensor(0.6)
+    pad = torch.tensor([0, 5]) if padded else torch.zeros(2, dtype=torch.long)
+    for step in range(3):
+        s = prompt + step
+        query = torch.randn(b, 1, g * (n + m), d, generator=gen)
+        key, value = k_cache[:, :, :s], v_cache[:, :, :s]
+        mask = (torch.arange(s)[None, :] >= pad[:, None])[:, None, None, :] if padded else None
+        with torch.no_grad():
+            out = tdt.differential_attention_triton(query, key, value, lam, d**-0.5, n, r, attention_mask=mask)
+        q64, k64, v64 = query.double(), key.double(), value.double()
+        ref = reference(q64, k64, v64, lam.double(), d**-0.5, n, r, mask)
+        mags, sigma = magnitudes(q64, k64, v64, lam.double(), None, d**-0.5, n, r, mask)
+        coef_f, _, u_out = coefficients(torch.float32, d, s, 1, b, g, n, m, sigma)
+        assert_within(f"decode step {step}", out, ref, coef_f * mags["out"] + u_out * ref.abs())
+
+
+def test_decode_reads_each_group_once():
+    """The decode launch puts all n + m rows of a KV group in one program (per key split): the cache is read once."""
+    for m, r_pad in ((1, 1), (4, 1), (3, 2), (16, 1)):
+        plan = tdt._decode_plan(b=1, g=4, m=m, s=4096, r_pad=r_pad, device="cpu")
+        assert plan["unit_blocks"] == 1 and plan["units"] >= m
+        assert plan["splits"] * plan["split_len"] >= 4096 > (plan["splits"] - 1) * plan["split_len"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Errors and availability
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _good():
+    query, key, value, lam = make_inputs(1, 4, 6, 1, 2, 1, 16)
+    return dict(query=query, key=key, value=value, lam=lam, scaling=0.25, pair_stride=2)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda a: a.update(query=a["query"][0]), ValueError, "query must be a 4-dimensional tensor"),
+        (lambda a: a.update(query=a["query"].double()), TypeError, "query.dtype must be one of"),
+        (lambda a: a.update(key=a["key"].half()), TypeError, "must share one dtype"),
+        (lambda a: a.update(value=a["value"][:, :, :5]), ValueError, "key and value must have the same shape"),
+        (lambda a: a.update(key=a["key"][:1], value=a["value"][:1], query=a["query"].expand(2, -1, -1, -1)),
+         ValueError, "does not match query shape"),
+        (lambda a: a.update(key=a["key"][:, :1], value=a["value"][:, :1]), ValueError, "even count"),
+        (lambda a: a.update(pair_stride=3), ValueError, r"must have 1 × \(3 \+ 3\) = 6"),
+        (lambda a: a.update(pair_stride=0), ValueError, "pair_stride"),
+        (lambda a: a.update(noise_ratio=3), ValueError, "noise_ratio must be a positive int dividing"),
+        (lambda a: a.update(key=a["key"][:, :, :3], value=a["value"][:, :, :3]), ValueError, "exceeds the key length"),
+        (lambda a: a.update(lam=a["lam"].reshape(1)), ValueError, "lam must be a 0-dimensional"),
+        (lambda a: a.update(scaling=float("nan")), ValueError, "scaling must be a finite float"),
+        (lambda a: a.update(attention_mask=torch.zeros(1, 1, 4, 6)), TypeError, "attention_mask must be a boolean"),
+        (lambda a: a.update(attention_mask=torch.ones(1, 2, 4, 6, dtype=torch.bool)), ValueError, r"\(B or 1, 1, T"),
+        (lambda a: a.update(attention_mask=torch.ones(1, 1, 3, 6, dtype=torch.bool)), ValueError, "does not broadcast"),
+        (lambda a: a.update(is_causal=None), ValueError, "is_causal must be a bool"),
+    ],
+)
+def test_bad_input_errors(change, error, match):
+    args = _good()
+    change(args)
+    with pytest.raises(error, match=match):
+        tdt.differential_attention_triton(**args)
+
+
+def test_is_available(monkeypatch):
+    assert tdt.is_available("cpu")  # the interpreter is on in this module
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not tdt.is_available("cpu") and not tdt.is_available(torch.device("cpu"))
+
+
+def test_module_imports_without_triton(monkeypatch):
+    """`import difftransformer` must not need triton: without it the module loads, is_available is False and a call
+    says what is missing."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("_tdt_without_triton", tdt.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.triton is None and not module.is_available("cpu")
+    with pytest.raises(RuntimeError, match="needs triton"):
+        module.differential_attention_triton(**_good())
+
