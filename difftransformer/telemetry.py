@@ -17,6 +17,10 @@ averaged over layers (``{prefix}/{name}``):
   ``½·Σ_k |A1[q, k] − A2[q, k]|`` averaged over heads and query positions. 0 when the maps are equal (as right
   after the ``duplicate`` V1 and the exact V2 conversions, where every head's two maps are its source head's map), 1
   when they attend to disjoint keys;
+* ``max_logit_map1``, ``max_logit_map2``: the largest attention logit ``q·k/√d`` (before the softmax) of each map,
+  over the probe batch, the layer's heads and the entries a query may attend to: what QK-clip (Kimi K2's MuonClip)
+  watches, and what precedes the loss spikes of attention-logit growth. Over layers they are summarised by their
+  maximum (``{prefix}/max_logit_map1`` is the largest logit of any layer), every other metric by its mean;
 
 and ``grad_norm_spikes``: how many of the gradient norms the Trainer has logged so far exceed ``spike_factor`` × the
 median of the ``spike_window`` logged before them (:func:`grad_norm_spikes`; the Trainer logs the pre-clipping norm
@@ -28,7 +32,11 @@ The maps come from :func:`difftransformer.analysis.attention_maps` (the model's 
 ``A1 − λ·A2``). A model without differential attention (the source Llama of a comparison) gets the spike count only.
 
 The callback logs through the Trainer, which callbacks are not given: attach it with ``callback.attach(trainer)``
-(which also adds it to the trainer's callbacks). :func:`plot_telemetry` draws a ``log_history`` as one PNG.
+(which also adds it to the trainer's callbacks). The Trainer hands every logged value to its reporting integrations
+(TensorBoard, W&B, ...) and ``log_history``; its progress bar (or, with ``disable_tqdm``, its printer) would print
+each record whole, about 10 values per layer: ``attach`` replaces the Trainer's printing callback by one that prints a
+probe record as one line of layer summaries (:func:`summary_line`) and leaves the per-layer keys to the integrations.
+:func:`plot_telemetry` draws a ``log_history`` as one PNG.
 """
 
 from __future__ import annotations
@@ -39,9 +47,12 @@ from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 PREFIX = "diffattn"
 MAP_METRICS = ("negative_share", "first_token_mass", "map_separation")
+# Summarised over layers by their maximum (the others by their mean).
+MAX_METRICS = ("max_logit_map1", "max_logit_map2")
 
 
 def _unwrap(model):
@@ -57,20 +68,51 @@ def probe_metrics(model, probe_input_ids: torch.Tensor) -> dict[str, list[float]
     """The per-layer telemetry of a difftransformer model (plain or PEFT-wrapped) on ``probe_input_ids``
     ``(B, T)`` (unpadded, no cache): ``{"lambda": [...]}`` (V1) or ``{"lambda_mean": [...], "lambda_std": [...]}``
     (V2), and ``negative_share``, ``first_token_mass``, ``map_separation`` (module docstring), one float per layer."""
-    from .analysis import attention_maps
+    from .analysis import _diff_attention_modules, attention_maps, split_pairs
 
     base = _unwrap(model)
+    modules = _diff_attention_modules(base)
+    inputs: dict[int, tuple] = {}
+
+    def keep_inputs(module, args, kwargs):  # what attention_maps' forward hands each attention layer
+        inputs[module.layer_idx] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+                                    kwargs["position_embeddings"])
+
+    handles = [m.register_forward_pre_hook(keep_inputs, with_kwargs=True) for m in modules]
     was_training = base.training
     base.eval()
     try:
         layers = attention_maps(base, probe_input_ids.to(base.device))
     finally:
         base.train(was_training)
+        for handle in handles:
+            handle.remove()
     out: dict[str, list[float]] = {}
-    for layer in layers:
-        for name, value in _layer_metrics(layer).items():
+    for module, layer in zip(modules, layers):
+        metrics = _layer_metrics(layer)
+        logits = split_pairs(attention_logits(module, *inputs[module.layer_idx]), module.pair_stride,
+                             noise_ratio=module.noise_ratio)
+        metrics.update({name: float(map_logits.max()) for name, map_logits in zip(MAX_METRICS, logits)})
+        for name, value in metrics.items():
             out.setdefault(name, []).append(value)
     return out
+
+
+def attention_logits(module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """The pre-softmax scores ``q·kᵀ/√d`` of every query head of one differential attention layer, float32
+    ``(B, 2H, T, T)`` in q_proj row order, ``-inf`` where a query may not attend (a later key): recomputed from the
+    layer's input with its q/k projections and RoPE, as :func:`difftransformer.analysis.softmax_maps` recomputes the
+    maps (unpadded input, no cache)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    bsz, length, _ = hidden_states.shape
+    query = module.q_proj(hidden_states).view(bsz, length, -1, module.head_dim)
+    key = module.k_proj(hidden_states).view(bsz, length, -1, module.head_dim)
+    query, key = apply_rotary_pos_emb(query, key, *position_embeddings, unsqueeze_dim=2)
+    query, key = query.transpose(1, 2).float(), key.transpose(1, 2).float()
+    scores = query @ repeat_kv(key, query.shape[1] // key.shape[1]).transpose(2, 3) * module.scaling
+    later = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+    return scores.masked_fill(later, float("-inf"))
 
 
 def _layer_metrics(layer) -> dict[str, float]:
@@ -102,11 +144,11 @@ def grad_norm_spikes(log_history: list[dict], factor: float = 3.0, window: int =
 
 
 def flatten(metrics: dict[str, list[float]], prefix: str = PREFIX, per_layer: bool = True) -> dict[str, float]:
-    """``{name: per-layer list}`` → the logged keys: ``{prefix}/{name}`` (mean over layers) and, with ``per_layer``,
-    ``{prefix}/{name}/layer_{l:02d}``."""
+    """``{name: per-layer list}`` → the logged keys: ``{prefix}/{name}`` (over layers: the maximum for
+    ``MAX_METRICS``, the mean for the others) and, with ``per_layer``, ``{prefix}/{name}/layer_{l:02d}``."""
     flat = {}
     for name, values in metrics.items():
-        flat[f"{prefix}/{name}"] = sum(values) / len(values)
+        flat[f"{prefix}/{name}"] = max(values) if name in MAX_METRICS else sum(values) / len(values)
         if per_layer:
             flat.update({f"{prefix}/{name}/layer_{i:02d}": v for i, v in enumerate(values)})
     return flat
@@ -144,10 +186,17 @@ class DiffAttentionTelemetryCallback(TrainerCallback):
         self.trainer = None
 
     def attach(self, trainer) -> DiffAttentionTelemetryCallback:
-        """Log through ``trainer`` (and add this callback to it unless it is there already)."""
+        """Log through ``trainer`` (and add this callback to it unless it is there already); its progress bar or
+        printer then prints each probe record as one summary line (:class:`TelemetryProgressCallback`)."""
         self.trainer = trainer
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
+        callbacks = trainer.callback_handler.callbacks
+        for i, callback in enumerate(callbacks):  # in place: the progress bar opens before this callback's step 0
+            if type(callback) is ProgressCallback:
+                callbacks[i] = TelemetryProgressCallback(prefix=self.prefix, max_str_len=callback.max_str_len)
+            elif type(callback) is PrinterCallback:
+                callbacks[i] = TelemetryPrinterCallback(prefix=self.prefix)
         return self
 
     def _spikes(self, state) -> list[dict]:
@@ -183,6 +232,67 @@ class DiffAttentionTelemetryCallback(TrainerCallback):
             self._log({f"{self.prefix}/grad_norm_spikes": len(spikes), f"{self.prefix}/grad_norm_spike_ratio": spikes[-1]["ratio"]})
 
 
+_SUMMARY = (("lambda", "λ {:.3f}"), ("lambda_mean", "λ {:.3f}"), ("lambda_std", "± {:.3f}"),
+            ("map_separation", "map separation {:.3f}"), ("negative_share", "negative {:.3f}"),
+            ("first_token_mass", "first-token {:.3f}"))
+
+
+def summary_line(logs: dict, prefix: str = PREFIX) -> str | None:
+    """One terminal line for a logged telemetry record (None for any other record): the layer means, the largest
+    attention logit of each map with its layer, the spike count; the per-layer values stay in the record."""
+    if f"{prefix}/grad_norm_spikes" not in logs:
+        return None
+    if f"{prefix}/grad_norm_spike_ratio" in logs:
+        return (f"[{prefix}] grad-norm spike: {logs[f'{prefix}/grad_norm_spike_ratio']:.1f}× the median of the norms "
+                f"before it ({logs[f'{prefix}/grad_norm_spikes']} so far)")
+    layers = unflatten(logs, prefix)
+    parts = [fmt.format(logs[f"{prefix}/{name}"]) for name, fmt in _SUMMARY if f"{prefix}/{name}" in logs]
+    for i, name in enumerate(MAX_METRICS, start=1):
+        if name in layers:
+            values = layers[name]
+            parts.append(f"max logit map {i} {max(values):.2f} (layer {values.index(max(values))})")
+        elif f"{prefix}/{name}" in logs:
+            parts.append(f"max logit map {i} {logs[f'{prefix}/{name}']:.2f}")
+    parts.append(f"grad-norm spikes {logs[f'{prefix}/grad_norm_spikes']}")
+    return f"[{prefix}] " + " | ".join(parts)
+
+
+def _without_layers(logs: dict, prefix: str) -> dict:
+    return {k: v for k, v in logs.items() if not (k.startswith(prefix + "/") and "/layer_" in k)}
+
+
+class TelemetryProgressCallback(ProgressCallback):
+    """transformers' progress bar, printing a telemetry record as one line (:func:`summary_line`) instead of a
+    dictionary with every per-layer value; every other record as the Trainer prints it. What reaches the reporting
+    integrations and ``log_history`` is unchanged (they read the record, not the terminal)."""
+
+    def __init__(self, prefix: str = PREFIX, **kwargs):
+        super().__init__(**kwargs)
+        self.prefix = prefix
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        line = summary_line(logs or {}, self.prefix)
+        if line is None:
+            return super().on_log(args, state, control, logs=_without_layers(logs or {}, self.prefix), **kwargs)
+        if state.is_world_process_zero and self.training_bar is not None:
+            self.training_bar.write(f"step {state.global_step}: {line}")
+
+
+class TelemetryPrinterCallback(PrinterCallback):
+    """transformers' printer (``disable_tqdm=True``), with telemetry records as one line (see
+    :class:`TelemetryProgressCallback`)."""
+
+    def __init__(self, prefix: str = PREFIX):
+        self.prefix = prefix
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        line = summary_line(logs or {}, self.prefix)
+        if line is None:
+            return super().on_log(args, state, control, logs=_without_layers(logs or {}, self.prefix), **kwargs)
+        if state.is_local_process_zero:
+            print(f"step {state.global_step}: {line}")
+
+
 def telemetry_records(log_history: list[dict], prefix: str = PREFIX) -> list[dict]:
     """The probe records of a ``log_history``: ``[{"step": s, "metrics": {name: per-layer list}}]`` in order."""
     return [{"step": e["step"], "metrics": unflatten(e, prefix)} for e in log_history
@@ -200,16 +310,20 @@ def plot_telemetry(log_history: list[dict], path: str | os.PathLike, title: str 
 
     records = [r for r in telemetry_records(log_history, prefix) if r["metrics"]]
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(1, 5, figsize=(22, 4.2), dpi=100)
+    fig, axes = plt.subplots(1, 6, figsize=(26, 4.2), dpi=100)
     v1 = bool(records) and "lambda" in records[0]["metrics"]
     panels = (("lambda", "λ per layer (V1)") if v1 else ("lambda_mean", "mean λ = sigmoid(x W_λ) over the probe (V2)"),
               ("map_separation", "map separation ½Σ|A1 − A2|"), ("negative_share", "share of negative A1 − λA2 entries"),
-              ("first_token_mass", "weight of A1 − λA2 on the first token"))
+              ("first_token_mass", "weight of A1 − λA2 on the first token"),
+              ("max_logit_map1", "max attention logit q·k/√d: map 1 (—), map 2 (--)"))
     for ax, (name, label) in zip(axes, panels):
         per_step = [r["metrics"].get(name, []) for r in records]
         layers = len(per_step[0]) if per_step else 0
         for layer in range(layers):
             ax.plot(steps, [values[layer] for values in per_step], color=plt.cm.viridis(layer / max(1, layers - 1)), linewidth=1)
+            if name == "max_logit_map1":
+                second = [r["metrics"].get("max_logit_map2", [])[layer] for r in records]
+                ax.plot(steps, second, "--", color=plt.cm.viridis(layer / max(1, layers - 1)), linewidth=1)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
@@ -244,11 +358,16 @@ def _grad_norm_panel(ax, log_history, factor, window, min_history) -> None:
 __all__ = [
     "DiffAttentionTelemetryCallback",
     "MAP_METRICS",
+    "MAX_METRICS",
     "PREFIX",
+    "TelemetryPrinterCallback",
+    "TelemetryProgressCallback",
+    "attention_logits",
     "flatten",
     "grad_norm_spikes",
     "plot_telemetry",
     "probe_metrics",
+    "summary_line",
     "telemetry_records",
     "unflatten",
 ]

@@ -15,6 +15,11 @@ What it does (transformers ``Trainer`` throughout, so every step is the one user
    ``OUTPUT_DIR/model`` (loadable with ``pipeline("text-generation", model=...)``, Hub-ready), generates a sample
    (``OUTPUT_DIR/sample.txt``), and plots the loss curves (``OUTPUT_DIR/loss_curve.png``).
 
+Every ``--telemetry-every`` steps, :class:`difftransformer.telemetry.DiffAttentionTelemetryCallback` probes two held-out
+blocks (λ, map separation, negative share, first-token weight and the largest attention logit of each map, per layer;
+gradient-norm spikes): the terminal gets one summary line per probe, ``--report-to`` (TensorBoard, W&B, ...) and
+``OUTPUT_DIR/checkpoint-*/trainer_state.json`` every per-layer value, ``OUTPUT_DIR/telemetry.png`` the plot.
+
 Interrupted (Ctrl-C, SIGTERM)? The current step finishes, a checkpoint is saved, and the script exits; running the
 same command again resumes from the latest checkpoint in ``OUTPUT_DIR`` (optimizer, schedule, RNG and data order
 included). ``--fresh`` starts over instead.
@@ -41,7 +46,7 @@ RUN_KEYS = (
 SMOKE = dict(
     vocab_size=512, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, block_size=32,
     batch_size=4, max_steps=6, warmup_steps=1, eval_steps=3, save_steps=3, logging_steps=1, eval_blocks=8,
-    train_max_chars=60_000, validation_max_chars=20_000, sample_tokens=16,
+    train_max_chars=60_000, validation_max_chars=20_000, sample_tokens=16, telemetry_every=3,
 )
 
 
@@ -82,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-steps", type=int, default=100, help="evaluate the validation loss every N steps")
     g.add_argument("--save-steps", type=int, default=100, help="save a resumable checkpoint every N steps")
     g.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps")
+    g.add_argument("--telemetry-every", type=int, default=50,
+                   help="differential-attention telemetry on two held-out blocks every N steps (one summary line in "
+                        "the terminal; every per-layer value to --report-to and trainer_state.json); 0: off")
+    g.add_argument("--report-to", default="none",
+                   help="transformers' report_to: where the logs go besides trainer_state.json (none, tensorboard, "
+                        "wandb, all, or a comma-separated list)")
     g.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in OUTPUT_DIR and start over")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--use-cpu", action="store_true", help="train on CPU even if an accelerator is available")
@@ -111,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "eval_blocks", "sample_tokens"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.telemetry_every < 0:
+        parser.error(f"--telemetry-every must be a positive integer or 0 (off), got {args.telemetry_every}")
     return args
 
 
@@ -224,7 +237,7 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
         save_steps=args.save_steps,
         save_total_limit=2,
         logging_steps=args.logging_steps,
-        report_to="none",
+        report_to=[r.strip() for r in args.report_to.split(",")] if "," in args.report_to else args.report_to,
         seed=args.seed,
         use_cpu=args.use_cpu or (args.bf16 and not torch.cuda.is_available()),  # transformers: CPU bf16 needs use_cpu
         dataloader_num_workers=0,
@@ -236,6 +249,10 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
         model=model, args=training_args, train_dataset=train_set, eval_dataset=valid_set,
         processing_class=tokenizer, callbacks=[stop, *callbacks],
     )
+    if args.telemetry_every:
+        from difftransformer.telemetry import DiffAttentionTelemetryCallback
+
+        DiffAttentionTelemetryCallback(valid_set.blocks[:2, :128], every=args.telemetry_every).attach(trainer)
     if last_checkpoint:
         print(f"resuming from {last_checkpoint}")
     stop.install()
@@ -254,6 +271,11 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     }
     plot_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png",
                     title=f"DiffTransformer V{args.diff_version} on the Python stdlib")
+    if args.telemetry_every:
+        from difftransformer.telemetry import plot_telemetry
+
+        plot_telemetry(trainer.state.log_history, output_dir / "telemetry.png",
+                       title=f"DiffTransformer V{args.diff_version}: differential-attention telemetry")
     if interrupted:
         print(f"stopped at step {trainer.state.global_step}/{args.max_steps} ({stop.signal_received}); checkpoint saved in "
               f"{output_dir}. Run the same command again to resume.")

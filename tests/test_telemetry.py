@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 61
 RAW_MAPS: dict[int, torch.Tensor] = {}
+RAW_SCORES: dict[int, torch.Tensor] = {}
 
 
 def _recording_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, diff_lambda=None, **kwargs):
@@ -24,6 +25,7 @@ def _recording_attention(module, query, key, value, attention_mask, scaling, dro
     keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling + attention_mask
     RAW_MAPS[module.layer_idx] = torch.softmax(scores.double(), dim=-1)
+    RAW_SCORES[module.layer_idx] = scores.double()
     return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, diff_lambda=diff_lambda, **kwargs)
 
 
@@ -34,7 +36,8 @@ AttentionMaskInterface.register("telemetry_recorder", eager_mask)
 def tiny(version, seed=0):
     config = DiffTransformerConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=4 if version == 1 else 2, head_dim=8,
-                                   diff_version=version, initializer_range=0.3, lambda_std=0.3)
+                                   diff_version=version, initializer_range=0.3,
+                                   **({"lambda_std": 0.3} if version == 1 else {}))
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(config)
 
@@ -45,7 +48,8 @@ def probe_ids(batch=2, length=10):
 
 def direct(model, ids) -> dict[str, list[float]]:
     """The telemetry from its definitions: the model's own eager output_attentions and output_lambdas, and the raw
-    maps the recording kernel saw, split into each head's pair (V1 rows (g, c, r), V2 rows (h, c))."""
+    maps and scores (logits plus the causal mask) the recording kernel saw, split into each head's pair (V1 rows
+    (g, c, r), V2 rows (h, c))."""
     model.set_attn_implementation("eager")
     with torch.no_grad():
         out = model(ids, output_attentions=True, output_lambdas=True, use_cache=False)
@@ -63,7 +67,9 @@ def direct(model, ids) -> dict[str, list[float]]:
         # The pairing is right: the raw maps give the model's differential maps back.
         lam_b = lam.double() if lam.dim() == 0 else lam.double().transpose(1, 2)[..., None]
         torch.testing.assert_close(a1 - lam_b * a2, diff.double(), rtol=1e-5, atol=1e-6)
+        s1, s2 = (m.flatten(1, 2) for m in RAW_SCORES[layer].unflatten(1, (-1, 2, attn.pair_stride)).unbind(2))
         values = {"negative_share": ((diff < 0) & allowed).sum().item() / (allowed.sum().item() * diff.shape[0] * diff.shape[1]),
+                  "max_logit_map1": s1[..., allowed].max().item(), "max_logit_map2": s2[..., allowed].max().item(),
                   "first_token_mass": diff[:, :, 1:, 0].double().mean().item(),
                   "map_separation": (a1 - a2).abs().sum(-1).mean().item() / 2}
         if model.config.diff_version == 1:
@@ -108,6 +114,7 @@ def test_equal_maps_have_no_separation():
             k[:, 1] = k[:, 0]
     got = telemetry.probe_metrics(model, probe_ids())
     assert got["map_separation"] == pytest.approx([0.0, 0.0], abs=1e-7)
+    assert got["max_logit_map1"] == got["max_logit_map2"]  # the same logits
     assert all(lam < 1 for lam in got["lambda"]) and got["negative_share"] == [0.0, 0.0]
 
 
@@ -164,10 +171,48 @@ def test_callback_logs_the_probe_through_the_trainer(tmp_path, version, lora):
         if "diffattn/map_separation" in entry:
             per_layer = [entry[f"diffattn/map_separation/layer_{i:02d}"] for i in range(2)]
             assert entry["diffattn/map_separation"] == pytest.approx(sum(per_layer) / 2)
+            logits = [entry[f"diffattn/max_logit_map1/layer_{i:02d}"] for i in range(2)]
+            assert entry["diffattn/max_logit_map1"] == max(logits)  # over layers: the largest
     # What the Trainer logged reached the other callbacks and the checkpoint's trainer_state.json.
     assert any("diffattn/map_separation" in logs for logs in capture.logs)
     saved = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())["log_history"]
     assert [e["step"] for e in saved if "diffattn/map_separation" in e] == [0, 2, 4, 5]
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+def test_terminal_gets_one_line_per_probe_the_integrations_every_layer(tmp_path, capsys, disable_tqdm):
+    """The Trainer's printer (or progress bar) prints a probe record as one summary line; the reporting integrations
+    (here _Capture) and log_history still receive every per-layer value."""
+    ids = probe_ids()
+    args = TrainingArguments(str(tmp_path), max_steps=4, learning_rate=0.02, per_device_train_batch_size=4,
+                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                             disable_tqdm=disable_tqdm, seed=0)
+    capture = _Capture()
+    trainer = Trainer(model=tiny(2), args=args, train_dataset=_Rows(), callbacks=[capture])
+    telemetry.DiffAttentionTelemetryCallback(ids, every=2).attach(trainer)
+    printers = [type(c).__name__ for c in trainer.callback_handler.callbacks if "Printer" in type(c).__name__
+                or "Progress" in type(c).__name__]
+    assert printers == ["TelemetryPrinterCallback" if disable_tqdm else "TelemetryProgressCallback"]
+    trainer.train()
+    out = capsys.readouterr()
+    printed = (out.out + out.err).splitlines()
+    lines = [line for line in printed if "[diffattn]" in line]
+    assert len(lines) == 3 and all(line.startswith(f"step {s}: ") for line, s in zip(lines, (0, 2, 4))), lines
+    assert all("max logit map 1" in line and "map separation" in line for line in lines)
+    assert "layer_0" not in out.out + out.err
+    assert sum("'loss'" in line for line in printed) == 4  # the Trainer's own records, as it prints them
+    probes = [logs for logs in capture.logs if "diffattn/map_separation" in logs]
+    assert len(probes) == 3 and all("diffattn/max_logit_map2/layer_01" in logs for logs in probes)
+    assert len(telemetry.unflatten(probes[0])) == 7  # λ mean and spread, 3 map metrics, 2 max logits: per layer
+
+
+def test_summary_line():
+    record = {"step": 4, **telemetry.flatten({"lambda": [0.2, 0.4], "map_separation": [0.1, 0.3],
+                                              "max_logit_map1": [3.0, 9.5], "max_logit_map2": [7.25, 2.0]}),
+              "diffattn/grad_norm_spikes": 1}
+    assert telemetry.summary_line(record) == ("[diffattn] λ 0.300 | map separation 0.200 | max logit map 1 9.50 (layer 1)"
+                                              " | max logit map 2 7.25 (layer 0) | grad-norm spikes 1")
+    assert telemetry.summary_line({"loss": 1.0}) is None
 
 
 def test_callback_needs_the_trainer(tmp_path):
@@ -196,10 +241,12 @@ def test_plot_telemetry(tmp_path):
     history = []
     for step in (0, 2, 4):
         history.append({"step": step, **telemetry.flatten({"lambda": [0.2 + step / 100, 0.4], "map_separation": [0.0, step / 10],
-                                                            "negative_share": [0.0, 0.1], "first_token_mass": [0.5, 0.4]}),
+                                                            "negative_share": [0.0, 0.1], "first_token_mass": [0.5, 0.4],
+                                                            "max_logit_map1": [4.0, 5.0 + step], "max_logit_map2": [3.0, 4.0]}),
                         "diffattn/grad_norm_spikes": 0})
         history.append({"step": step + 1, "loss": 1.0, "grad_norm": 1.0 + step})
     path = telemetry.plot_telemetry(history, tmp_path / "t.png", title="tiny")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert telemetry.unflatten(history[0]) == {"lambda": [0.2, 0.4], "map_separation": [0.0, 0.0],
-                                               "negative_share": [0.0, 0.1], "first_token_mass": [0.5, 0.4]}
+                                               "negative_share": [0.0, 0.1], "first_token_mass": [0.5, 0.4],
+                                               "max_logit_map1": [4.0, 5.0], "max_logit_map2": [3.0, 4.0]}
