@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from difftransformer.convert import ConversionError, convert
-from test_convert_gguf import write_tiny_gguf
+from utils_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 REPO = Path(__file__).resolve().parent.parent

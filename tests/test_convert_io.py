@@ -31,9 +31,9 @@ from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer.convert import ConversionError, convert
 from difftransformer.convert.cli import build_parser, main
 from difftransformer.convert.engine import is_lambda_vector
-from test_convert_gguf import write_tiny_gguf
-from test_convert_microsoft import ms_config, ms_state_dict, write_source
-from test_motif import motif_folder
+from utils_gguf import write_tiny_gguf
+from utils_microsoft import ms_config, ms_state_dict, write_source
+from utils_motif import motif_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one thread for these tests, not for the whole session
 REPO = Path(__file__).resolve().parent.parent

@@ -19,30 +19,20 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM, MotifConfig, MotifForCausalLM
 from difftransformer.convert import cli as convert_cli
 from difftransformer.motif import MotifQueryRows, motif_query_heads
-from motif_reference import motif_config, motif_forward, random_motif_checkpoint
+from motif_reference import motif_config, motif_forward, motif_state_dict_shapes, parameter_count
+from utils_motif import motif_folder
+from utils_remote_code import NEW_TOKENS, remote_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = ["tiny-mha", "tiny-gqa", "tiny-gda"]
-# Motif's own files, named by the auto_map of its Hub folders; absent here, so loading must not need them.
-MOTIF_AUTO_MAP = {"AutoConfig": "configuration_motif.MotifConfig", "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM"}
 FLOAT32_FACTOR = 8.0
-
-
-def motif_folder(path, kind, seed=0, dtype=torch.float32, **overrides):
-    """A Motif checkpoint folder: Motif's config.json (with its auto_map) and random weights in its key layout."""
-    cfg = {**motif_config(kind, **overrides), "auto_map": MOTIF_AUTO_MAP}
-    state = random_motif_checkpoint(cfg, seed=seed, dtype=dtype)
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return cfg, state
 
 
 def float32_bound(cfg, state, ids, exact):
@@ -135,6 +125,33 @@ def test_motifs_lambda_init_schedule_is_what_makes_it_exact(tmp_path):
         assert (model(ids).logits.double() - exact).abs().max() > 1000 * float32_bound(cfg, state, ids, exact)
 
 
+# The released checkpoints, as published: parameters (billions, the models' names) and, for Motif-2-12.7B, the tensor
+# shapes measured on its real weights (the MLX port's README, tests/motif_reference.py's source [MLX]).
+RELEASED_BILLIONS = {"2.6b": 2.6, "12.7b": 12.7}
+RELEASED_12_7B_SHAPES = {"self_attn.q_proj.weight": (5120, 4096), "self_attn.k_proj.weight": (2048, 4096),
+                         "self_attn.o_proj.weight": (4096, 8192), "self_attn.subln.weight": (256,)}
+
+
+@pytest.mark.parametrize("kind", ["2.6b", "12.7b"])
+def test_released_configs_build_every_released_tensor(kind):
+    """Our model built from each released config (every layer, the real vocabulary; on the meta device, no memory)
+    holds exactly the tensors of a released checkpoint, by name and shape, as the reference lays them out: loading one
+    uses every tensor and misses none. Its parameter count is the reference's and rounds to the model's name."""
+    cfg = motif_config(kind)
+    with torch.device("meta"):
+        model = MotifForCausalLM(MotifConfig(**cfg))
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        del ours["lm_head.weight"]  # a tied checkpoint does not store it
+    assert ours == motif_state_dict_shapes(cfg)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == parameter_count(kind) and round(count / 1e9, 1) == RELEASED_BILLIONS[kind]
+    if kind == "12.7b":
+        last = cfg["num_hidden_layers"] - 1
+        assert {name: ours[f"model.layers.{last}.{name}"] for name in RELEASED_12_7B_SHAPES} == RELEASED_12_7B_SHAPES
+
+
 @pytest.mark.parametrize("kind", ["2.6b", "12.7b"])
 def test_released_layer_shapes_match_the_oracle(kind, tmp_path):
     """The released models' layer shapes (2.6B: 16 half-heads of 128, MHA, hidden 2048, MLP 8192; 12.7B: 40 half-heads =
@@ -219,8 +236,6 @@ def test_converter_writes_a_difftransformer_folder_equal_to_the_motif_model(tmp_
 def test_converted_folder_runs_as_remote_code_without_the_package(tmp_path):
     """The converted GDA + PolyNorm + Motif-λinit folder, loaded with trust_remote_code in a process where difftransformer
     cannot be imported, gives the oracle's greedy tokens with and without the cache."""
-    from test_remote_code_folders import NEW_TOKENS, remote_generate
-
     cfg, state = motif_folder(tmp_path / "m", "tiny-gda", seed=8)
     convert_cli.main(["--from", "motif", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "ours"), "--dtype", "float32", "--no-progress"])
     ids = _ids(cfg["vocab_size"], (1, 5), seed=9)

@@ -57,8 +57,12 @@ def test_bfloat16_forward_backward_and_a_few_steps_reduce_loss(layout):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(8):
-        loss = model(ids, labels=ids).loss
-        assert loss.dtype == torch.float32 or loss.dtype == torch.bfloat16
+        out = model(ids, labels=ids)
+        loss = out.loss
+        # The loss is computed in float32 from the bf16 logits (transformers' causal-LM loss upcasts them): equal to the
+        # float64 cross-entropy of those logits to float32 rounding (a bf16 loss would be off by about 2^-8).
+        exact = torch.nn.functional.cross_entropy(out.logits[:, :-1].double().flatten(0, 1), ids[:, 1:].flatten())
+        assert loss.dtype == torch.float32 and loss.item() == pytest.approx(exact.item(), rel=1e-5)
         loss.backward()
         assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in model.parameters())
         opt.step()

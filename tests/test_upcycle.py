@@ -22,8 +22,11 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
-from difftransformer import telemetry  # noqa: E402
+from difftransformer import (  # noqa: E402
+    DiffTransformerConfig,
+    DiffTransformerForCausalLM,
+    telemetry,  # noqa: E402
+)
 from difftransformer import upcycle as up  # noqa: E402
 from difftransformer.data import LMBlockDataset, corpus_files  # noqa: E402
 from difftransformer.hub import check_hub_folder  # noqa: E402
@@ -506,9 +509,10 @@ def test_compare_upcycled_llama_student_of_a_gguf_source_is_plain_and_trainable(
     """transformers' GGUF loader marks the de-quantised model as quantized, which the Trainer refuses to fine-tune:
     load_source gives a plain model with the source's function, and the fair comparison's Llama student copies it.
     (A tiny GGUF file: the loader's marking does not depend on the model.)"""
-    from test_convert_gguf import gguf_llama, write_tiny_gguf
     from transformers import AutoTokenizer
     from transformers.trainer_utils import validate_quantization_for_training
+
+    from utils_gguf import gguf_llama, write_tiny_gguf
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     teacher = gguf_llama(gguf)  # as transformers' GGUF loader gives it
