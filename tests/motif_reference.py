@@ -96,10 +96,9 @@ Every detail and the source it follows
     padding masks padded keys and uses ``position_ids = cumsum(mask) - 1`` (the transformers convention). Logits at
     padded positions are meaningless.
 
-Differences from shared/MOTIF-NOTES.md found while re-reading: none of substance. Additions: (a) lambda is cast to the
-activation dtype in the sources before use (NOTES: "float32"); (b) ``k_ratio`` is ignored by Motif's own vLLM code;
-[MLX] interprets it as a key-group width, identical for k_ratio = 1; (c) ``o_proj`` gets a bias whenever attention
-bias is on [V-M, F-M].
+Details easy to miss: (a) the sources cast lambda to the activation dtype before use (its exps are computed in
+float32); (b) ``k_ratio`` is ignored by Motif's own vLLM code; [MLX] interprets it as a key-group width, identical for
+k_ratio = 1; (c) ``o_proj`` gets a bias whenever attention bias is on [V-M, F-M].
 
 Real configs
 ------------
