@@ -3,9 +3,9 @@
 Builds four causal LMs with identical shapes and random weights — ``llama`` (transformers' ``LlamaForCausalLM``),
 ``diffllama`` (transformers' ``DiffLlamaForCausalLM``), ``ours_v1`` and ``ours_v2`` (``DiffTransformerForCausalLM``
 with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, so it is not an upcycle: docs/model.md,
-"Configuration") — all with ``attn_implementation="sdpa"`` (for ours V1 that is the modeling file's blocked/packed
-differential kernel) — and optionally ``ours_v1_padded`` (ours V1 with the previous path: one zero-padded SDPA call per
-layer, ``benchmarks/padded_sdpa.py``), and measures in one process, models interleaved (order rotated every
+"Configuration") — all with ``attn_implementation="sdpa"`` (for ours V1 that is the modeling file's own CPU kernel) —
+and optionally ``ours_v1_padded`` (ours V1 through one zero-padded SDPA call per layer, what every attention function
+other than ``"sdpa"`` receives: ``benchmarks/padded_sdpa.py``), and measures in one process, models interleaved (order rotated every
 repetition), after warm-up:
 
 * prefill tokens/s: one forward with a fresh ``DynamicCache`` and ``logits_to_keep=1``, exactly what ``generate``
@@ -49,7 +49,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.harness import quartiles, run_interleaved, set_clock, summarize  # noqa: E402,F401  (re-exported)
 
 MODELS = ("llama", "diffllama", "ours_v1", "ours_v2")
-# Not run by default: ours V1 with its previous sdpa path, one zero-padded SDPA call per layer (benchmarks/padded_sdpa.py);
+# Not run by default: ours V1 through one zero-padded SDPA call per layer (benchmarks/padded_sdpa.py);
 # and the upcycles of the Llama shape (docs/convert.md): V2 (every query head duplicated, exact) and V1 with the
 # "duplicate" init (query and KV heads doubled), as `difftransformer-convert --from llama` makes them.
 UPCYCLES = ("upcycle_v2", "upcycle_v1")
@@ -162,7 +162,7 @@ def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, see
                 attn_implementation: str = "sdpa") -> torch.nn.Module:
     """A randomly initialised ``*ForCausalLM`` of ``kind`` in ``dtype``, eval mode, greedy generation config.
 
-    ``ours_v1_padded`` ignores ``attn_implementation``: it is ours V1 with the previous one-padded-SDPA-call path."""
+    ``ours_v1_padded`` ignores ``attn_implementation``: it is ours V1 through one padded SDPA call per layer."""
     from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
 
     from difftransformer import DiffTransformerForCausalLM
@@ -224,7 +224,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
 
     ``cache``: ``"dynamic"`` or ``"static"``; ``compiled`` (static only) passes a ``CompileConfig`` with
     ``_compile_all_devices = True`` so that ``generate`` compiles the decode step on CPU too. ``on_first_token`` is
-    called where the timed part begins (profile_train.py starts its profiler there).
+    called where the timed part begins.
     """
     from transformers import CompileConfig, LogitsProcessorList
 
@@ -409,7 +409,8 @@ def memory_worker(kind: str, workload: str, dtype_name: str, shape: Shape, plan:
         run = train_workload(model, *plan.train_shape)
     else:
         raise ValueError(f"memory workload must be one of {MEMORY_WORKLOADS}, got {workload!r}")
-    run()
+    with harness.trace_code():  # the warm-up: what this workload runs (the parent process traces nothing here)
+        run()
     gc.collect()
     exact = reset_peak_rss()
     base_kb = _proc_status_kb("VmRSS")
@@ -418,7 +419,8 @@ def memory_worker(kind: str, workload: str, dtype_name: str, shape: Shape, plan:
     peak_kb = _proc_status_kb("VmHWM")
     # Without clear_refs the peak includes the warm-up; growth is then measured against the pre-warm-up peak.
     return {"growth_mib": (peak_kb - (base_kb if exact else start_peak_kb)) / 1024, "resident_mib": base_kb / 1024,
-            "peak_mib": peak_kb / 1024, "exact_reset": exact}
+            "peak_mib": peak_kb / 1024, "exact_reset": exact,
+            "executed": {path: sorted(lines) for path, lines in harness.EXECUTED.items()}}
 
 
 def _memory_child(queue, *args):
@@ -439,21 +441,21 @@ def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan,
     reps = max(1, min(plan.reps, 3))
     results = []
     for workload in MEMORY_WORKLOADS:
-        samples: dict[str, list] = {m: [] for m in models}
-        errors: dict[str, str] = {}
-        for rep in range(reps):
-            for kind in models[rep % len(models):] + models[: rep % len(models)]:
-                queue = ctx.Queue()
-                proc = ctx.Process(target=_memory_child, args=(queue, kind, workload, dtype_name, shape, plan))
-                proc.start()
-                out = queue.get()
-                proc.join()
-                if "error" in out:
-                    errors[kind] = out["error"]
-                else:
-                    samples[kind].append(out)
-                if progress is not None:
-                    progress.update(1)
+        def child(kind: str, workload: str = workload) -> dict:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_memory_child, args=(queue, kind, workload, dtype_name, shape, plan))
+            proc.start()
+            out = queue.get()
+            proc.join()
+            for path, lines in out.pop("executed", {}).items():  # the child's trace: this run's code record
+                harness.EXECUTED.setdefault(path, set()).update(lines)
+            return out
+
+        # No warm-up here: each child process warms up before it measures.
+        measured = harness.interleave({kind: lambda kind=kind: child(kind) for kind in models}, reps, warmup=0,
+                                      progress=progress, trace=False)
+        errors = {kind: out["error"] for kind, runs in measured.items() for out in runs if "error" in out}
+        samples = {kind: [out for out in runs if "error" not in out] for kind, runs in measured.items()}
         stats = {}
         for kind, outs in samples.items():
             if outs:
@@ -641,7 +643,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(GROUPS),
                    help=f"comma-separated measurement groups to run (default: all of {', '.join(GROUPS)})")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models (default: {', '.join(MODELS)}; "
-                   f"also {', '.join(EXTRA_MODELS)}: ours V1 with the previous one-padded-SDPA-call path); ratios need llama")
+                   f"also {', '.join(EXTRA_MODELS)}: ours V1 through one padded SDPA call, and the Llama's upcycles); ratios need llama")
     p.add_argument("--dtype", default=None, help="comma-separated dtypes: fp32, bf16 (default: both; fp32 with --smoke)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per model and item; medians reported "
                    "(default 7; memory uses at most 3)")
@@ -729,7 +731,10 @@ def main(argv: list[str] | None = None) -> dict:
         for dtype_name in dtypes:
             results = []
             if timed:
-                built = {m: build_model(m, shape, DTYPES[dtype_name]) for m in models}
+                built = {}
+                with harness.trace_code():  # building the models is part of the code a result ran
+                    for kind in models:  # a loop, not a comprehension: main itself is not traced
+                        built[kind] = build_model(kind, shape, DTYPES[dtype_name])
                 for g in timed:
                     bar.set_postfix_str(f"{dtype_name} {g}")
                     results += time_group(g, built, plan, bar)

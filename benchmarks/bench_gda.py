@@ -51,6 +51,14 @@ VERSIONS = (1, 2)
 FORMS = ("gda", "duplicated")
 
 
+def vllm_code_record() -> dict:
+    """The code record of a ``--vllm`` run: the package's vLLM model and the package files it imports, whole (vLLM's
+    engine runs them in processes a trace does not see), and this script's GDA models (traced)."""
+    record = harness.module_record(harness.package_imports("difftransformer/vllm_model.py"))
+    record["digests"] |= harness.code_record()["digests"]
+    return record
+
+
 @dataclass
 class Shape:
     vocab_size: int = 8192
@@ -113,7 +121,8 @@ def workloads(plan: Plan) -> list[tuple[str, dict, callable]]:
 def run(shape: Shape, plan: Plan, progress: bool = True) -> dict:
     torch.set_num_threads(plan.threads)
     harness.set_clock(plan.clock)
-    models = build_models(shape)
+    with harness.trace_code():  # building the models is part of the code a result ran
+        models = build_models(shape)
     rows = []
     for name, spec, make in workloads(plan):
         runs = {key: make(model) for key, model in models.items()}
@@ -142,7 +151,9 @@ def run_vllm(shape: Shape, concurrency=(8, 32), prompt_len: int = 128, new_token
 
     root = Path(workdir or tempfile.mkdtemp(prefix="bench_gda_vllm_"))
     folders = {}
-    for name, model in build_models(shape).items():
+    with harness.trace_code():
+        models = build_models(shape)
+    for name, model in models.items():
         folders[name] = root / name
         model.save_pretrained(folders[name])
     common = dict(dtype="float32", max_model_len=prompt_len + new_tokens + 16, seed=0, enforce_eager=True,
@@ -161,21 +172,20 @@ def run_vllm(shape: Shape, concurrency=(8, 32), prompt_len: int = 128, new_token
         outs = llms[name].generate(batch, params, use_tqdm=False)
         return cpu_seconds(processes[name]) - before, [list(o.outputs[0].token_ids) for o in outs]
 
-    names, rows, seed = list(llms), [], 1000
+    rows, seed = [], 1000
     for c in concurrency:
-        for name in names:  # warm-up
-            timed(name, prompts(seed, c))
+        batch = [prompts(seed, c)]  # the warm-up's; each round draws its own (new_round)
         seed += 1
-        samples = {name: [] for name in names}
-        same = {version: 0 for version in VERSIONS}
-        for rep in range(reps):
-            batch, seed = prompts(seed, c), seed + 1
-            outputs = {}
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
-                seconds, outputs[name] = timed(name, batch)
-                samples[name].append(seconds)
-            for version in VERSIONS:
-                same[version] += sum(a == b for a, b in zip(outputs[f"v{version}_gda"], outputs[f"v{version}_duplicated"]))
+
+        def new_round(rep: int, c: int = c, first: int = seed, batch: list = batch) -> None:
+            batch[0] = prompts(first + rep, c)
+
+        timings = harness.interleave({name: lambda name=name, batch=batch: timed(name, batch[0]) for name in llms}, reps, warmup=1,
+                                     new_round=new_round, trace=False)  # vLLM's engine runs in other processes
+        seed += reps
+        samples = {name: [seconds for seconds, _ in runs] for name, runs in timings.items()}
+        same = {version: sum(a == b for (_, x), (_, y) in zip(timings[f"v{version}_gda"], timings[f"v{version}_duplicated"])
+                             for a, b in zip(x, y)) for version in VERSIONS}
         for version in VERSIONS:
             gda, dup = (harness.summarize(samples[f"v{version}_{form}"]) for form in FORMS)
             ratio, quartiles = harness.paired(samples[f"v{version}_gda"], samples[f"v{version}_duplicated"])
@@ -250,8 +260,8 @@ def main(argv=None) -> dict:
         report = run(shape, plan, progress=not args.smoke)
     print(format_table(report))
     if args.json:
-        if args.vllm:  # its own entry of harness.MEASURED_CODE (the vLLM model), the command of this script
-            report["provenance"] = harness.provenance("bench_gda.py", argv) | {"script": "bench_gda_vllm"}
+        if args.vllm:  # the engines ran the package's vLLM model in their own processes: its modules are the record
+            report["provenance"] = harness.provenance("bench_gda.py", argv, code=vllm_code_record())
         report = harness.write_json(args.json, report, "bench_gda.py", argv)
     return report
 

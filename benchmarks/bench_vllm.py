@@ -126,12 +126,13 @@ def run(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vllm_"))
-    if args.smoke:
-        folders = tiny_random_models(workdir)
-    else:
-        example = _example()
-        folders = {"llama": example.prepare_llama(workdir), "diff_v2": example.prepare_v2(workdir),
-                   "diff_v1": example.prepare_v1(workdir)}
+    with harness.trace_code():  # preparing the folders (the upcycles' conversion) is part of the code a result ran
+        if args.smoke:
+            folders = tiny_random_models(workdir)
+        else:
+            example = _example()
+            folders = {"llama": example.prepare_llama(workdir), "diff_v2": example.prepare_v2(workdir),
+                       "diff_v1": example.prepare_v1(workdir)}
     folders = {name: folders[name] for name in args.models}
     common = dict(dtype="float32", max_model_len=args.prompt_len + args.new_tokens + 16, seed=0,
                   enforce_eager=not args.compile, skip_tokenizer_init=True)
@@ -175,23 +176,21 @@ def run(args) -> dict:
     results = []
     seed = 1000
     for c in args.concurrency:
-        for name in names:  # warm-up
-            timed(name, prompts(seed, c))
+        batch = [prompts(seed, c)]  # the warm-up's; each round draws its own (new_round)
         seed += 1
-        times = {name: [] for name in names}
-        cpu_times = {name: [] for name in names}
+
+        def new_round(rep: int, c: int = c, first: int = seed, batch: list = batch) -> None:
+            batch[0] = prompts(first + rep, c)
+
+        timings = harness.interleave({name: lambda name=name, batch=batch: timed(name, batch[0]) for name in llms}, args.reps,
+                                     warmup=1, new_round=new_round, trace=False)  # the engines run in other processes
+        seed += args.reps
+        times = {name: [elapsed for elapsed, _, _ in runs] for name, runs in timings.items()}
+        cpu_times = {name: [cpu for _, cpu, _ in runs] for name, runs in timings.items()}
         same = total = 0
-        for rep in range(args.reps):
-            batch = prompts(seed, c)
-            seed += 1
-            order = names[rep % len(names):] + names[:rep % len(names)]  # rotated by one each round
-            outputs = {}
-            for name in order:
-                elapsed, cpu, outputs[name] = timed(name, batch)
-                times[name].append(elapsed)
-                cpu_times[name].append(cpu)
-            if "diff_v2" in outputs:
-                same += sum(a == b for a, b in zip(outputs["llama"], outputs["diff_v2"], strict=True))
+        if "diff_v2" in timings:
+            for (_, _, llama_out), (_, _, v2_out) in zip(timings["llama"], timings["diff_v2"]):
+                same += sum(a == b for a, b in zip(llama_out, v2_out, strict=True))
                 total += c
         row = {"concurrency": c}
         if total:
@@ -359,7 +358,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     report = run(args)
     path = args.out_dir / f"vllm_{args.name}.json"
-    harness.write_json(path, report, "bench_vllm.py", argv, indent=2)
+    # vLLM's engines run the model code in their own processes, which a trace does not see: the record is the package's
+    # vLLM model and the package files it imports, whole, and the upcycling this script ran to prepare the folders.
+    code = harness.module_record(harness.package_imports("difftransformer/vllm_model.py"))
+    code["digests"] |= harness.code_record()["digests"]
+    harness.write_json(path, report, "bench_vllm.py", argv, indent=2, code=code)
     print(f"wrote {path}")
     print(format_table(report))
     if write_chart(report, path.with_suffix(".png")):

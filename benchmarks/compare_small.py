@@ -18,9 +18,9 @@ tasks of :mod:`difftransformer.probes`, so that the claims can be checked end to
    softmax maps for the Llama; positive-mass shares, see :mod:`difftransformer.analysis`).
 
 Writes ``results.json``, ``results.md`` (tables, the exact command), ``loss_curves.png``, ``shares.png`` and one
-accuracy heatmap per model and probe into ``--out``. Presets (``--size``): ``default`` (about 17 min of training
-per model with one thread, about an hour for all three: measured, docs/analysis.md), ``reduced`` (~5–8 min per model
-with one thread on a busy machine; two seeds in docs/analysis.md) and ``smoke`` (seconds; used by the tests). Every
+accuracy heatmap per model and probe into ``--out`` (runs: docs/reports/2026-11-23-small-comparison.md). Presets (``--size``): ``default`` (about 17 min of training
+per model with one thread, about an hour for all three), ``reduced`` (~5–8 min per model
+with one thread on a busy machine) and ``smoke`` (seconds; used by the tests). Every
 flag overrides its preset value.
 """
 
@@ -41,7 +41,7 @@ if _ROOT not in sys.path:  # run as a script (or loaded from its file): `benchma
     sys.path.insert(0, _ROOT)
 
 from benchmarks import harness  # noqa: E402
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis, data, probes
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis, data, probes  # noqa: E402
 
 MODELS = ("v1", "v2", "llama")
 
@@ -479,11 +479,12 @@ def run(args: argparse.Namespace) -> dict:
     data_seconds = time.time() - t0
     results = {}
     for name in args.models:
-        model = build_model(name, configs[name], args.seed)
-        curves = train_model(model, train["train_batches"], train["val_corpus"], train["val_retrieval"], args.lr,
-                             args.warmup, args.eval_every, args.batch_size, progress=not args.no_progress)
-        t1 = time.time()
-        evaluation = evaluate_model(model, tokenizer, probe_examples, args.lens_examples, args.out, name)
+        with harness.trace_code():  # what the result ran: the model, its training and its evaluation
+            model = build_model(name, configs[name], args.seed)
+            curves = train_model(model, train["train_batches"], train["val_corpus"], train["val_retrieval"], args.lr,
+                                 args.warmup, args.eval_every, args.batch_size, progress=not args.no_progress)
+            t1 = time.time()
+            evaluation = evaluate_model(model, tokenizer, probe_examples, args.lens_examples, args.out, name)
         results[name] = {"params": _count(model), "curves": curves, "eval": evaluation, "eval_seconds": time.time() - t1}
         if args.save_models:  # e.g. to run the lens CLI on the trained models afterwards
             model.save_pretrained(os.path.join(args.save_models, name))

@@ -58,6 +58,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from difftransformer import probes, telemetry  # noqa: E402
 from difftransformer import upcycle as up  # noqa: E402
 
@@ -443,11 +444,12 @@ def run(args: argparse.Namespace) -> dict:
         for seed in args.seeds:
             todo = [name for name in args.models if seed not in runs.get(name, {})]
             for name in todo:
-                runs.setdefault(name, {})[seed] = run_one(name, seed, source, data, args, Path(tmp), before_shared)
+                with harness.trace_code():  # what the result ran: conversion, fine-tuning, evaluation
+                    runs.setdefault(name, {})[seed] = run_one(name, seed, source, data, args, Path(tmp), before_shared)
             if not todo and results is not None:
                 continue
             meta = _meta(args, source, data["probes"], eval_length, earlier_seconds + time.time() - t_start)
-            provenance = up.provenance("compare_upcycled.py", meta["command"])
+            provenance = harness.provenance("compare_upcycled.py", args.argv) | {"torch_threads": torch.get_num_threads()}
             if earlier is not None:
                 provenance["resumed_from"] = earlier
             results = results_of(runs, meta, provenance)

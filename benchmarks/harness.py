@@ -4,17 +4,18 @@
   ``cpu`` (this process's CPU seconds: with one thread it leaves out the time other processes hold the core),
   ``thread`` (this thread's CPU seconds) or ``cuda`` (elapsed seconds after ``torch.cuda.synchronize()``: GPU work
   is asynchronous, so an unsynchronised clock would time the kernel launches).
-* **Timing.** :func:`run_interleaved` takes callables that time themselves (they return seconds);
-  :func:`time_interleaved` times plain callables, looping the short ones. Both warm every callable up, then run
-  ``reps`` rounds over all of them with the order rotated by one each round, so that load from other processes hits
-  all of them alike.
+* **Timing.** :func:`interleave` is the one timing loop: warm-ups, then ``reps`` rounds over every run with the
+  order rotated by one each round, so that load from other processes hits all of them alike;
+  :func:`run_interleaved` summarizes runs that time themselves (they return seconds).
 * **Statistics.** :func:`summarize` (median, spread = IQR / median, the samples), :func:`quartiles`,
   :func:`paired` (median and quartiles of the per-round ratios of two interleaved sample lists: a round in which the
   whole machine slows down cancels in its own ratio).
+* **The code a result ran.** :func:`trace_code` records the repository functions that run (``interleave`` traces one
+  untimed call of each run), :func:`code_record` digests them, :func:`code_changes` says which of them differ in a
+  checkout: a result is stale exactly when one does (see "The code a result ran" below).
 * **Provenance.** :func:`provenance` returns the git commit (and whether the working tree differed from it, and in
   which files), the command line, the machine (CPU model, its AVX2 / AVX-512 / AMX flags, its cores), the Python,
-  torch and transformers versions and the UTC time; :func:`write_json` writes a result with it. ``MEASURED_CODE``
-  names, per script, the code whose change makes its results stale (tests/test_doc_numbers.py reads it).
+  torch and transformers versions, the UTC time and the code record; :func:`write_json` writes a result with it.
 * **Charts.** :func:`pyplot` (matplotlib with the Agg backend) and :func:`save_figure`.
 
 Nothing here imports torch or transformers at module level: provenance works where they are absent.
@@ -23,10 +24,8 @@ Nothing here imports torch or transformers at module level: provenance works whe
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import shlex
@@ -92,13 +91,6 @@ def summarize(samples: Sequence[float]) -> dict:
     return {"median": med, "spread": spread, "samples": samples}
 
 
-def call_stats(samples: Sequence[float]) -> dict:
-    """The micro-benchmarks' per-call statistics: ``{"median_s", "iqr" (the spread of :func:`summarize`), "min_s",
-    "n"}``."""
-    stats = summarize(samples)
-    return {"median_s": stats["median"], "iqr": stats["spread"], "min_s": min(stats["samples"]), "n": len(samples)}
-
-
 def paired(samples: Sequence[float], base: Sequence[float]) -> tuple[float, list[float]]:
     """Median and [first, third] quartiles of the per-round ratios ``samples[i] / base[i]``."""
     if len(samples) != len(base) or not samples:
@@ -112,87 +104,334 @@ def paired(samples: Sequence[float], base: Sequence[float]) -> tuple[float, list
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _rotations(names: list[str], reps: int):
-    for rep in range(reps):
-        yield rep, names[rep % len(names):] + names[: rep % len(names)]
+def interleave(runs: dict[str, Callable[[], object]], reps: int, warmup: int = 1, progress=None,
+               new_round: Callable[[int], object] | None = None, trace: bool = True) -> dict[str, list]:
+    """The one timing loop of the benchmarks: ``warmup`` calls of every run, then ``reps`` rounds over all of them,
+    the order rotated by one each round, so that load from other processes hits every run alike. Returns, per name,
+    what each timed call returned (seconds for a run that times itself; any value, e.g. a dict, otherwise).
+
+    ``trace``: first, one untimed call of every run under :func:`trace_code` with torch.compile off
+    (``torch.compiler.set_stance("force_eager")``: compiled code hides the Python it inlined), which records the
+    repository code the run executes for its result's provenance (:func:`code_record`); the warm-ups and the timed
+    rounds run untraced. ``new_round(rep)`` is called before each round (e.g. to draw that round's prompts);
+    ``progress`` (a tqdm bar) gets one update per timed call."""
+    if trace:
+        for run in runs.values():
+            with trace_code(), _eager():
+                run()
+    with _untraced():
+        for run in runs.values():
+            for _ in range(warmup):
+                run()
+        samples: dict[str, list] = {name: [] for name in runs}
+        names = list(runs)
+        for rep in range(reps):
+            if new_round is not None:
+                new_round(rep)
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                samples[name].append(runs[name]())
+                if progress is not None:
+                    progress.update(1)
+    return samples
 
 
-def run_interleaved(runs: dict[str, Callable[[], float]], reps: int, warmup: int, progress=None) -> dict[str, dict]:
-    """Warm every run up ``warmup`` times, then ``reps`` rounds over all of them, the order rotated by one each round.
-    Each run times itself (returns its seconds). Returns :func:`summarize` per name; ``progress`` (a tqdm bar) gets
-    one update per run."""
-    for run in runs.values():
-        for _ in range(warmup):
-            run()
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for _, order in _rotations(list(runs), reps):
-        for name in order:
-            samples[name].append(runs[name]())
-            if progress is not None:
-                progress.update(1)
+def run_interleaved(runs: dict[str, Callable[[], float]], reps: int, warmup: int, progress=None,
+                    trace: bool = True) -> dict[str, dict]:
+    """:func:`interleave` over runs that time themselves (each returns its seconds): :func:`summarize` per name."""
+    samples = interleave(runs, reps, warmup, progress, trace=trace)
     return {name: summarize(s) for name, s in samples.items()}
 
 
-def _calls_per_sample(fn: Callable[[], object], min_seconds: float) -> int:
-    """Calls per timing sample so that one sample lasts at least ``min_seconds`` (small decode calls take µs)."""
-    start = now()
-    fn()
-    once = max(now() - start, 1e-7)
-    return max(1, math.ceil(min_seconds / once))
+def _eager():
+    """torch.compile off (``force_eager``) where torch is imported and has stances; else nothing."""
+    import contextlib
+
+    torch = sys.modules.get("torch")
+    stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1, min_seconds: float = 0.02,
-                     progress=None) -> dict[str, list[float]]:
-    """Seconds per call of every function, ``reps`` samples each, the order rotated each round; a function faster
-    than ``min_seconds`` is called several times per sample. ``progress`` gets one update per round."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    inner = {name: _calls_per_sample(fn, min_seconds) for name, fn in fns.items()}
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _, order in _rotations(list(fns), reps):
-        for name in order:
-            start = now()
-            for _ in range(inner[name]):
-                fns[name]()
-            samples[name].append((now() - start) / inner[name])
-        if progress is not None:
-            progress.update(1)
-    return samples
+# ----------------------------------------------------------------------------------------------------------------
+# The code a result ran
+# ----------------------------------------------------------------------------------------------------------------
+
+# A result is stale when the code it ran has changed since, and only then. What it ran is recorded at run time:
+# :func:`trace_code` notes every function of the repository (these folders) that starts executing, and
+# :func:`code_record` stores a digest of each: of its syntax tree without docstrings (comments are not in it), so that
+# a reworded comment changes nothing and a renamed variable does. A function is named by its file and its top-level
+# definition (``file.py:function`` or ``file.py:Class.method``; nested functions, lambdas and comprehensions count as
+# part of the function that defines them), with its context in that file (:func:`with_context`): its class's other
+# statements, the module-level assignments it reads, the file's other module-level statements. :func:`code_changes`
+# compares such a record with the code of a checkout: no git history is needed. What is outside: the Python a traced
+# function calls in other packages (their versions are recorded), and code that runs in another process (vLLM's
+# engine: its benchmarks record whole modules instead, :func:`module_record`).
+CODE_FOLDERS = ("difftransformer", "benchmarks", "examples", "convert_scripts")
+EXECUTED: dict[str, set[int]] = {}  # path (relative to ROOT) -> first lines of the code objects that ran there
+_SOURCES: dict[str, str] = {}  # path -> its text when a trace first met it (what ran, even if edited later)
+# This file is not traced: the clock, the loop and the tracer decide how a result is measured, not what it measures
+# (a change to the loop reaches every benchmark's next run, not the meaning of a recorded result).
+_SELF = os.path.join("benchmarks", "harness.py")
+
+
+def _profile(frame, event, arg):
+    if event != "call":
+        return
+    code = frame.f_code
+    path = code.co_filename
+    if not path.startswith(ROOT):
+        return
+    rel = os.path.relpath(path, ROOT)
+    if rel.split(os.sep, 1)[0] not in CODE_FOLDERS or not rel.endswith(".py") or rel == _SELF:
+        return
+    lines = EXECUTED.get(rel)
+    if lines is None:
+        lines = EXECUTED[rel] = set()
+        try:
+            with open(path, encoding="utf-8") as f:
+                _SOURCES[rel] = f.read()
+        except OSError:
+            pass
+    lines.add(code.co_firstlineno)
+
+
+class trace_code:
+    """Context manager: record (in ``EXECUTED``) every repository function that starts running inside it, in this
+    thread and in threads started inside it. Nestable; costs a Python call per function call, so benchmarks trace
+    one untimed call (:func:`interleave` does), never the timed ones."""
+
+    def __enter__(self):
+        import threading
+
+        self._saved = (sys.getprofile(), threading.getprofile() if hasattr(threading, "getprofile") else None)
+        sys.setprofile(_profile)
+        threading.setprofile(_profile)
+        return self
+
+    def __exit__(self, *exc):
+        import threading
+
+        sys.setprofile(self._saved[0])
+        threading.setprofile(self._saved[1])
+        return False
+
+
+class _untraced:
+    """Inside a trace: nothing is recorded (timed calls must not pay for the profiler)."""
+
+    def __enter__(self):
+        import threading
+
+        self._saved = (sys.getprofile(), threading.getprofile() if hasattr(threading, "getprofile") else None)
+        sys.setprofile(None)
+        threading.setprofile(None)
+        return self
+
+    def __exit__(self, *exc):
+        import threading
+
+        sys.setprofile(self._saved[0])
+        threading.setprofile(self._saved[1])
+        return False
+
+
+def _strip_docstrings(tree):
+    import ast
+
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def _digest(node) -> str:
+    import ast
+
+    return hashlib.sha256(ast.dump(node).encode()).hexdigest()[:12]
+
+
+def definitions(text: str) -> dict[str, tuple[int, int, str, frozenset]]:
+    """A Python file's top-level definitions: name → (first line, last line, digest of the code without docstrings, the
+    names it reads). Names: ``function``, ``Class.method``, ``Class.<class>`` (a class's statements outside its
+    methods), ``<module>.NAME`` (a module-level assignment to NAME) and ``<module>`` (the other module-level
+    statements, imports aside). A function's first line is that of its first decorator, as Python's code objects
+    count it. A file that does not parse: one entry, ``<module>``, of its text."""
+    import ast
+    import copy
+
+    try:
+        tree = _strip_docstrings(ast.parse(text))
+    except SyntaxError:
+        return {"<module>": (0, 0, hashlib.sha256(text.encode()).hexdigest()[:12], frozenset())}
+    defs: dict[str, tuple[int, int, str, frozenset]] = {}
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+    def entry(node, first=None):
+        reads = frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) if first is None else first
+        return (start, getattr(node, "end_lineno", start), _digest(node), reads)
+
+    module = []
+    for node in tree.body:
+        if isinstance(node, functions):
+            defs[node.name] = entry(node)
+        elif isinstance(node, ast.ClassDef):
+            rest = copy.copy(node)
+            rest.body = []
+            for item in node.body:
+                if isinstance(item, functions):
+                    defs[f"{node.name}.{item.name}"] = entry(item)
+                else:
+                    rest.body.append(item)
+            defs[f"{node.name}.<class>"] = entry(rest)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            for name in names:
+                defs[f"<module>.{name}"] = entry(node, 0)
+            if not names:
+                module.append(node)
+        elif not isinstance(node, (ast.Import, ast.ImportFrom)):
+            module.append(node)
+    defs["<module>"] = entry(ast.Module(body=module, type_ignores=[]), 0)
+    return defs
+
+
+def _names_at(defs: dict[str, tuple], lines: set[int]) -> set[str]:
+    """The functions and methods whose code starts at, or contains, one of ``lines`` (nested code belongs to its
+    definition)."""
+    spans = sorted((d[0], d[1], name) for name, d in defs.items() if not name.startswith("<module>")
+                   and not name.endswith(".<class>"))
+    found = set()
+    for line in lines:
+        inside = [name for a, b, name in spans if a <= line <= b]
+        if inside:
+            found.add(min(inside, key=lambda n: defs[n][1] - defs[n][0]))  # the innermost: a method, not its class
+    return found
+
+
+def with_context(defs: dict[str, tuple], names: set[str]) -> set[str]:
+    """``names`` (functions and methods of one file) with what they depend on in that file besides other functions:
+    their classes' ``<class>`` entries, the module-level assignments they read (and those these read), and the
+    file's other module-level statements (``<module>``: registrations, conditional definitions)."""
+    found = set(names) | {n.split(".")[0] + ".<class>" for n in names if "." in n and not n.startswith("<module>")}
+    found.add("<module>")
+    todo = list(found)
+    while todo:
+        name = todo.pop()
+        for read in defs.get(name, (0, 0, "", frozenset()))[3]:
+            constant = f"<module>.{read}"
+            if constant in defs and constant not in found:
+                found.add(constant)
+                todo.append(constant)
+    return {n for n in found if n in defs}
+
+
+def code_record(executed: dict[str, set[int]] | None = None, sources: dict[str, str] | None = None) -> dict:
+    """``{"how": "traced", "digests": {"file.py:name": digest}}`` of the code :func:`trace_code` saw run (default: all
+    traces of this process), each function with its context (:func:`with_context`). ``how`` is ``"not traced"``
+    (and ``digests`` empty) where nothing was traced."""
+    executed = EXECUTED if executed is None else executed
+    sources = _SOURCES if sources is None else sources
+    digests = {}
+    for path, lines in sorted(executed.items()):
+        text = sources.get(path)
+        if text is None:
+            text = _read(path)
+            if text is None:
+                continue
+        defs = definitions(text)
+        names = _names_at(defs, lines)
+        if names:
+            digests.update({f"{path}:{n}": defs[n][2] for n in sorted(with_context(defs, names))})
+    return {"how": "traced" if digests else "not traced", "digests": digests}
+
+
+def module_record(paths: Sequence[str], read: Callable[[str], str | None] | None = None, how: str = "modules") -> dict:
+    """A record of whole files (every definition of each): for code a trace cannot see, such as vLLM's engine
+    process. ``read(path)`` gives a file's text (default: the working tree's)."""
+    read = read or _read
+    digests = {}
+    for path in paths:
+        text = read(path)
+        if text is None:
+            digests[f"{path}:<module>"] = None
+            continue
+        digests.update({f"{path}:{name}": d[2] for name, d in definitions(text).items()})
+    return {"how": how, "digests": digests}
+
+
+def _read(path: str, root: str = ROOT) -> str | None:
+    try:
+        with open(os.path.join(root, path), encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def code_changes(record: dict | None, root: str = ROOT) -> list[str] | None:
+    """The entries of a :func:`code_record` whose code differs in the checkout at ``root`` (changed, or gone): empty
+    while the result is current; ``None`` where the record holds no digests (the run recorded none: unknown)."""
+    if not record or not record.get("digests"):
+        return None
+    texts: dict[str, dict] = {}
+    changed = []
+    for key, digest in record["digests"].items():
+        path, name = key.rsplit(":", 1)
+        if path not in texts:
+            text = _read(path, root)
+            texts[path] = definitions(text) if text is not None else {}
+        now = texts[path].get(name)
+        if digest is None or now is None or now[2] != digest:
+            changed.append(key)
+    return changed
+
+
+def package_imports(module_path: str, read: Callable[[str], str | None] | None = None) -> list[str]:
+    """``module_path`` and every file of the package it imports, transitively (relative imports and
+    ``difftransformer.…`` ones), as paths: the modules a process that imports it loads from the repository."""
+    import ast
+
+    read = read or _read
+    seen, todo = [], [module_path]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        text = read(path)
+        if text is None:
+            continue
+        seen.append(path)
+        package = os.path.dirname(path)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package
+                    for _ in range(node.level - 1):
+                        base = os.path.dirname(base)
+                    mod = os.path.join(base, *node.module.split(".")) if node.module else base
+                    targets = [mod] + [os.path.join(mod, a.name) for a in node.names]
+                elif node.module and node.module.split(".")[0] == "difftransformer":
+                    mod = os.path.join(*node.module.split("."))
+                    targets = [mod] + [os.path.join(mod, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [os.path.join(*a.name.split(".")) for a in node.names if a.name.split(".")[0] == "difftransformer"]
+            for target in targets:
+                for candidate in (target + ".py", os.path.join(target, "__init__.py")):
+                    if read(candidate) is not None and candidate not in seen:
+                        todo.append(candidate)
+    return sorted(seen)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Provenance
 # ----------------------------------------------------------------------------------------------------------------
-
-# The code each script's results measure: a commit that changes one of these after the result's commit makes the
-# result stale (tests/test_doc_numbers.py). The package's model code, the script and what it imports of benchmarks/.
-_MODEL = ["difftransformer/modeling_difftransformer.py", "difftransformer/kernels_difftransformer.py",
-          "difftransformer/configuration_difftransformer.py"]
-_BENCH = ["benchmarks/bench.py", "benchmarks/padded_sdpa.py", "benchmarks/harness.py"]
-MEASURED_CODE: dict[str, list[str]] = {
-    "bench.py": _MODEL + _BENCH,
-    "decode_parts.py": _MODEL + _BENCH + ["benchmarks/decode_parts.py"],
-    "bench_gda.py": _MODEL + _BENCH + ["benchmarks/bench_gda.py", "difftransformer/convert/gda.py"],
-    "bench_gda_vllm": _MODEL + ["benchmarks/bench_gda.py", "benchmarks/bench_vllm.py", "benchmarks/harness.py",
-                                "difftransformer/convert/gda.py", "difftransformer/vllm_model.py",
-                                "difftransformer/vllm_plugin.py"],  # bench_gda.py --vllm
-    "profile_train.py": _MODEL + _BENCH + ["benchmarks/profile_train.py"],
-    "attention_micro.py": _MODEL + ["benchmarks/attention_micro.py", "benchmarks/harness.py"],
-    "v2_prompt_attention.py": _MODEL + ["benchmarks/v2_prompt_attention.py", "benchmarks/attention_micro.py",
-                                        "benchmarks/harness.py"],
-    "gpu_check.py": _MODEL + _BENCH + ["benchmarks/gpu_check.py", "difftransformer/testing_utils.py"],
-    "bench_vllm.py": _MODEL + ["difftransformer/vllm_model.py", "difftransformer/vllm_plugin.py",
-                               "benchmarks/bench_vllm.py", "benchmarks/harness.py", "examples/serve_smollm2.py"],
-    "compare_small.py": _MODEL + ["benchmarks/compare_small.py", "difftransformer/probes.py",
-                                  "difftransformer/analysis.py", "difftransformer/data.py"],
-    "compare_upcycled.py": _MODEL + ["benchmarks/compare_upcycled.py", "difftransformer/upcycle.py",
-                                     "difftransformer/upcycle", "difftransformer/probes.py", "difftransformer/data.py"],
-    "upcycle": _MODEL + ["difftransformer/upcycle.py", "difftransformer/upcycle", "difftransformer/convert",
-                         "difftransformer/data.py"],  # upcycle.py until it became the package upcycle/
-    "measure_v1_init.py": _MODEL + ["convert_scripts/measure_v1_init.py", "difftransformer/convert",
-                                    "difftransformer/data.py"],
-}
 
 # /proc/cpuinfo flags that decide which CPU kernels torch runs (bf16 and int8 matmuls, vector width).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
@@ -235,51 +474,9 @@ def machine_info(threads: int | None = None) -> dict:
     return info
 
 
-def measured_code_changes(commit: str, script: str, root: str = ROOT, first: bool = False) -> list[str]:
-    """The commits after ``commit`` (reachable from HEAD, not from ``commit``), oldest first, that changed the code
-    ``script``'s results measure (``MEASURED_CODE``): empty while a result of ``commit`` is current. A commit that
-    changed only comments and docstrings of those files changed no code and does not count. ``first``: only the first
-    such commit (what a document names), without reading the later ones. Raises
-    ``subprocess.CalledProcessError`` where ``commit`` is not in this repository's history."""
-    paths = MEASURED_CODE[script]
-    commits = _git("log", "--format=%H", "--reverse", f"{commit}..HEAD", "--", *paths, root=root).split()
-    changes = []
-    for c in commits:
-        if _changes_code(c, tuple(paths), root):
-            changes.append(c)
-            if first:
-                break
-    return changes
-
-
-def _code_of(text: str | None, path: str) -> str | None:
-    """What of a file's text can change a measurement: a Python file's syntax tree without docstrings (comments are
-    not in it), any other file's text."""
-    if text is None or not path.endswith(".py"):
-        return text
-    import ast
-
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return text
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
-
-
-@functools.lru_cache(maxsize=None)  # a commit never changes: one answer per (commit, paths, repository)
-def _changes_code(commit: str, paths: tuple[str, ...], root: str) -> bool:
-    """Whether ``commit`` changed more than comments and docstrings in any of ``paths``."""
-    changed = _git("diff-tree", "--no-commit-id", "--name-only", "-r", f"{commit}^", commit, "--", *paths, root=root).split()
-    for path in changed:
-        before, after = (_show(f"{rev}:{path}", root) for rev in (f"{commit}^", commit))
-        if _code_of(before, path) != _code_of(after, path):
-            return True
-    return False
+def git_reader(rev: str, root: str = ROOT) -> Callable[[str], str | None]:
+    """``read(path)``: the file's text at commit ``rev`` of this repository (None where it did not exist)."""
+    return lambda path: _show(f"{rev}:{path}", root)
 
 
 def _show(spec: str, root: str) -> str | None:
@@ -364,24 +561,24 @@ def _versions() -> dict:
     return versions
 
 
-def provenance(script: str, argv: Sequence[str] | None = None) -> dict:
-    """Where a result comes from: ``script`` (its file name in benchmarks/ or convert_scripts/, a key of
-    ``MEASURED_CODE``), the git commit, whether the tracked files differed from it and which, the command line, the
-    machine, the versions and the UTC time."""
+def provenance(script: str, argv: Sequence[str] | None = None, code: dict | None = None) -> dict:
+    """Where a result comes from: ``script`` (its file name in benchmarks/ or convert_scripts/), the git commit,
+    whether the tracked files differed from it and which, the command line, the machine, the versions, the UTC time
+    and ``code``: the code the run executed (default: :func:`code_record` of this process's traces)."""
     commit, dirty, dirty_files = git_state()
     path = next((p for p in (f"benchmarks/{script}", f"convert_scripts/{script}")
                  if os.path.exists(os.path.join(ROOT, p))), script)
     utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"script": script, "commit": commit, "dirty": dirty, "dirty_files": dirty_files,
             "command": command_line(argv, path), "machine": cpu_info(), "versions": _versions(),
-            "source_digest": source_digest(), "utc": utc}
+            "source_digest": source_digest(), "utc": utc, "code": code if code is not None else code_record()}
 
 
 def write_json(path: str | os.PathLike, report: dict, script: str, argv: Sequence[str] | None = None,
-               indent: int = 1) -> dict:
-    """Write ``report`` with its ``provenance`` (:func:`provenance`, unless it already has one) to ``path``, making
-    the folder; returns the report as written."""
-    report = report if "provenance" in report else report | {"provenance": provenance(script, argv)}
+               indent: int = 1, code: dict | None = None) -> dict:
+    """Write ``report`` with its ``provenance`` (:func:`provenance` with ``code``, unless it already has one) to
+    ``path``, making the folder; returns the report as written."""
+    report = report if "provenance" in report else report | {"provenance": provenance(script, argv, code)}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     with open(path, "w") as f:

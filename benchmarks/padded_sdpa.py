@@ -1,10 +1,10 @@
-"""V1's previous sdpa path, kept as a baseline for the benchmarks: one zero-padded SDPA call per layer.
+"""V1 through one zero-padded SDPA call per layer: the baseline bench.py's ``ours_v1_padded`` measures V1's own kernel
+against.
 
-Under ``attn_implementation="sdpa"`` the modeling file runs V1 through its own blocked/packed kernel
-(``differential_sdpa_attention``). Every OTHER attention implementation name still receives the zero-padded queries
-``[Q1|0]``, ``[0|Q2]`` ``(B, 2H, T, 2d)`` and the packed key/value, and the module combines the 2H outputs. So
-transformers' own ``sdpa_attention_forward`` (with sdpa's mask builder) registered under another name reproduces
-exactly the single-padded-SDPA-call V1 that ``"sdpa"`` ran before the kernel moved into the modeling file.
+Under ``attn_implementation="sdpa"`` the modeling file runs V1 through its own CPU kernel. Every other attention
+implementation name receives V1's zero-padded queries and the module combines the outputs, so transformers' own
+``sdpa_attention_forward`` (with sdpa's mask builder) registered under another name is exactly that single padded
+call.
 
 Importing this module registers it as :data:`PADDED_SDPA`; set ``config._attn_implementation = PADDED_SDPA`` (or
 ``model.set_attn_implementation(PADDED_SDPA)``) to use it.

