@@ -60,14 +60,14 @@ def test_training_data_is_deterministic_and_mixed(cs, tok):
 
 
 def _docs_commands():
-    """The comparison commands of docs/analysis.md (the ones that produced its numbers), as argument lists."""
+    """The comparison commands of docs/analysis.md, as argument lists."""
     import re
     import shlex
 
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "analysis.md").read_text(), flags=re.S)
     lines = [line for b in blocks for line in b.strip().splitlines() if "compare_small.py" in line]
     assert lines
-    commands = [shlex.split(line) for line in lines]
+    commands = [shlex.split(line, comments=True) for line in lines]
     for argv in commands:
         assert argv[:2] == ["python", "benchmarks/compare_small.py"]
     return [argv[2:] for argv in commands]
@@ -125,15 +125,15 @@ def test_cli_rejects_unknown_models(cs):
 
 
 def test_docs_tables_are_rendered_from_the_committed_runs():
-    """docs/analysis.md's default-size and reduced-size tables are table blocks of these runs' results.json
-    (benchmarks/doc_tables.py renders them with compare_small.summary_table; tests/test_doc_numbers.py checks every
-    block), and the runs used the presets the docs describe."""
+    """The small-comparison report's default-size and reduced-size tables are table blocks of these runs'
+    results.json (scripts/doc_tables.py renders them with compare_small.summary_table; tests/test_doc_numbers.py checks
+    every block), and the runs used the presets the report describes."""
     results = ROOT / "benchmarks" / "results"
     default = json.loads((results / "compare_small_default" / "results.json").read_text())
     assert default["meta"]["command"] == "python benchmarks/compare_small.py --size default --no-progress"
     assert [json.loads((results / d / "results.json").read_text())["meta"]["args"]["seed"]
             for d in ("compare_small_reduced", "compare_small_reduced_seed1")] == [0, 1]
-    docs = (ROOT / "docs" / "analysis.md").read_text()
-    assert "<!-- table: compare-small benchmarks/results/compare_small_default/results.json -->" in docs
+    report = (ROOT / "docs" / "reports" / "2026-11-23-small-comparison.md").read_text()
+    assert "<!-- table: compare-small benchmarks/results/compare_small_default/results.json -->" in report
     assert ("<!-- table: compare-small benchmarks/results/compare_small_reduced/results.json "
-            "benchmarks/results/compare_small_reduced_seed1/results.json -->") in docs
+            "benchmarks/results/compare_small_reduced_seed1/results.json -->") in report
