@@ -60,7 +60,9 @@ def _result_jsons() -> list[Path]:
 
 def test_every_table_equals_its_json():
     report = doc_tables.check()
-    assert not report.errors, "\n".join(report.errors)
+    assert not report.errors, "\n".join(report.errors) + (
+        "\n(after changing code or a result: `python scripts/doc_tables.py --write` regenerates the tables and the "
+        "lines under them, which say whether the code each run executed has changed since; commit the docs with it)")
     found = {}
     for block in report.blocks:
         found[block.doc] = found.get(block.doc, 0) + 1
