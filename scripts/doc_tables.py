@@ -2,6 +2,7 @@
 
     python scripts/doc_tables.py            # check: exit 1, naming each block that differs from its JSONs
     python scripts/doc_tables.py --write    # rewrite every table block from its JSONs
+    python scripts/doc_tables.py --changes  # per result shown: the code it ran that has changed since
 
 A **table block** is ``<!-- table: RENDERER FILE [FILE ...] [key=value ...] -->`` on its own line, the generated
 lines, and ``<!-- end table -->`` (HTML comments: Markdown does not show them). ``RENDERER`` is one of ``RENDERERS``,
@@ -75,16 +76,6 @@ def code_status(prov: dict, root: str = _ROOT) -> tuple[str, list[str]]:
     return ("changed" if changes else "current"), changes
 
 
-def _names(changes: list[str], most: int = 3) -> str:
-    def name(change: str) -> str:
-        path, what = change.rsplit(":", 1)
-        return f"`{path}`" if what == "<module>" else f"`{what.removeprefix('<module>.').removesuffix('.<class>')}`"
-
-    names = [name(c) for c in changes]
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
 def code_sentence(prov: dict, root: str = _ROOT) -> str:
     """Whether the code the run executed has changed since, as a clause."""
     status, changes = code_status(prov, root)
@@ -94,7 +85,7 @@ def code_sentence(prov: dict, root: str = _ROOT) -> str:
     note = " (record reconstructed after the run)" if how.startswith("reconstructed") else ""
     if status == "current":
         return "the code it ran is unchanged since" + note
-    return f"the code it ran has changed since ({_names(changes)}){note}"
+    return "the code it ran has changed since" + note  # which parts: python scripts/doc_tables.py --changes
 
 
 def recorded_command(prov: dict) -> tuple[str, bool]:
@@ -590,9 +581,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write", action="store_true", help="rewrite every table block from its JSONs")
+    p.add_argument("--changes", action="store_true", help="list, per result the docs show, the recorded code that has "
+                   "changed since its run (what makes it stale), and exit")
     p.add_argument("docs", nargs="*", help="Markdown files, relative to the repository root (default: the README, "
                    "docs/*.md and docs/reports/*.md)")
     args = p.parse_args(argv)
+    if args.changes:
+        shown = sorted({f for block in check(args.docs or None).blocks for f in block.files})
+        for path in shown:
+            status, changes = code_status(load(path)["provenance"])
+            print(f"{path}: {status}" + "".join(f"\n    {c}" for c in changes))
+        return 0
     report = check(args.docs or None, write=args.write)
     for error in report.errors:
         print(error)
