@@ -276,7 +276,7 @@ def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr:
     return run
 
 
-def _items(group: str, plan: Plan) -> list[dict]:
+def group_items(group: str, plan: Plan) -> list[dict]:
     """The measurements of a group: name, workload arguments, and what one run produces (tokens or a step)."""
     if group == "prefill":
         return [{"item": f"prefill {b}x{t}", "family": "prefill", "length": t, "tokens": b * t, "args": (b, t)}
@@ -338,7 +338,7 @@ def _flop_floor(spec: dict, models: dict[str, torch.nn.Module], kind: str) -> fl
 def time_group(group: str, models: dict[str, torch.nn.Module], plan: Plan, progress=None) -> list[dict]:
     """All items of ``group`` for every model, interleaved; one result dict per item."""
     results = []
-    for spec in _items(group, plan):
+    for spec in group_items(group, plan):
         runs = {kind: _workload(group, model, spec["args"], plan) for kind, model in models.items()}
         stats = run_interleaved(runs, plan.reps, plan.warmup, progress)
         del runs
@@ -346,11 +346,11 @@ def time_group(group: str, models: dict[str, torch.nn.Module], plan: Plan, progr
         for kind in UPCYCLES:
             if kind in stats:
                 stats[kind]["flop_floor"] = _flop_floor(spec, models, kind)
-        results.append(_with_ratios(spec, stats, unit="s"))
+        results.append(with_ratios(spec, stats, unit="s"))
     return results
 
 
-def _with_ratios(spec: dict, stats: dict[str, dict], unit: str) -> dict:
+def with_ratios(spec: dict, stats: dict[str, dict], unit: str) -> dict:
     """Attach ratios to Llama (time or bytes ratio: > 1 means slower / more) and tokens/s where it applies.
 
     Timed rows also get the paired ratio: the median of each round's time over Llama's in the same round, and the
@@ -465,7 +465,7 @@ def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan,
                 stats[kind] = {"median": float("nan"), "spread": 0.0, "samples": [], "error": errors.get(kind)}
         label = {"prefill": "prefill {}x{}".format(*plan.memory_prefill), "decode": f"decode b{plan.memory_decode_batch}",
                  "train": "train {}x{}".format(*plan.train_shape)}[workload]
-        results.append(_with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, unit="MiB"))
+        results.append(with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, unit="MiB"))
     return results
 
 
@@ -629,7 +629,7 @@ def _pairs(text: str, flag: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _choices(text: str, allowed, flag: str) -> list[str]:
+def parse_choices(text: str, allowed, flag: str) -> list[str]:
     values = [v for v in text.split(",") if v]
     bad = [v for v in values if v not in allowed]
     if bad:
@@ -706,11 +706,11 @@ def plan_and_shape(args: argparse.Namespace) -> tuple[Plan, Shape]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    groups = _choices(args.only, GROUPS, "--only")
+    groups = parse_choices(args.only, GROUPS, "--only")
     if args.preset == "smollm2" and args.models == ",".join(MODELS):
         args.models = "llama,upcycle_v2,upcycle_v1"
-    models = _choices(args.models, MODELS + EXTRA_MODELS, "--models")
-    dtypes = _choices(args.dtype or ("fp32" if args.smoke else "fp32,bf16"), DTYPES, "--dtype")
+    models = parse_choices(args.models, MODELS + EXTRA_MODELS, "--models")
+    dtypes = parse_choices(args.dtype or ("fp32" if args.smoke else "fp32,bf16"), DTYPES, "--dtype")
     if args.smoke and args.only == ",".join(GROUPS):
         groups = [g for g in groups if g != "decode_compiled"]  # compiling takes ~15 s per model: not in CI smoke
     plan, shape = plan_and_shape(args)
@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> dict:
     timed = [g for g in groups if g != "memory"]
     total = 0
     for g in timed:
-        total += len(_items(g, plan)) * len(models) * plan.reps
+        total += len(group_items(g, plan)) * len(models) * plan.reps
     if "memory" in groups:
         total += len(MEMORY_WORKLOADS) * len(models) * max(1, min(plan.reps, 3))
     report = {"machine": harness.machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "models": models,
@@ -755,6 +755,9 @@ def main(argv: list[str] | None = None) -> dict:
         write_chart(report, args.png)
     return report
 
+
+# The names benchmarks/gpu_check.py still uses (until it calls the public ones above).
+_items, _with_ratios = group_items, with_ratios
 
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ docs/ and docs/reports/.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -50,16 +51,11 @@ def docs(root: str = _ROOT) -> list[str]:
     return found
 
 
-_CACHE: dict[str, dict] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def load(path: str, root: str = _ROOT) -> dict:
-    """The JSON at ``path`` (relative to ``root``)."""
-    full = os.path.join(root, path)
-    if full not in _CACHE:
-        with open(full) as f:
-            _CACHE[full] = json.load(f)
-    return _CACHE[full]
+    """The JSON at ``path`` (relative to ``root``); cached (``load.cache_clear()`` forgets)."""
+    with open(os.path.join(root, path)) as f:
+        return json.load(f)
 
 
 # ----------------------------------------------------------------------------------------------------------------

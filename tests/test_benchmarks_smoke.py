@@ -112,8 +112,8 @@ def test_documented_full_commands_parse():
     assert len(found["bench.py"]) >= 3 and found["bench_gda.py"] and found["bench_vllm.py"], found
     for args in found["bench.py"]:
         ns = bench.parse_args(args)
-        bench._choices(ns.only, bench.GROUPS, "--only")
-        bench._choices(ns.models, bench.MODELS + bench.EXTRA_MODELS, "--models")
+        bench.parse_choices(ns.only, bench.GROUPS, "--only")
+        bench.parse_choices(ns.models, bench.MODELS + bench.EXTRA_MODELS, "--models")
         bench.plan_and_shape(ns)
     for args in found["bench_gda.py"]:
         bench_gda.parse_args(args)
@@ -168,13 +168,13 @@ def test_targets_and_ratios():
     assert bench.target_for("decode", "ours_v2", None) == 1.03
     assert bench.target_for("train", "diffllama", None) is None
     stats = {"llama": {"median": 2.0}, "diffllama": {"median": 2.6}, "ours_v1": {"median": 2.4}, "ours_v2": {"median": 2.04}}
-    result = bench._with_ratios({"item": "prefill 1x512", "family": "prefill", "length": 512, "tokens": 512}, stats, unit="s")
+    result = bench.with_ratios({"item": "prefill 1x512", "family": "prefill", "length": 512, "tokens": 512}, stats, unit="s")
     assert result["models"]["ours_v1"]["ratio"] == pytest.approx(1.2)
     assert result["models"]["llama"]["tokens_per_s"] == pytest.approx(256)
     checks = bench.check_targets(result)
     assert checks["ours_v1"] == {"target": 1.10, "met": False}
     assert checks["ours_v2"]["met"] and checks["beats_diffllama"]["ours_v1"]
-    zero = bench._with_ratios({"item": "m", "family": "memory", "length": None}, {"llama": {"median": 0.0}, "ours_v1": {"median": 3.0}}, unit="MiB")
+    zero = bench.with_ratios({"item": "m", "family": "memory", "length": None}, {"llama": {"median": 0.0}, "ours_v1": {"median": 3.0}}, unit="MiB")
     assert zero["models"]["ours_v1"]["ratio"] is None  # no ratio against a zero baseline
     assert bench.summarize([1.0, 2.0, 3.0, 4.0, 100.0])["median"] == 3.0
 
@@ -186,7 +186,7 @@ def test_paired_ratios_cancel_a_slow_round_and_say_whether_a_target_is_settled()
     v2 = [1.10, 1.12 * 1.5, 1.14 * 1.5, 1.11, 1.13]
     stats = {"llama": bench.summarize(llama), "upcycle_v2": bench.summarize(v2)}
     spec = {"item": "train 4x256", "family": "train", "length": None, "tokens": None}
-    result = bench._with_ratios(spec, stats, unit="s")
+    result = bench.with_ratios(spec, stats, unit="s")
     row = result["models"]["upcycle_v2"]
     assert row["paired_ratio"] == pytest.approx(1.12)
     assert row["paired_quartiles"] == pytest.approx([1.105, 1.135])
@@ -200,7 +200,7 @@ def test_paired_ratios_cancel_a_slow_round_and_say_whether_a_target_is_settled()
     row["flop_floor"] = 1.12 / 1.05
     assert "(unsettled)" in bench.format_table({"models": ["llama", "upcycle_v2"], "results": {"fp32": [result]}})
     fresh = {"llama": bench.summarize(llama), "upcycle_v2": bench.summarize(v2)}
-    memory = bench._with_ratios({"item": "m", "family": "memory", "length": None}, fresh, unit="MiB")
+    memory = bench.with_ratios({"item": "m", "family": "memory", "length": None}, fresh, unit="MiB")
     assert "paired_ratio" not in memory["models"]["upcycle_v2"]  # memory rows come from separate processes
 
 

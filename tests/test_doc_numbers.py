@@ -95,13 +95,13 @@ def test_the_checker_catches_an_edited_cell_and_a_number_no_table_shows(tmp_path
     real = ROOT / "benchmarks/results/bench_t1cpu_fp32.json"
     (tmp_path / "bench.json").write_text(real.read_text())
     (tmp_path / "docs" / "x.md").write_text("<!-- table: bench bench.json -->\n<!-- end table -->\n")
-    doc_tables._CACHE.clear()
+    doc_tables.load.cache_clear()
     assert doc_tables.check(["docs/x.md"], root=str(tmp_path), write=True).errors == []
     written = (tmp_path / "docs" / "x.md").read_text()
     cell = re.search(r"\| (\d+\.\d\d) ±", written)
     edited = written[:cell.start(1)] + f"{float(cell[1]) + 0.1:.2f}" + written[cell.end(1):]
     (tmp_path / "docs" / "x.md").write_text(edited)
-    doc_tables._CACHE.clear()
+    doc_tables.load.cache_clear()
     assert "differs from its JSON" in doc_tables.check(["docs/x.md"], root=str(tmp_path)).errors[0]
     lines = (written + f"\nThe first row reads {cell[1]}, the second 9.87.\n").split("\n")
     unchecked = doc_tables.unchecked_numbers("docs/x.md", lines)
@@ -270,8 +270,8 @@ def test_the_readme_remeasure_script_runs_the_rows_it_measured():
     for dtype in ("fp32", "bf16"):
         assert f"--dtype {dtype} \"${{common[@]}}\" --json $OUT/bench_t1cpu_{dtype}.json" in script
         ns = bench.parse_args(["--dtype", dtype, *args])
-        assert bench._choices(ns.only, bench.GROUPS, "--only") == [g for g in bench.GROUPS if g != "decode_static"]
-        assert bench._choices(ns.models, bench.MODELS, "--models") == list(bench.MODELS)
+        assert bench.parse_choices(ns.only, bench.GROUPS, "--only") == [g for g in bench.GROUPS if g != "decode_static"]
+        assert bench.parse_choices(ns.models, bench.MODELS, "--models") == list(bench.MODELS)
         plan, shape = bench.plan_and_shape(ns)
         assert (plan.reps, plan.threads, plan.clock, shape.hidden_size, shape.num_hidden_layers) == (5, 1, "cpu", 512, 8)
     assert "scripts/doc_tables.py --write" in script
