@@ -72,24 +72,33 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Launch parameters by kernel, chosen for H100/H200 at head_dim 64 and 128 (bf16) from the register budget of each
-# program (float32 accumulators: forward 2 maps × rows × 2d, key/value gradients block_n × 4d) and the tile sizes of
-# Triton's fused-attention tutorial; not yet timed on a GPU. ``rows`` is the number of signal rows of a tile (query
-# positions × r), ``block_n`` the keys of a tile. Tests shrink them through ``_TUNING`` to run several tiles at tiny
-# sizes.
+# Launch parameters by kernel for H100/H200 (bf16/fp16 at head_dim 64 and 128). Chosen without a GPU: each kernel was
+# compiled for sm_90 with Triton 3.9's own ptxas over a small grid of tile sizes and warps, and these are the largest
+# tiles that fit in registers without spilling at r = 1 and no mask (about 210–255 registers per thread). float32
+# tiles take twice the registers of 16-bit ones, so float32 inputs get the tiles of a head twice as wide. Not yet
+# timed: the first thing to tune on a GPU. ``rows``: signal rows of a tile (query positions × r; at least 16
+# positions, as tl.dot needs 16 rows on the GPU); ``block_n``: keys of a tile. ``_TUNING`` overrides them per kernel
+# (the tests shrink the tiles so that tiny problems cross several; a decode entry may fix ``splits``).
 _TUNING: dict[str, dict] = {}
+_MIN_DOT = 16  # the smallest tile side tl.dot accepts on NVIDIA GPUs
 
 
-def _launch_config(kind: str, d_pad: int) -> dict:
-    small = d_pad <= 64
+def _launch_config(kind: str, d_pad: int, dtype: torch.dtype) -> dict:
+    small = d_pad * (2 if dtype == torch.float32 else 1) <= 64
     defaults = {
-        "forward": dict(rows=64, block_n=64 if small else 32, num_warps=4 if small else 8, num_stages=2),
-        "decode": dict(block_n=64, num_warps=4, num_stages=2, min_rows=16, max_units=32, min_split_blocks=2),
-        "preprocess": dict(rows=32, num_warps=4),
-        "dkdv": dict(rows=32, block_n=64 if small else 32, num_warps=4 if small else 8, num_stages=2),
-        "dq": dict(rows=64, block_n=32, num_warps=4 if small else 8, num_stages=2),
+        "forward": dict(rows=64 if small else 32, block_n=32, num_warps=8, num_stages=2),
+        "decode": dict(block_n=64 if dtype != torch.float32 else 32, num_warps=8, num_stages=2, max_units=32,
+                       min_split_blocks=2),
+        "preprocess": dict(rows=32 if small else 16, num_warps=4),
+        "dkdv": dict(rows=16, block_n=32, num_warps=8, num_stages=2),
+        "dq": dict(rows=64 if small else 32, block_n=32, num_warps=8, num_stages=2),
     }[kind]
     return {**defaults, **_TUNING.get(kind, {})}
+
+
+def _block_t(rows: int, r_pad: int, units: int = 1) -> int:
+    """Query positions per tile: ``rows`` signal rows shared by r_pad × units rows per position, at least 16."""
+    return max(_MIN_DOT, rows // (r_pad * units))
 
 
 def _interpreting() -> bool:
@@ -655,6 +664,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _head_pad(d: int) -> int:
+    """The head dimension of the tiles: a power of two (tl.arange), at least 16 (tl.dot); the padding is masked."""
+    return max(_MIN_DOT, _next_pow2(d))
+
+
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
@@ -682,7 +696,7 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
                          "expected (B, 2G, S, d) with the query's batch size B and head_dim d")
     if hkv % 2:
         raise ValueError(f"key/value have {hkv} heads; DIFF V1 needs an even count (K1/V0 and K2/V1 per KV group)")
-    if _next_pow2(d) > 256:
+    if _head_pad(d) > 256:
         raise ValueError(f"head_dim must be at most 256 for the fused kernel, got {d}")
     if not isinstance(pair_stride, int) or pair_stride < 1:
         raise ValueError(f"pair_stride (signal heads per KV group, n) must be a positive int, got {pair_stride!r}")
@@ -744,10 +758,10 @@ def _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats)
     b, t, hq, d = query.shape
     s, g = key.shape[2], key.shape[1] // 2
     m = n // r
-    d_pad, r_pad = _next_pow2(d), _next_pow2(r)
-    cfg = _launch_config("forward", d_pad)
+    d_pad, r_pad = _head_pad(d), _next_pow2(r)
+    cfg = _launch_config("forward", d_pad, query.dtype)
     units = cfg.get("units", 1)
-    block_t = max(1, cfg["rows"] // (r_pad * units))
+    block_t = _block_t(cfg["rows"], r_pad, units)
     out = query.new_empty(b, t, g * n, 2 * d)
     if save_stats:
         o2 = query.new_empty(b, t, g * m, 2 * d)
@@ -770,11 +784,11 @@ def _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats)
     return out, (o2 if save_stats else None), (lse1 if save_stats else None), (lse2 if save_stats else None)
 
 
-def _decode_plan(b, g, m, s, r_pad, device) -> dict:
+def _decode_plan(b, g, m, s, r_pad, d_pad, dtype, device) -> dict:
     """Launch shape of the decode path: every noise row of a group (with its signal rows) in one program, so each
     cache byte is read once per group; keys split over programs when B × G programs would leave the GPU idle."""
-    cfg = _launch_config("decode", 0)
-    units = min(max(_next_pow2(m), _next_pow2(-(-cfg["min_rows"] // r_pad))), cfg["max_units"])
+    cfg = _launch_config("decode", d_pad, dtype)
+    units = min(max(_next_pow2(m), _MIN_DOT), cfg["max_units"])  # the noise tile has `units` rows: at least 16
     unit_blocks = -(-m // units)
     block_n = cfg["block_n"]
     if "splits" in cfg:
@@ -795,8 +809,8 @@ def _decode(query, key, value, lam, scaling, n, r, mask, is_causal):
     b, t, hq, d = query.shape
     s, g = key.shape[2], key.shape[1] // 2
     m = n // r
-    d_pad, r_pad = _next_pow2(d), _next_pow2(r)
-    plan = _decode_plan(b, g, m, s, r_pad, query.device)
+    d_pad, r_pad = _head_pad(d), _next_pow2(r)
+    plan = _decode_plan(b, g, m, s, r_pad, d_pad, query.dtype, query.device)
     splits = plan["splits"]
     out = query.new_empty(b, t, g * n, 2 * d)
     mask_t, smb, smt, sms = _mask_args(mask, key)
@@ -831,12 +845,12 @@ def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, 
     b, t, hq, d = query.shape
     s, g = key.shape[2], key.shape[1] // 2
     m = n // r
-    d_pad, r_pad = _next_pow2(d), _next_pow2(r)
+    d_pad, r_pad = _head_pad(d), _next_pow2(r)
     dout = _last_contiguous(dout.to(query.dtype))
     mask_t, smb, smt, sms = _mask_args(mask, key)
     f32 = dict(device=query.device, dtype=torch.float32)
     delta1, delta2 = torch.empty(b, g * n, t, **f32), torch.empty(b, g * m, t, **f32)
-    cfg = _launch_config("preprocess", d_pad)
+    cfg = _launch_config("preprocess", d_pad, query.dtype)
     k["_diff_attn_bwd_preprocess"][(triton.cdiv(t, cfg["rows"]), b * g * m)](
         out, o2, dout, lam, delta1, delta2, out.stride(0), out.stride(1), out.stride(2),
         o2.stride(0), o2.stride(1), o2.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), t, g, n, m,
@@ -852,8 +866,8 @@ def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, 
     qk_scale = scaling * _LOG2E
 
     dkey, dvalue = torch.empty_like(key), torch.empty_like(value)
-    cfg = _launch_config("dkdv", d_pad)
-    block_t = max(1, cfg["rows"] // r_pad)
+    cfg = _launch_config("dkdv", d_pad, query.dtype)
+    block_t = _block_t(cfg["rows"], r_pad)
     k["_diff_attn_bwd_dkdv"][(triton.cdiv(s, cfg["block_n"]), b * g)](
         query, key, value, dout, lam, mask_t, lse1, lse2, delta1, delta2, dkey, dvalue,
         *q_strides, *kv_strides, *d_strides, smb, smt, sms, dkey.stride(0), dkey.stride(1), dkey.stride(2),
@@ -861,9 +875,9 @@ def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, 
         BLOCK_T=block_t, BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
 
     dquery = torch.empty_like(query)
-    cfg = _launch_config("dq", d_pad)
+    cfg = _launch_config("dq", d_pad, query.dtype)
     units = cfg.get("units", 1)
-    block_t = max(1, cfg["rows"] // (r_pad * units))
+    block_t = _block_t(cfg["rows"], r_pad, units)
     k["_diff_attn_bwd_dq"][(triton.cdiv(t, block_t), b * g * triton.cdiv(m, units))](
         query, key, value, dout, lam, mask_t, lse1, lse2, delta1, delta2, dquery,
         *q_strides, *kv_strides, *d_strides, smb, smt, sms, dquery.stride(0), dquery.stride(1), dquery.stride(2),

@@ -327,7 +327,7 @@ def test_decode_steps(monkeypatch, n, r, splits, padded):
 def test_decode_reads_each_group_once():
     """The decode launch puts all n + m rows of a KV group in one program (per key split): the cache is read once."""
     for m, r_pad in ((1, 1), (4, 1), (3, 2), (16, 1)):
-        plan = tdt._decode_plan(b=1, g=4, m=m, s=4096, r_pad=r_pad, device="cpu")
+        plan = tdt._decode_plan(b=1, g=4, m=m, s=4096, r_pad=r_pad, d_pad=64, dtype=torch.bfloat16, device="cpu")
         assert plan["unit_blocks"] == 1 and plan["units"] >= m
         assert plan["splits"] * plan["split_len"] >= 4096 > (plan["splits"] - 1) * plan["split_len"]
 
