@@ -389,3 +389,66 @@ def test_module_imports_without_triton(monkeypatch):
     with pytest.raises(RuntimeError, match="needs triton"):
         module.differential_attention_triton(**_good())
 
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The GPU build: the interpreter runs the kernels' Python, it does not compile them
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_kernels_compile_for_h100(monkeypatch):
+    """Every kernel, launched exactly as the host code launches it in the GPU's tile configuration (bf16, grouped
+    differential attention with a mask: the most code paths; decode with key splits), compiles for an H100 (sm_90)
+    through Triton's front end, LLVM and its bundled ptxas. No GPU is needed; this catches what the interpreter cannot
+    (tl.dot's tile minimums, layouts, types)."""
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    if "nvidia" not in backends:
+        pytest.skip("this triton build has no NVIDIA backend to compile for")
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, args, kwargs))
+
+    jitted = tdt._jitted
+    monkeypatch.setattr(tdt, "_TUNING", {})
+    monkeypatch.setattr(tdt, "_jitted", lambda: {name: Recorder(name) for name in tdt._JIT_NAMES})
+    b, t, s, g, n, r, d = 1, 128, 128, 2, 2, 2, 64
+    query, key, value, lam = make_inputs(b, t, s, g, n, r, d, torch.bfloat16)
+    mask = torch.ones(b, 1, t, s, dtype=torch.bool).view(torch.uint8)
+    out, o2, lse1, lse2 = tdt._forward(query, key, value, lam, d**-0.5, n, r, mask, True, save_stats=True)
+    tdt._backward(torch.ones_like(out), query, key, value, lam, out, o2, lse1, lse2, d**-0.5, n, r, mask, True)
+    query, key, value, lam = make_inputs(b, 1, 512, g, n, r, d, torch.bfloat16)
+    tdt._decode(query, key, value, lam, d**-0.5, n, r, None, True)
+    assert [name for name, _, _ in launches] == [
+        "_diff_attn_fwd", "_diff_attn_bwd_preprocess", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dq", "_diff_attn_fwd",
+        "_diff_attn_decode_combine"]
+    assert launches[4][2]["SPLIT"], "the decode launch should split 512 keys over programs"
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default; set to silence 3.9's notice about it
+    kernels = jitted()  # the GPU's decoration (the next interpreted call decorates for the interpreter again)
+    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.uint8: "*u8"}
+    for name, args, kwargs in launches:
+        fn = kernels[name]
+        values = dict(zip(fn.arg_names, args), **kwargs)
+        signature, constexprs = {}, {}
+        for param in fn.params:
+            value = values[param.name]
+            if param.is_constexpr:
+                signature[param.name], constexprs[param.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = types[value.dtype]
+            else:
+                signature[param.name] = "fp32" if isinstance(value, float) else "i32"
+        options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
+        compiled = triton_compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm.get("cubin"), name
