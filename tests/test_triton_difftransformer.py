@@ -37,6 +37,8 @@ pytest.importorskip("triton", reason="the fused kernel needs triton (pip install
 
 from difftransformer import triton_difftransformer as tdt  # noqa: E402
 
+# On a CUDA machine the same checks run the compiled kernels on the GPU (the reference stays float64 on the CPU).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 U32 = 2.0**-24
 UNIT = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SMALL_TILES = {"forward": dict(rows=16, block_n=16), "dq": dict(rows=16, block_n=16),
@@ -46,7 +48,8 @@ SMALL_TILES = {"forward": dict(rows=16, block_n=16), "dq": dict(rows=16, block_n
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
+        if DEVICE.type == "cpu":
+            mp.setenv("TRITON_INTERPRET", "1")
         mp.setattr(tdt, "_TUNING", dict(SMALL_TILES))
         yield
 
@@ -130,7 +133,7 @@ def magnitudes(query, key, value, lam, dout, scaling, n, r, mask=None, is_causal
 
 
 def assert_within(name, got, ref, bound):
-    err = (got.double() - ref).abs()
+    err = (got.detach().cpu().double() - ref).abs()
     bad = err > bound
     if bad.any():
         ratio = (err / bound.clamp_min(1e-300)).max().item()
@@ -149,10 +152,15 @@ def coefficients(dtype, d, s, t, b, g, n, m, sigma):
 def make_inputs(b, t, s, g, n, r, d, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = n // r
-    query = torch.randn(b, t, g * (n + m), d, generator=gen).to(dtype)
-    key = torch.randn(b, 2 * g, s, d, generator=gen).to(dtype)
-    value = torch.randn(b, 2 * g, s, d, generator=gen).to(dtype)
-    return query, key, value, torch.tensor(0.6)
+    query = torch.randn(b, t, g * (n + m), d, generator=gen).to(DEVICE, dtype)
+    key = torch.randn(b, 2 * g, s, d, generator=gen).to(DEVICE, dtype)
+    value = torch.randn(b, 2 * g, s, d, generator=gen).to(DEVICE, dtype)
+    return query, key, value, torch.tensor(0.6, device=DEVICE)
+
+
+def f64(x):
+    """A float64 CPU copy for the reference (None stays None)."""
+    return None if x is None else x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()
 
 
 def check_forward_backward(query, key, value, lam, n, r, mask=None, is_causal=True):
@@ -164,13 +172,14 @@ def check_forward_backward(query, key, value, lam, n, r, mask=None, is_causal=Tr
     out = tdt.differential_attention_triton(query, key, value, lam, scaling, n, r, attention_mask=mask,
                                             is_causal=is_causal)
     assert out.shape == (b, t, g * n, 2 * d) and out.dtype == query.dtype
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
     out.backward(dout)
 
-    q64, k64, v64, lam64 = (x.detach().double().requires_grad_() for x in (query, key, value, lam))
+    q64, k64, v64, lam64 = (f64(x).requires_grad_() for x in (query, key, value, lam))
+    mask = f64(mask)
     ref = reference(q64, k64, v64, lam64, scaling, n, r, mask, is_causal)
-    ref.backward(dout.double())
-    mags, sigma = magnitudes(q64.detach(), k64.detach(), v64.detach(), lam64.detach(), dout.double(), scaling, n, r,
+    ref.backward(f64(dout))
+    mags, sigma = magnitudes(q64.detach(), k64.detach(), v64.detach(), lam64.detach(), f64(dout), scaling, n, r,
                              mask, is_causal)
     coef_f, coef_b, u_out = coefficients(query.dtype, d, s, t, b, g, n, n // r, sigma)
     assert_within("output", out.detach(), ref.detach(), coef_f * mags["out"] + u_out * ref.detach().abs())
@@ -219,7 +228,7 @@ def test_left_padding(mask_shape):
         mask = keys_ok[:, None, None, :] & (torch.arange(t)[None, :] <= torch.arange(t)[:, None])
     else:  # (B, 1, 1, S): the causal part comes from is_causal
         mask = keys_ok[:, None, None, :]
-    out, _ = check_forward_backward(query, key, value, lam, n, r, mask=mask)
+    out, _ = check_forward_backward(query, key, value, lam, n, r, mask=mask.to(DEVICE))
     assert (out[1, :9] == 0).all() and (out[0] != 0).all()
     assert (query.grad[1, :9] == 0).all()
     assert (key.grad[1, :, :9] == 0).all() and (value.grad[1, :, :9] == 0).all()
@@ -239,10 +248,10 @@ def test_noncontiguous_inputs():
     sliced from a longer static cache. Gradients reach the underlying tensors."""
     b, t, s, g, n, r, d = 1, 24, 24, 1, 2, 1, 16
     gen = torch.Generator().manual_seed(3)
-    q_base = torch.randn(b, g * (n + n // r), t, d, generator=gen).requires_grad_()
-    k_base = torch.randn(b, s, 2 * g, d, generator=gen).requires_grad_()
-    v_base = torch.randn(b, 2 * g, s + 8, d, generator=gen).requires_grad_()  # a static cache longer than S
-    lam = torch.tensor(0.6, requires_grad=True)
+    q_base = torch.randn(b, g * (n + n // r), t, d, generator=gen).to(DEVICE).requires_grad_()
+    k_base = torch.randn(b, s, 2 * g, d, generator=gen).to(DEVICE).requires_grad_()
+    v_base = torch.randn(b, 2 * g, s + 8, d, generator=gen).to(DEVICE).requires_grad_()  # a static cache longer than S
+    lam = torch.tensor(0.6, device=DEVICE, requires_grad=True)
     query, key, value = q_base.transpose(1, 2), k_base.transpose(1, 2), v_base[:, :, :s]
     for x in (query, key, value):
         x.retain_grad()
@@ -267,7 +276,7 @@ def test_head_dim_not_a_power_of_two():
 def test_bidirectional(with_mask):
     """is_causal=False: every key (or the mask alone) decides, e.g. an encoder."""
     query, key, value, lam = leaf_inputs(1, 24, 24, 1, 2, 1, 16)
-    mask = (torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(5)) < 0.7) if with_mask else None
+    mask = (torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(5)) < 0.7).to(DEVICE) if with_mask else None
     check_forward_backward(query, key, value, lam, 2, 1, mask=mask, is_causal=False)
 
 
@@ -306,20 +315,20 @@ def test_decode_steps(monkeypatch, n, r, splits, padded):
     b, g, d, s_max, prompt = 2, 1, 16, 56, 40  # 40 keys in 16-key blocks: three splits of 16, 16, 8+
     gen = torch.Generator().manual_seed(7)
     m = n // r
-    k_cache = torch.randn(b, 2 * g, s_max, d, generator=gen)
-    v_cache = torch.randn(b, 2 * g, s_max, d, generator=gen)
-    lam = torch.tensor(0.6)
-    pad = torch.tensor([0, 5]) if padded else torch.zeros(2, dtype=torch.long)
+    k_cache = torch.randn(b, 2 * g, s_max, d, generator=gen).to(DEVICE)
+    v_cache = torch.randn(b, 2 * g, s_max, d, generator=gen).to(DEVICE)
+    lam = torch.tensor(0.6, device=DEVICE)
+    pad = torch.tensor([0, 5], device=DEVICE) if padded else torch.zeros(2, dtype=torch.long, device=DEVICE)
     for step in range(3):
         s = prompt + step
-        query = torch.randn(b, 1, g * (n + m), d, generator=gen)
+        query = torch.randn(b, 1, g * (n + m), d, generator=gen).to(DEVICE)
         key, value = k_cache[:, :, :s], v_cache[:, :, :s]
-        mask = (torch.arange(s)[None, :] >= pad[:, None])[:, None, None, :] if padded else None
+        mask = (torch.arange(s, device=DEVICE)[None, :] >= pad[:, None])[:, None, None, :] if padded else None
         with torch.no_grad():
             out = tdt.differential_attention_triton(query, key, value, lam, d**-0.5, n, r, attention_mask=mask)
-        q64, k64, v64 = query.double(), key.double(), value.double()
-        ref = reference(q64, k64, v64, lam.double(), d**-0.5, n, r, mask)
-        mags, sigma = magnitudes(q64, k64, v64, lam.double(), None, d**-0.5, n, r, mask)
+        q64, k64, v64, lam64, mask = f64(query), f64(key), f64(value), f64(lam), f64(mask)
+        ref = reference(q64, k64, v64, lam64, d**-0.5, n, r, mask)
+        mags, sigma = magnitudes(q64, k64, v64, lam64, None, d**-0.5, n, r, mask)
         coef_f, _, u_out = coefficients(torch.float32, d, s, 1, b, g, n, m, sigma)
         assert_within(f"decode step {step}", out, ref, coef_f * mags["out"] + u_out * ref.abs())
 
@@ -372,6 +381,9 @@ def test_bad_input_errors(change, error, match):
 
 
 def test_is_available(monkeypatch):
+    if DEVICE.type == "cuda":
+        assert tdt.is_available("cuda") and tdt.is_available(DEVICE)
+        return
     assert tdt.is_available("cpu")  # the interpreter is on in this module
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not tdt.is_available("cpu") and not tdt.is_available(torch.device("cpu"))
@@ -408,6 +420,8 @@ def test_kernels_compile_for_h100(monkeypatch):
 
     if "nvidia" not in backends:
         pytest.skip("this triton build has no NVIDIA backend to compile for")
+    if DEVICE.type == "cuda":
+        pytest.skip("on a GPU the other tests compile and run every kernel")
 
     launches = []
 
