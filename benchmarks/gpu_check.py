@@ -27,14 +27,25 @@ check never stops the others. The reference and the bounds are the CPU tests' ow
 Backends: eager, sdpa, flex_attention, and flash_attention_2 / flash_attention_3 where ``flash_attn`` /
 ``flash_attn_interface`` can be imported ("absent" otherwise).
 
+Also, first: ``triton {case} d{d} {dtype}``, V1's one-pass Triton kernel on its own against the float64 formula
+(testing_utils.reference_differential_attention): output and the gradients of q, k, v and λ; causal, chunked prefill,
+left padding, GQA factors 1, 2 and 4, grouped noise heads, a static cache's decode step; fp32, bf16, fp16.
+
 Speed (bf16 on the GPU), each model against a transformers ``LlamaForCausalLM`` of the same shape in the same
 process, interleaved and paired exactly as benchmarks/bench.py does (its workloads, ``time_group``, medians,
-quartiles and FLOP floors; the clock waits for the GPU: ``harness.CLOCKS["cuda"]``): prefill, decode with a dynamic
-cache and with a compiled static cache, a training step, and peak GPU memory (``torch.cuda.max_memory_allocated``
-growth over the resident model), at bench.py's shape, SmolLM2-135M's (against its V2 and V1 upcycles) and a
-1B-class layer shape. The cheap rows of every shape run first, the compiled decode last; a row that would start past
-the time budget (``--budget``, 420 s from the start by default) is recorded as "skipped: time budget" instead.
-The report is rewritten after every check and row, so whatever ran survives a run cut short.
+quartiles; the clock waits for the GPU: ``harness.CLOCKS["cuda"]``), at the sizes users run (issue 34): Llama-3.2-1B's
+shape at full depth (hidden 2048, 16 layers, 32 query / 8 KV heads of width 64, MLP 8192, vocabulary 128256) as
+Llama, V1 and V2, and SmolLM2-135M's against its V2 and V1 upcycles; a training step at 8×2048 with and without
+gradient checkpointing, prefill of 1×8192 and 8×2048, decoding at batch 1 and 32 after a 4096-token prompt (dynamic
+cache eager, static cache compiled), peak GPU memory (``torch.cuda.max_memory_allocated`` growth over the resident
+model). Every V1 row carries the FLOP floors of the three formulations (``combined``: the CPU and decode kernels;
+``one_pass``: the Triton kernel; ``padded``: one standard call) and judges the one the dispatch runs; the GPU targets
+(``GPU_TARGETS``) are checked per row. Beside them: one layer's attention by every candidate kernel
+(``run_attention_micro``: the Triton kernel, the padded SDPA call, two SDPA calls with the 2d-wide value) against the
+Llama's SDPA call, and a ``torch.profiler`` step of every model (device time by kernel category, top kernels). The
+cheap rows run first, the compiled decode last; a row that would start past the time budget (``--budget``, 420 s from
+the start by default) is recorded as "skipped: time budget" instead. The report is rewritten after every check and
+row, so whatever ran survives a run cut short.
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ from difftransformer.testing_utils import (  # noqa: E402
     bf16_error_bound,
     left_padded_batch,
     randomize_norms,
+    reference_differential_attention,
     reference_forward,
     tiny_config,
 )
@@ -117,22 +129,25 @@ class SpeedShape:
 
 
 # Short measurements: the whole GPU run has minutes. reps ≥ 4 gives bench.py's paired ratios and their quartiles.
-GPU_PLAN = bench.Plan(prefill_shapes=[(1, 512), (1, 2048), (8, 512)], decode_batches=[1, 8], prompt_len=128,
-                      new_tokens=32, train_shape=(4, 512), memory_prefill=(1, 2048), memory_decode_batch=8, reps=5,
-                      warmup=2, clock="cuda")
-# A 1B-class layer (Llama-3.2-1B's width, heads and MLP) in a few layers.
-ONE_B_LAYERS = bench.Shape(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                           head_dim=128, vocab_size=32000, intermediate_size=8192)
+# The workloads users run (issue 34): a training step at 8×2048 (with and without gradient checkpointing), prefill of
+# 1×8192 and 8×2048 tokens, decoding 16 tokens at batch 1 and 32 after a 4096-token prompt, peak memory. reps ≥ 4
+# gives bench.py's paired ratios and their quartiles.
+GPU_PLAN = bench.Plan(prefill_shapes=[(1, 8192), (8, 2048)], decode_batches=[1, 32], prompt_len=4096, new_tokens=16,
+                      train_shape=(8, 2048), memory_prefill=(8, 2048), memory_decode_batch=32, reps=5, warmup=2,
+                      clock="cuda")
+# Llama-3.2-1B's published shape at full depth (tied embeddings), as Llama, V1 and V2 with the Llama's head counts.
+LLAMA_3_2_1B = bench.Shape(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=64, vocab_size=128256, intermediate_size=8192, max_position_embeddings=8192 + 64,
+                           tie_word_embeddings=True)
 GPU_SHAPES = [
-    SpeedShape("bench", bench.Shape(), ("llama", "ours_v1", "ours_v2"), GPU_PLAN),
-    SpeedShape("smollm2", replace(bench.SMOLLM2), ("llama", "upcycle_v2", "upcycle_v1"),
-               replace(GPU_PLAN, train_shape=(4, 256))),
-    SpeedShape("1b_layers", ONE_B_LAYERS, ("llama", "ours_v1", "ours_v2"), GPU_PLAN),
+    SpeedShape("llama-3.2-1b", LLAMA_3_2_1B, ("llama", "ours_v1", "ours_v2"), GPU_PLAN),
+    SpeedShape("smollm2", replace(bench.SMOLLM2, max_position_embeddings=8192 + 64), ("llama", "upcycle_v2", "upcycle_v1"),
+               GPU_PLAN),
 ]
 # Speed groups in the order they run (over every shape each): the cheap rows first, compiled decoding last.
-SPEED_GROUPS = ("prefill", "train", "memory", "decode", "decode_compiled")
+SPEED_GROUPS = ("prefill", "train", "train_ckpt", "memory", "decode", "decode_compiled")
 # Seconds an item of a group may take at most, about: it starts only while that much of the budget is left.
-RESERVE_S = {"prefill": 10, "train": 15, "memory": 20, "decode": 30}
+RESERVE_S = {"prefill": 10, "train": 20, "train_ckpt": 25, "memory": 30, "decode": 40}
 # A compiled-decode row mostly compiles, in about this many seconds per model and decoder layer (a guess, replaced by
 # the rate each compiled row measures); its reserve is that times its models and layers, plus COMPILE_BASE_S.
 COMPILE_S_PER_LAYER, COMPILE_BASE_S = 2.0, 15.0
@@ -152,11 +167,13 @@ class Profile:
     skip_compiled: str | None = None  # why compiled generate / decode are not run, or None
     speed_shapes: list[SpeedShape] = field(default_factory=lambda: list(GPU_SHAPES))
     speed_dtype: str = "bf16"
-    compiled_decode_batches: tuple[int, ...] = (1,)
+    compiled_decode_batches: tuple[int, ...] = (1, 32)
     rounding_draws: int = ROUNDING_DRAWS
     threads: int | None = None  # torch.set_num_threads, where set
     budget_s: float = 420.0
-    checks_share: float = 0.65  # no check starts past this share of the budget: the speed rows get the rest
+    checks_share: float = 0.4  # no check starts past this share of the budget: the speed rows get the rest
+    triton_head_dims: tuple[int, ...] = (64, 128)  # the Triton kernel's checks: d 64 in every dtype, others in bf16
+    profile_shapes: tuple[str, ...] = ("llama-3.2-1b",)  # one torch.profiler step per model and workload
     mode: str = "gpu"
 
 
@@ -173,7 +190,8 @@ def smoke_profile(device: str = "cpu", budget_s: float = 420.0) -> Profile:
                    skip_backends={"flex_attention": "skipped: smoke mode (flex attention compiles ~10 s per shape on a CPU)"},
                    skip_compiled="skipped: smoke mode (compiling takes ~15 s per model on a CPU)",
                    speed_shapes=[SpeedShape("smoke", shape, ("llama", "ours_v1", "ours_v2"), plan)],
-                   speed_dtype="fp32", budget_s=budget_s, mode="smoke")
+                   speed_dtype="fp32", budget_s=budget_s, mode="smoke", triton_head_dims=(16,),
+                   profile_shapes=("smoke",))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -358,6 +376,90 @@ def run_forward_checks(rec: Recorder, profile: Profile) -> None:
 
                 rec.check(f"forward {layout} {backend} {dtype}", forward)
         case.clear()
+        _free(device)
+
+
+# The one-pass Triton kernel of V1 (triton_difftransformer.py) on its own: cases (name, batch, query tokens, keys,
+# KV groups, signal heads per group n, noise ratio r, mask kind), small enough to compile and run in seconds.
+TRITON_CASES = (
+    ("causal n2", 1, 70, 70, 2, 2, 1, None),
+    ("left-padding n2", 2, 40, 40, 2, 2, 1, "left"),
+    ("mha n1", 1, 33, 33, 4, 1, 1, None),
+    ("gqa n4", 1, 50, 50, 1, 4, 1, None),
+    ("gda r2", 2, 24, 24, 2, 4, 2, "left"),
+    ("chunk n2", 1, 17, 81, 2, 2, 1, None),
+    ("decode n2", 3, 1, 90, 2, 2, 1, "static"),
+)
+
+
+def _triton_case(name, b, t, s, g, n, r, mask_kind, d, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, t, g * (n + n // r), d, generator=gen, dtype=torch.float64)
+    key, value = (torch.randn(b, 2 * g, s, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    lam = torch.tensor(0.37, dtype=torch.float64)
+    allowed = None
+    if mask_kind == "left":  # causal, sequence 0 left-padded by a third of its length (its first rows see nothing)
+        allowed = torch.ones(b, 1, t, s, dtype=torch.bool).tril(s - t)
+        allowed[0, ..., : s // 3] = False
+    elif mask_kind == "static":  # a static cache's decode step: the unwritten tail hidden, sequence 0 padded
+        allowed = torch.zeros(b, 1, t, s, dtype=torch.bool)
+        allowed[..., : s - 20] = True
+        allowed[0, ..., :5] = False
+    low = [x.to(dtype) for x in (query, key, value)]
+    return low, lam, allowed
+
+
+def run_triton_checks(rec: Recorder, profile: Profile) -> None:
+    """``triton {case} d{d} {dtype}``: the kernel's output and, for prompts, its query/key/value/λ gradients against
+    the float64 formula (testing_utils.reference_differential_attention) on the kernel's own inputs. Bounds: fp32, the
+    CPU tests' 2e-5 relative to the largest output (float32 accumulation, no TF32); bf16 / fp16, the rounding model
+    (its draws round scores, maps and outputs to the dtype) × ROUNDING_FACTOR, per tensor."""
+    from difftransformer import triton_difftransformer as kernel
+
+    device = profile.device
+    for i, d in enumerate(profile.triton_head_dims):
+        for case in TRITON_CASES:
+            for dtype in profile.dtypes if i == 0 else [x for x in profile.dtypes if x == "bf16"]:
+                def check(case=case, dtype=dtype, d=d):
+                    if not kernel.is_available(torch.device(device)):
+                        raise Skip("absent: triton is not installed (or no CUDA device and TRITON_INTERPRET unset)")
+                    name, b, t, s, g, n, r, mask_kind = case
+                    (q, k, v), lam, allowed = _triton_case(*case, d, DTYPES[dtype], device)
+                    grads = t > 1
+                    inputs = [x.to(device).requires_grad_(grads) for x in (q, k, v)]
+                    lam_dev = lam.float().to(device).requires_grad_(grads)
+                    mask = None if allowed is None else allowed.to(device)
+                    out = kernel.differential_attention_triton(*inputs, lam_dev, d**-0.5, n, r, mask)
+                    gen = torch.Generator().manual_seed(1)
+                    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+                    got = [out.detach()]
+                    if grads:
+                        got += torch.autograd.grad((out.double() * weights.to(device)).sum(), [*inputs, lam_dev])
+
+                    def reference(rnd):
+                        xs = [x.detach().double().cpu().requires_grad_(grads) for x in (q, k, v)]
+                        lam64 = lam.float().double().requires_grad_(grads)
+                        ref = reference_differential_attention(*xs, lam64, d**-0.5, n, r, allowed, rnd=rnd)
+                        outs = [ref.detach()]
+                        if grads:
+                            outs += torch.autograd.grad((ref * weights).sum(), [*xs, lam64])
+                        return outs
+
+                    exact = reference(lambda x: x)
+                    names = ("out", "dq", "dk", "dv", "dλ")[: len(got)]
+                    if dtype == "fp32":
+                        bounds = [FP32_LOGITS_ATOL * max(1.0, e.abs().max().item()) for e in exact]
+                    else:
+                        rounding = ROUNDING_MODELS[dtype]
+                        draws = [reference(rounding(seed)) for seed in range(profile.rounding_draws)]
+                        bounds = [bf16_error_bound([dr[i] for dr in draws], exact[i], factor=ROUNDING_FACTOR)
+                                  for i in range(len(exact))]
+                    errors = [_max_abs(x, e) for x, e in zip(got, exact)]
+                    ratio = max(err / bound if bound > 0 else math.inf for err, bound in zip(errors, bounds))
+                    return {"max_err": ratio, "bound": 1.0, "detail": "error / bound per tensor: " + ", ".join(
+                        f"{nm} {err:.2g}/{bound:.2g}" for nm, err, bound in zip(names, errors, bounds))}
+
+                rec.check(f"triton {case[0]} d{d} {dtype}", check, reserve_s=10.0)
         _free(device)
 
 
@@ -564,7 +666,7 @@ def memory_rows(models: dict[str, torch.nn.Module], plan: bench.Plan) -> list[di
             stats[kind] = harness.summarize([growth]) | {"resident_mib": base / 2**20}
             del run
             gc.collect()
-        rows.append(bench._with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, "MiB"))
+        rows.append(bench.with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, "MiB"))
     return rows
 
 
@@ -588,6 +690,45 @@ def _annotate(row: dict, spec: dict, models: dict[str, torch.nn.Module], plan: b
     for kind, stats in row["models"].items():
         if kind != "llama" and base:
             stats["flop_floor"] = stats["flops"] / base
+            if getattr(configs[kind], "diff_version", None) == 1:  # the floor of the formulation the kernel computes
+                floors = {f: (stats["flops"] + v1_extra_flops(configs[kind], spec, plan, f)) / base for f in V1_FORMULATIONS}
+                stats["flop_floors"] = floors
+                stats["formulation"] = v1_formulation(models[kind], spec)
+                stats["flop_floor"] = floors[stats["formulation"]]
+
+
+# V1's attention arithmetic per formulation, beyond bench.forward_flops's ("combined": both maps' scores, a Llama's
+# QKᵀ, then (A1 − λA2) times the 2d-wide value once, a Llama's PV; what the CPU kernels and the decode kernel compute).
+# "one_pass" (the Triton kernel) multiplies both maps by the value: + one Llama PV. "padded" (one standard call with
+# zero-padded queries) also computes 2d-wide scores: + one Llama QKᵀ + one Llama PV.
+V1_FORMULATIONS = {"combined": 0, "one_pass": 1, "padded": 2}
+
+
+def v1_extra_flops(config, spec: dict, plan: bench.Plan, formulation: str) -> float:
+    """FLOPs a V1 model computes under ``formulation`` beyond bench.forward_flops, for the row ``spec`` (the timed part:
+    decode steps after the prompt, or the prefill / training step; training ×3)."""
+    units = V1_FORMULATIONS[formulation]
+    per_key = 2 * config.num_attention_heads * config.head_dim * config.num_hidden_layers  # one Llama QKᵀ or PV
+    if spec["family"] == "decode":
+        keys = sum(plan.prompt_len + j + 1 for j in range(plan.new_tokens - 1))  # one query over its visible keys
+        return units * per_key * keys * spec["args"][0]
+    batch, seq = spec["args"][:2]
+    return units * per_key * batch * seq * (seq + 1) / 2 * (3 if spec["family"] == "train" else 1)
+
+
+def v1_formulation(model, spec: dict) -> str:
+    """Which formulation V1's sdpa path runs for ``spec`` on the model's device (modeling_difftransformer's dispatch):
+    the Triton kernel where it runs, except compiled (the decode kernel, or the padded call for prompts); the CPU kernels
+    on the CPU; elsewhere the padded call for prompts and training and the decode kernel for decoding."""
+    from difftransformer import modeling_difftransformer as mdt
+
+    device = model.device
+    compiled = spec["family"] == "decode" and spec["args"][2]
+    if device.type in mdt.TRITON_KERNEL_DEVICES and mdt.triton_runs_on(device) and not compiled:
+        return "one_pass"
+    if device.type in mdt.BLOCKED_KERNEL_DEVICES or spec["family"] == "decode":
+        return "combined"
+    return "padded"
 
 
 def run_speed(rec: Recorder, profile: Profile) -> None:
@@ -610,7 +751,7 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
             model_layers = s.shape.num_hidden_layers * len(s.models)
             if group == "decode_compiled":
                 plan = replace(plan, decode_batches=list(profile.compiled_decode_batches))
-            items = bench._items(group, plan) if group != "memory" else [{"item": "peak MiB", "args": None}]
+            items = bench.group_items(group, plan) if group != "memory" else [{"item": "peak MiB", "args": None}]
             for spec in items:
                 label = f"{s.name}: {spec['item']}"
                 reason = None
@@ -655,6 +796,227 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
             torch._dynamo.reset()  # the compiled rows compile afresh, one model at a time
     built.clear()
     _free(device)
+
+
+# The GPU targets (issue 34, bf16): V2 with the Llama's head counts ≤ 1.03× the Llama in every time row; the SmolLM2 V2
+# upcycle ≤ 1.05× its FLOP floor; V1 ≤ 1.10× the floor of its formulation in prefill and training and ≤ 1.10× the Llama
+# in decoding (it reads the same cache bytes); V1's training peak memory ≤ 1.05× the Llama's.
+GPU_TARGETS = {
+    "ours_v2": {"prefill": ("llama", 1.03), "train": ("llama", 1.03), "decode": ("llama", 1.03)},
+    "upcycle_v2": {"prefill": ("floor", 1.05), "train": ("floor", 1.05), "decode": ("floor", 1.05)},
+    "ours_v1": {"prefill": ("floor", 1.10), "train": ("floor", 1.10), "decode": ("llama", 1.10),
+                "memory train": ("llama", 1.05)},
+}
+
+
+def gpu_target(kind: str, row: dict) -> tuple[float, bool] | None:
+    """(the ratio judged, whether it meets its GPU target) for model ``kind`` in a speed row, or None where none applies.
+    Time rows judge the paired ratio (median of per-round ratios) where there is one."""
+    family = "memory train" if row.get("family") == "memory" and "train" in row["item"] else row.get("family")
+    target = GPU_TARGETS.get(kind, {}).get(family)
+    stats = row.get("models", {}).get(kind)
+    if target is None or not stats:
+        return None
+    ratio = stats.get("paired_ratio") or stats.get("ratio")
+    if ratio is None:
+        return None
+    against, limit = target
+    if against == "floor":
+        floor = stats.get("flop_floor")
+        if not floor:
+            return None
+        ratio = ratio / floor
+    return ratio, ratio <= limit
+
+
+def targets_text(shape: dict) -> list[str]:
+    """One line per row and targeted model: the judged ratio, its limit, ✓ / ✗."""
+    lines = []
+    for row in shape["results"]:
+        for kind in row.get("models", {}):
+            judged = gpu_target(kind, row)
+            if judged is None:
+                continue
+            against, limit = GPU_TARGETS[kind]["memory train" if row.get("family") == "memory" else row["family"]]
+            stats = row["models"][kind]
+            what = f"/ its {stats.get('formulation', 'FLOP')} floor {stats.get('flop_floor', 0):.3f}" if against == "floor" else "× Llama"
+            lines.append(f"  {row['item']:<28s} {kind:<11s} {judged[0]:.3f} {what} (target ≤ {limit}) {'✓' if judged[1] else '✗'}")
+    return lines
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("_diff_attn", "flash", "fmha", "attention", "efficient_attention", "cudnn_sdp", "sdpa")):
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "matmul", "cublas", "wgmma", "aten::mm", "aten::bmm",
+                            "aten::addmm")):
+        return "matmul"
+    if any(k in n for k in ("rms", "norm")):
+        return "norm"
+    if any(k in n for k in ("copy", "cat", "transpose", "contiguous", "index", "fill", "memcpy", "memset")):
+        return "copy"
+    if any(k in n for k in ("softmax", "cross_entropy", "log_softmax", "nll")):
+        return "loss/softmax"
+    return "elementwise/other"
+
+
+def profile_step(run: Callable[[], object], device: str, top: int = 12) -> dict:
+    """One call of ``run`` under torch.profiler: device-kernel time by category and the ``top`` kernels (self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    run()  # warm (allocator, autotuning, lazily built state)
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = [(e.key, getattr(e, attr, 0.0) or 0.0, e.count) for e in events]
+    if cuda:  # device kernels only (their CPU-side launch ops have no self device time of their own)
+        kernels = [k for k in kernels if k[1] > 0]
+    total = sum(k[1] for k in kernels) or 1.0
+    categories: dict[str, float] = {}
+    for name, us, _ in kernels:
+        categories[_kernel_category(name)] = categories.get(_kernel_category(name), 0.0) + us
+    kernels.sort(key=lambda k: -k[1])
+    return {"total_ms": total / 1e3, "categories": {k: round(v / total, 4) for k, v in sorted(categories.items())},
+            "top": [{"name": n[:120], "ms": round(us / 1e3, 3), "share": round(us / total, 4), "calls": c}
+                    for n, us, c in kernels[:top]]}
+
+
+def run_profiles(rec: Recorder, profile: Profile) -> None:
+    """``profiles[shape][model][workload]``: one prefill and one training step of every model of the shapes in
+    ``profile.profile_shapes``, under torch.profiler (where the time goes, beside the speed rows' ratios)."""
+    device, dtype = profile.device, DTYPES[profile.speed_dtype]
+    out = rec.report.setdefault("profiles", {})
+    for s in profile.speed_shapes:
+        if s.name not in profile.profile_shapes:
+            continue
+        if not rec.budget.allows(30.0):
+            out[s.name] = {"skipped": "time budget"}
+            rec.save()
+            continue
+        try:
+            with torch.device(device):
+                models = {m: bench.build_model(m, s.shape, dtype).to(device) for m in s.models}
+            b, t = s.plan.prefill_shapes[-1]
+            tb, tt = s.plan.train_shape
+            for kind, model in models.items():
+                out.setdefault(s.name, {})[kind] = {
+                    f"prefill {b}x{t}": profile_step(bench.prefill_workload(model, b, t), device),
+                    f"train {tb}x{tt}": profile_step(bench.train_workload(model, tb, tt), device),
+                }
+                rec.log(f"[{rec.budget.elapsed():6.1f} s] PROFILED {s.name}: {kind}")
+                rec.save()
+            del models
+        except Exception as exc:
+            out.setdefault(s.name, {})["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+            rec.log(f"[{rec.budget.elapsed():6.1f} s] ERROR   profile {s.name}: {exc}")
+        _free(device)
+        rec.save()
+
+
+def attention_candidates(b: int, t: int, s: int, hq: int, hkv: int, d: int, dtype, device, backward: bool):
+    """V1 attention of one layer by every way stock torch and this package offer (each → ``(B, T, H, 2d)`` outputs),
+    plus the same-shape Llama's attention (``hq`` query heads of width d over ``hkv`` KV heads, SDPA with GQA) as the
+    baseline: name → a function of no arguments that runs it (forward, and backward where ``backward``)."""
+    import torch.nn.functional as F
+
+    from difftransformer import triton_difftransformer
+    from difftransformer.kernels_difftransformer import query_padding
+    from difftransformer.modeling_difftransformer import pack_groups
+
+    g, n = hkv // 2, hq // hkv
+    gen = torch.Generator(device=device).manual_seed(0)
+    query = torch.randn(b, t, hq, d, device=device, dtype=dtype, generator=gen)
+    key, value = (torch.randn(b, hkv, s, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    lam = torch.tensor(0.3, device=device, requires_grad=backward)
+    causal = t > 1
+    for x in (query, key, value):
+        x.requires_grad_(backward)
+
+    def done(out):
+        if backward:
+            out.float().square().mean().backward()
+        return out
+
+    def llama():
+        return done(F.scaled_dot_product_attention(query.transpose(1, 2), key, value, is_causal=causal, enable_gqa=True))
+
+    def padded():  # one call, [Q1|0] and [0|Q2] over packed (B, G, S, 2d) groups; flash where it runs
+        pad = query_padding(n, n, dtype, device)
+        q = (query.unflatten(2, (g, 2 * n, 1)) * pad).reshape(b, t, hq, 2 * d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, pack_groups(key), pack_groups(value), is_causal=causal, enable_gqa=True)
+        out = out.transpose(1, 2).unflatten(2, (g, 2, n))
+        return done(out[:, :, :, 0] - lam * out[:, :, :, 1])
+
+    def two_calls():  # each map over its key head, with the 2d-wide value (SDPA's memory-efficient / math backends)
+        q = query.unflatten(2, (g, 2, n))
+        v = pack_groups(value)
+        outs = [F.scaled_dot_product_attention(q[:, :, :, c].flatten(2, 3).transpose(1, 2), key[:, c::2], v,
+                                               is_causal=causal, enable_gqa=True) for c in (0, 1)]
+        return done(outs[0] - lam * outs[1])
+
+    def one_pass():
+        return done(triton_difftransformer.differential_attention_triton(query, key, value, lam, d**-0.5, n))
+
+    runs = {"llama_sdpa": llama, "v1_padded_sdpa": padded, "v1_two_calls_sdpa": two_calls}
+    if triton_difftransformer.is_available(torch.device(device)):
+        runs["v1_one_pass_triton"] = one_pass
+    return runs
+
+
+ATTENTION_SHAPES = (("prefill 1x8192", 1, 8192, 8192, False), ("prefill 8x2048", 8, 2048, 2048, False),
+                    ("train 8x2048", 8, 2048, 2048, True), ("decode b1 s4096", 1, 1, 4096, False),
+                    ("decode b32 s4096", 32, 1, 4096, False))
+
+
+def run_attention_micro(rec: Recorder, profile: Profile) -> None:
+    """``attention[shape]``: one layer's attention at Llama-3.2-1B's head counts (32 query heads / 8 KV heads of width
+    64) by every candidate (:func:`attention_candidates`), interleaved, medians and paired ratios to the Llama's SDPA
+    call: the data for choosing V1's kernel per workload."""
+    device, dtype = profile.device, DTYPES[profile.speed_dtype]
+    shapes = ATTENTION_SHAPES if profile.mode == "gpu" else (("prefill 1x64", 1, 64, 64, False), ("train 2x32", 2, 32, 32, True),
+                                                             ("decode b2 s48", 2, 1, 48, False))
+    hq, hkv, d = (32, 8, 64) if profile.mode == "gpu" else (8, 4, 16)
+    out = rec.report.setdefault("attention", {"heads": [hq, hkv, d], "dtype": profile.speed_dtype, "rows": []})
+    for name, b, t, s, backward in shapes:
+        if not rec.budget.allows(15.0):
+            out["rows"].append({"item": name, "skipped": "time budget"})
+            continue
+        try:
+            runs = attention_candidates(b, t, s, hq, hkv, d, dtype, device, backward)
+            harness.set_clock("cuda" if device.startswith("cuda") else "wall")
+            stats = harness.run_interleaved({k: _timed(f) for k, f in runs.items()}, reps=max(profile_reps(profile), 4),
+                                            warmup=2, trace=False)
+            base = stats["llama_sdpa"]
+            row = {"item": name, "models": {}}
+            for kind, st in stats.items():
+                entry = {"median_ms": st["median"] * 1e3, "ratio": st["median"] / base["median"]}
+                if len(st.get("samples", ())) >= 4:
+                    entry["paired_ratio"], entry["paired_quartiles"] = harness.paired(st["samples"], base["samples"])
+                row["models"][kind] = entry
+        except Exception as exc:
+            row = {"item": name, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+        out["rows"].append(row)
+        rec.log(f"[{rec.budget.elapsed():6.1f} s] {'ERROR' if 'error' in row else 'DONE'}    attention {name}")
+        rec.save()
+        _free(device)
+
+
+def _timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """``fn`` as a run that times itself with the harness's clock (synchronized on CUDA)."""
+    def run() -> float:
+        start = harness.now()
+        fn()
+        return harness.now() - start
+    return run
+
+
+def profile_reps(profile: Profile) -> int:
+    return max((s.plan.reps for s in profile.speed_shapes), default=5)
 
 
 def _one_item_plan(group: str, plan: bench.Plan, spec: dict) -> bench.Plan:
@@ -723,9 +1085,31 @@ def summary_text(report: dict) -> str:
                   f"models {', '.join(shape['models'])} (targets: the CPU benchmark's, bench.TARGETS)"]
         if ok:
             lines.append(bench.format_table({"models": shape["models"], "results": {speed["dtype"]: ok}}, paired=True))
+            lines += ["GPU targets (issue 34):"] + (targets_text({"results": ok}) or ["  none applies"])
         lines += [f"ERROR {r['item']}: {r['error'][:200]}" for r in shape["results"] if "error" in r]
     for s in speed.get("skipped", []):
         lines.append(f"SKIP  speed {s['shape']}: {s['item']} ({s['reason']})")
+    attention = report.get("attention") or {}
+    if attention.get("rows"):
+        hq, hkv, d = attention["heads"]
+        lines += ["", f"attention of one layer ({hq} query / {hkv} KV heads of width {d}, {attention['dtype']}): median ms, "
+                  "paired ratio to the Llama's SDPA call"]
+        for row in attention["rows"]:
+            if "models" not in row:
+                lines.append(f"  {row['item']}: {row.get('error') or 'skipped: ' + row.get('skipped', '')}"[:200])
+                continue
+            lines.append(f"  {row['item']:<18s} " + "; ".join(
+                f"{k} {v['median_ms']:.3f} ms ×{v.get('paired_ratio', v['ratio']):.2f}" for k, v in row["models"].items()))
+    for shape_name, models in (report.get("profiles") or {}).items():
+        lines += ["", f"profile, {shape_name}: device time by kernel category (one step each)"]
+        for kind, workloads in (models.items() if isinstance(models, dict) else []):
+            if not isinstance(workloads, dict):
+                lines.append(f"  {kind}: {workloads}"[:200])
+                continue
+            for workload, prof in workloads.items():
+                cats = ", ".join(f"{c} {v:.0%}" for c, v in sorted(prof["categories"].items(), key=lambda x: -x[1]))
+                top = "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in prof["top"][:4])
+                lines.append(f"  {kind:<11s} {workload:<14s} {prof['total_ms']:.1f} ms: {cats} | top: {top}")
     return "\n".join(lines) + "\n"
 
 
@@ -754,11 +1138,14 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, only: tup
             f"{report['meta']['versions']}, commit {report['meta']['git_commit']}")
         rec.save()
         if "checks" in only:  # the compiling checks (flex attention, compiled decoding) last within each family
+            run_triton_checks(rec, profile)
             run_forward_checks(rec, profile)
             run_grad_checks(rec, profile)
             run_generation_checks(rec, profile)
         if "speed" in only:
+            run_attention_micro(rec, profile)
             run_speed(rec, profile)
+            run_profiles(rec, profile)
         report["meta"]["finished"] = True
         rec.save()
         text = summary_text(report)

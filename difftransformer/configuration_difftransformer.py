@@ -20,6 +20,12 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 SUPPORTED_DIFF_VERSIONS = (1, 2)
+# Fields that only one version reads, with the value that means "unused": set to anything else on the other version,
+# they are refused (a config that says something the model would not do).
+VERSION_ONLY_FIELDS = {
+    1: {"lambda_init": None, "lambda_std": 0.1, "subln_eps": 1e-5, "lambda_init_layer_offset": 0},
+    2: {},
+}
 # MLP activations with weights of their own (a module under ``mlp.act_fn``), beside transformers' ``ACT2FN``:
 # Motif's PolyNorm, ``w0·N(x³) + w1·N(x²) + w2·N(x) + b`` (modeling_difftransformer.py).
 PARAMETRIZED_ACTIVATIONS = ("poly_norm",)
@@ -104,7 +110,7 @@ class DiffTransformerConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_dropout: float | int | None = 0.0
     mlp_bias: bool = False
-    diff_version: int | str = 1
+    diff_version: int = 1
     lambda_init: float | None = None
     lambda_std: float = 0.1
     subln_eps: float = 1e-5
@@ -114,9 +120,6 @@ class DiffTransformerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if isinstance(self.diff_version, str):  # accept "1", "v1", "V2": normalised to the int that is saved
-            name = self.diff_version.strip().lower().removeprefix("v")
-            self.diff_version = int(name) if name.isdigit() else self.diff_version
         if self.head_dim is None:
             # An explicit head_dim may differ from hidden_size // Hq (as in Llama); a derived one must divide exactly.
             hq = self.num_attention_heads
@@ -193,11 +196,13 @@ class DiffTransformerConfig(PreTrainedConfig):
         offset = self.lambda_init_layer_offset
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise ValueError(f"`lambda_init_layer_offset` must be an integer (added to the layer index), got {offset!r}.")
-        if offset and v != 1:
-            raise ValueError(
-                f"`lambda_init_layer_offset` applies to diff_version=1 only (V2 has no λinit); got {offset} with "
-                f"diff_version={v}: set it to 0."
-            )
+        for version, fields in VERSION_ONLY_FIELDS.items():
+            for name, unused in fields.items():
+                if version != v and getattr(self, name) != unused:
+                    raise ValueError(
+                        f"`{name}` applies to diff_version={version} only; got {getattr(self, name)!r} with "
+                        f"diff_version={v}: leave it at {unused!r}."
+                    )
         if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
             raise ValueError(f"`lambda_init` must be None (depth schedule) or in [0, 1); got {self.lambda_init}.")
         if not self.lambda_std >= 0:

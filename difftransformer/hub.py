@@ -1,8 +1,8 @@
 """Hub readiness: the exact folder a push uploads, a model card that says what the model is, and the push itself.
 
 A Differential Transformer folder must load where this package is not installed, through the Hub's remote-code
-format: ``config.json`` with ``auto_map``, the source files (``configuration_difftransformer.py``,
-``modeling_difftransformer.py`` and the ``kernels_difftransformer.py`` it imports), the weights,
+format: ``config.json`` with ``auto_map``, the source files (``modeling_difftransformer.py`` and the files it imports
+relatively: ``SOURCE_FILES``), the weights,
 ``generation_config.json``, the tokenizer, and a model card (``README.md``) stating the DIFF version and citing the
 paper (arXiv 2410.05258). :func:`save_for_hub` writes that folder with transformers' ``save_pretrained`` and
 ``huggingface_hub.ModelCard``; :func:`check_hub_folder` names anything missing; :func:`push_to_hub` uploads the folder in one commit, the way transformers' own ``push_to_hub``
@@ -16,6 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from transformers.dynamic_module_utils import get_relative_import_files
+
 PAPER_URL = "https://arxiv.org/abs/2410.05258"
 CITATION = """@inproceedings{ye2025differential,
   title     = {Differential Transformer},
@@ -24,7 +26,11 @@ CITATION = """@inproceedings{ye2025differential,
   year      = {2025},
   url       = {https://arxiv.org/abs/2410.05258}
 }"""
-SOURCE_FILES = ("configuration_difftransformer.py", "kernels_difftransformer.py", "modeling_difftransformer.py")
+# The remote code a saved folder carries: the modeling file and every file it imports relatively, as transformers'
+# save_pretrained copies them.
+SOURCE_FILES = tuple(sorted({"modeling_difftransformer.py"} | {
+    Path(name).name for name in get_relative_import_files(Path(__file__).with_name("modeling_difftransformer.py"))
+}))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _VERSION_TEXT = {

@@ -1,30 +1,31 @@
 """CPU kernels of differential attention, used under ``attn_implementation="sdpa"``.
 
-One zero-padded SDPA call (what every other backend receives, see modeling_difftransformer.py) computes V1's 2H maps
-over 2d-wide dot products, half of them zeros, and 2H outputs 2d wide: twice a Llama's attention arithmetic, because
-SDPA cannot combine two maps before multiplying by the value. Under "sdpa" V1 instead runs
-:func:`differential_sdpa_attention`:
+Keys and values arrive in the standard layout ``(B, Hkv, S, d)``, as the KV cache holds them for every version: V1's
+group ``g`` owns key heads ``2g`` (``K1``) and ``2g + 1`` (``K2``) and value heads ``2g``, ``2g + 1`` (``V_g,0``,
+``V_g,1``; docs/model.md). One zero-padded SDPA call (what every other backend receives, see
+modeling_difftransformer.py) computes V1's 2H maps over 2d-wide dot products, half of them zeros, and 2H outputs 2d
+wide: twice a Llama's attention arithmetic, because SDPA cannot combine two maps before multiplying by the value.
+Under "sdpa" V1 instead runs :func:`differential_sdpa_attention`:
 
-* one query token without autograd (decode): the 2n padded query rows of a KV group become the rows of ONE query
-  head (:func:`gqa_decode_attention`), so one fast SDPA call reads every byte of the packed cache once; V2's decode
-  step uses the same function for its 2n query heads per KV head;
+* one query token without autograd (decode): :func:`differential_decode_attention` multiplies each map's query rows
+  with its key head, combines the two softmax maps (one row of ``S`` numbers per map and head) and multiplies the
+  result with both value halves: every byte of the cache is read once, and no map is longer than one row;
 * otherwise: ``A1 − λ·A2`` is materialised per block of query rows against only the keys the block can see, then
-  multiplied once by the 2d-wide value (:class:`BlockedDifferentialAttention`); its backward recomputes each block's
-  maps from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
+  multiplied by the two value halves (:class:`BlockedDifferentialAttention`); its backward recomputes each block's maps
+  from two float32 numbers per row and map, as flash attention does, so training keeps no T×S map.
 
 Grouped differential attention (``num_noise_heads``, docs/model.md) runs through the same kernels: a KV group's
 noise rows are fewer than its signal rows (``m = n / r``), each noise map is computed once and subtracted from its r
 signal maps (in the blocked kernel's backward, the r signal gradients of a noise map are summed before its softmax
 backward).
 
-V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` (the
-same one-call read of the cache, then the pair combine), and a float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH``
-tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's CPU flash kernel skip hidden causal
-scores that one call computes (all of them up to 512 keys).
+V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` (one
+SDPA call reads the cache once for the 2n query heads of a KV head, then the pair combine), and a float32 prompt of at
+least ``CAUSAL_BLOCK_MIN_LENGTH`` tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's
+CPU flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
 
-benchmarks/attention_micro.py measures V1's two kernels against every alternative, benchmarks/v2_prompt_attention.py
-the V2 prompt path against one SDPA call (docs/performance.md). This file is imported relatively by the modeling file,
-so ``save_pretrained`` copies it into every saved folder (Hub remote code).
+On CUDA, V1 runs the one-pass Triton kernel of triton_difftransformer.py where Triton is installed. This file is
+imported relatively by the modeling file, so ``save_pretrained`` copies it into every saved folder (Hub remote code).
 """
 
 import logging
@@ -92,25 +93,34 @@ def query_padding(signal_rows: int, noise_rows: int, dtype: torch.dtype, device)
     return torch.cat([eye[:1].expand(signal_rows, 2), eye[1:].expand(noise_rows, 2)]).view(-1, 2, 1)
 
 
-def packed_decode_attention(query, key, value, lam, scaling, attention_mask=None, noise_ratio=1):
-    """V1 attention of one query token. ``query`` ``(B, G, 2, n, d)`` (rows ``(c, r)`` of each KV group), or
-    ``(B, G, n + m, d)``: each group's n signal rows, then its ``m = n / noise_ratio`` noise rows (grouped differential
-    attention; signal row j subtracts noise row j // r). ``key`` and ``value`` the packed cache ``(B, G, S, 2d)``,
-    ``lam`` the layer's λ. Returns ``(B, G, n, 2d)``.
+def differential_decode_attention(query, key, value, lam, scaling, attention_mask=None, noise_ratio=1):
+    """V1 attention of one query token per sequence: ``query`` ``(B, 1, Hq, d)`` in q_proj row order (per KV group its
+    n signal rows, then its ``m = n / noise_ratio`` noise rows; signal row j subtracts noise row j // r), ``key`` and
+    ``value`` the cache ``(B, Hkv, S, d)`` (group g: heads 2g, 2g + 1), ``lam`` the layer's λ, ``attention_mask`` None or
+    boolean ``(B, 1, 1, S)`` (True = visible). Returns the combined heads ``(B, 1, H, 2d)``.
 
-    The queries are zero-padded to ``[Q1|0]``, ``[0|Q2]`` (one broadcast multiply) and the group's rows form one
-    query head of :func:`gqa_decode_attention`: every byte of the packed cache is read once.
+    Each map's rows meet only their own key head (two matmuls over views of the cache), the two softmax rows are
+    combined in float32, and the combined row meets both value halves (one broadcast matmul): every cache byte is read
+    once, no copy of the cache is made, and no zero is multiplied.
     """
-    b, g = query.shape[:2]
-    d = query.shape[-1]
-    query = query.reshape(b, g, -1, d)  # (B, G, n + m, d)
-    rows = query.shape[2]
+    b, _, hq, d = query.shape
+    g = key.shape[1] // 2
+    rows = hq // g
     m = rows // (noise_ratio + 1)
     n = rows - m
-    padded = (query.unsqueeze(-2) * query_padding(n, m, query.dtype, query.device)).reshape(b, 1, g * rows, 2 * d)
-    out = gqa_decode_attention(padded, key, value, scaling, attention_mask).view(b, g, rows, 2 * d)
-    signal = out[:, :, :n].view(b, g, m, noise_ratio, 2 * d)
-    return torch.addcmul(signal, lam, out[:, :, n:, None], value=-1).view(b, g, n, 2 * d)
+    q = query.reshape(b, g, rows, d)
+    keys, values = key.unflatten(1, (g, 2)), value.unflatten(1, (g, 2))  # (B, G, 2, S, d): views
+    mask = None
+    if attention_mask is not None:
+        hide = attention_mask.reshape(b, 1, 1, -1).logical_not()
+        mask = torch.zeros(hide.shape, dtype=_accumulation_dtype(query.dtype), device=query.device).masked_fill_(hide, float("-inf"))
+    maps = []
+    for part, c in ((q[:, :, :n], 0), (q[:, :, n:], 1)):
+        scores = torch.matmul(part * scaling, keys[:, :, c].transpose(-1, -2)).to(_accumulation_dtype(query.dtype))
+        maps.append(_softmax_with_stats(scores if mask is None else scores.add_(mask))[0])
+    diff = maps[0].view(b, g, m, noise_ratio, -1).addcmul_(maps[1].unsqueeze(3), lam, value=-1)
+    out = torch.matmul(diff.view(b, g, 1, n, -1).to(value.dtype), values)  # (B, G, 2, n, d): both value halves
+    return out.permute(0, 1, 3, 2, 4).reshape(b, 1, g * n, 2 * d)
 
 
 def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: torch.device, n: int, block: int | None):
@@ -146,7 +156,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _block_scores(q, k, mask, scaling):
     """Float32 scores of one block and map: ``q`` ``(B, G, n, Tb, d)`` (the n heads of a group are rows of one matmul),
-    ``k`` ``(B, G, Sv, d)`` (a view of the packed cache), plus the block's additive mask."""
+    ``k`` ``(B, G, Sv, d)`` (a view of the cache: every other key head), plus the block's additive mask."""
     b, g, n, tb, d = q.shape
     scores = torch.matmul((q * scaling).reshape(b, g, n * tb, d), k.transpose(-1, -2)).view(b, g, n, tb, -1)
     acc = _accumulation_dtype(q.dtype)
@@ -163,13 +173,18 @@ def _softmax_with_stats(scores):
     return scores.div_(total), torch.stack((top, total.log_()))
 
 
+def _halves(x):
+    """The two heads of every group of a ``(B, 2G, S, d)`` key or value tensor: ``(x[:, 0::2], x[:, 1::2])``, views."""
+    return x[:, 0::2], x[:, 1::2]
+
+
 def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, stats=None):
     """``(A1 − λA2)·V`` block by block → ``(B, T, G, n, 2d)`` (the module's head layout: no copy follows). ``q2`` has
     ``m = n / r`` heads per group (r = 1 unless grouped): signal head j subtracts noise head j // r. Fills ``stats``
     ``(stats1 (2, B, G, n, T, 1), stats2 (2, B, G, m, T, 1))`` for the backward when given."""
     b, g, n, t, d = q1.shape
     m = q2.shape[2]
-    k1, k2 = key[..., :d], key[..., d:]  # views of the packed cache
+    k1, k2 = _halves(key)
     out = value.new_empty(b, t, g, n, 2 * d)
     for t0, t1, visible, mask in _query_blocks(t, key.shape[2], attention_mask, q1.device, n, block):
         p1, st1 = _softmax_with_stats(_block_scores(q1[:, :, :, t0:t1], k1[:, :, :visible], mask, scaling))
@@ -178,8 +193,9 @@ def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, st
             stats[0][..., t0:t1, :], stats[1][..., t0:t1, :] = st1, st2
         # A1 − λ·A2: (B, G, n, Tb, Sv); a noise map is shared by the r signal maps of its block of rows
         diff = p1.view(b, g, m, n // m, t1 - t0, visible).addcmul_(p2.unsqueeze(3), lam, value=-1).view_as(p1).to(value.dtype)
-        res = torch.matmul(diff.view(b, g, n * (t1 - t0), visible), value[:, :, :visible])
-        out[:, t0:t1] = res.view(b, g, n, t1 - t0, 2 * d).permute(0, 3, 1, 2, 4)
+        for c, half in enumerate(_halves(value)):  # the value [V_g,0 | V_g,1]: one matmul per half
+            res = torch.matmul(diff.view(b, g, n * (t1 - t0), visible), half[:, :, :visible])
+            out[:, t0:t1, :, :, c * d : (c + 1) * d] = res.view(b, g, n, t1 - t0, d).permute(0, 3, 1, 2, 4)
     return out
 
 
@@ -187,7 +203,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
     """``O = (A1 − λA2)·V`` block by block, with a backward that recomputes each block's maps (flash-attention style).
 
     Inputs: ``q1`` ``(B, G, n, T, d)``, ``q2`` ``(B, G, m, T, d)`` (``m = n``, or ``n / r`` noise heads for grouped
-    differential attention), the packed ``key``/``value`` ``(B, G, S, 2d)``, the scalar ``lam``; output
+    differential attention), ``key``/``value`` ``(B, 2G, S, d)`` (group g: heads 2g, 2g + 1), the scalar ``lam``; output
     ``(B, T, G, n, 2d)``. Saved for backward: the inputs and ``O(T)`` row statistics, never a ``T×S`` map.
     """
 
@@ -208,7 +224,8 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         scaling = ctx.scaling
         b, g, n, t, d = q1.shape
         m = q2.shape[2]
-        k1, k2 = key[..., :d], key[..., d:]
+        k1, k2 = _halves(key)
+        v_halves = _halves(value)
         dq1, dq2 = torch.empty_like(q1, memory_format=torch.contiguous_format), torch.empty_like(q2, memory_format=torch.contiguous_format)
         acc = _accumulation_dtype(key.dtype)  # key/value gradients sum over blocks: float32 even for bf16
         dkey = torch.zeros(key.shape, dtype=acc, device=key.device)
@@ -228,13 +245,18 @@ class BlockedDifferentialAttention(torch.autograd.Function):
             grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, n * tb, 2 * d)
             diff = p[0].view(b, g, m, n // m, tb, visible).addcmul(p[1].unsqueeze(3), lam, value=-1)
             diff = diff.to(value.dtype).view(b, g, n * tb, visible)
-            dvalue[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_b)  # sums the group's n heads
-            ddiff = torch.matmul(grad_b, value[:, :, :visible].transpose(-1, -2)).to(acc).view_as(p[0])
+            ddiff = None
+            for c, (half, dhalf) in enumerate(zip(v_halves, _halves(dvalue))):
+                grad_c = grad_b[..., c * d : (c + 1) * d]
+                dhalf[:, :, :visible] += torch.matmul(diff.transpose(-1, -2), grad_c)  # sums the group's n heads
+                part = torch.matmul(grad_c, half[:, :, :visible].transpose(-1, -2))
+                ddiff = part if ddiff is None else ddiff.add_(part)
+            ddiff = ddiff.to(acc).view_as(p[0])
             ddiff2 = ddiff if m == n else ddiff.view(b, g, m, n // m, tb, visible).sum(3)
             r1, r2 = (torch.einsum("...s,...s->...", dd, p[c]).unsqueeze(-1) for c, dd in ((0, ddiff), (1, ddiff2)))
             dlam -= r2.sum()
             ds = (torch.sub(ddiff, r1).mul_(p[0]), ddiff2.sub_(r2).mul_(p[1]))
-            for c, dq, dk in ((0, dq1, dkey[..., :d]), (1, dq2, dkey[..., d:])):
+            for c, dq, dk in ((0, dq1, dkey[:, 0::2]), (1, dq2, dkey[:, 1::2])):
                 rows = heads[c] * tb
                 dsc = ds[c].to(q1.dtype).view(b, g, rows, visible)
                 dq[:, :, :, t0:t1] = (torch.matmul(dsc, kb[c]) * factors[c]).view(b, g, heads[c], tb, d)
@@ -243,7 +265,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
 
 
 def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_mask=None, block=None):
-    """``(B, G, n, T, d)`` queries of both maps over the packed ``(B, G, S, 2d)`` cache → ``(B, T, G, n, 2d)``; ``q2``
+    """``(B, G, n, T, d)`` queries of both maps over the ``(B, 2G, S, d)`` cache → ``(B, T, G, n, 2d)``; ``q2``
     may have ``n / r`` heads per group (grouped differential attention: signal head j subtracts noise head j // r).
     ``attention_mask``: None (transformers' sdpa convention) or boolean, broadcastable to ``(B, 1, T, S)``;
     ``block``: query rows per block (None: chosen from the key length)."""
@@ -286,9 +308,9 @@ def private_op(name: str, ops=torch.ops.aten):
 _FLASH_CPU = private_op("_scaled_dot_product_flash_attention_for_cpu")
 _FLASH_CPU_BACKWARD = private_op("_scaled_dot_product_flash_attention_for_cpu_backward")
 # Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the fastest of the
-# block sizes benchmarks/v2_prompt_attention.py compares, and the shortest length at which it saved time there at
-# batch 1, 2 and 4 in every committed run (docs/performance.md; at 128 tokens it cost up to 18% at batch 1). Smaller
-# blocks skip more of the diagonal squares' hidden scores, for one more pair of kernel calls each.
+# block sizes the V2 prompt-attention runs compared, and the shortest length at which it saved time there at batch 1,
+# 2 and 4 in every run (docs/reports/2026-11-25-attention-kernels.md; at 128 tokens it cost up to 18% at batch 1).
+# Smaller blocks skip more of the diagonal squares' hidden scores, for one more pair of kernel calls each.
 _CAUSAL_BLOCK = 32
 CAUSAL_BLOCK_MIN_LENGTH = 256
 
@@ -371,7 +393,7 @@ def causal_block_attention(query, key, value, scaling, block=None):
 def uses_causal_block_attention(query, key, attention_mask) -> bool:
     """Whether :func:`causal_block_attention` runs for this V2 call: a CPU float32 square prompt of at least
     ``CAUSAL_BLOCK_MIN_LENGTH`` tokens with no mask (transformers' sdpa convention for an unpadded causal prompt).
-    benchmarks/v2_prompt_attention.py times both paths."""
+    docs/reports/2026-11-25-attention-kernels.md reports both paths' times."""
     return (
         _FLASH_CPU is not None
         and _FLASH_CPU_BACKWARD is not None
@@ -384,15 +406,15 @@ def uses_causal_block_attention(query, key, attention_mask) -> bool:
 
 
 def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
-    """V1's kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, Hq, d)`` in the q_proj row order (per KV
-    group its ``n = pair_stride`` signal rows, then its ``n / noise_ratio`` noise rows; ``(g, c, r)`` when r = 1),
-    unpadded, packed ``key``/``value`` ``(B, G, S, 2d)``, a boolean or no mask. Returns the combined differential heads
-    ``(B, T, H, 2d)``, equal to the padded-query path and to the eager formula."""
+    """V1's CPU kernel under ``attn_implementation="sdpa"``: ``query`` ``(B, T, Hq, d)`` in the q_proj row order (per
+    KV group its ``n = pair_stride`` signal rows, then its ``n / noise_ratio`` noise rows; ``(g, c, r)`` when r = 1),
+    unpadded; ``key``/``value`` ``(B, Hkv, S, d)`` as cached (group g: heads 2g, 2g + 1); a boolean or no mask.
+    Returns the combined differential heads ``(B, T, H, 2d)``, equal to the padded-query path and to the eager
+    formula."""
     b, t, _, d = query.shape
-    g, n = key.shape[1], pair_stride
+    g, n = key.shape[1] // 2, pair_stride
     if t == 1 and not needs_grad(query, key, value, lam):
-        out = packed_decode_attention(query.view(b, g, -1, d), key, value, lam, scaling, attention_mask, noise_ratio)
-        return out.view(b, 1, g * n, 2 * d)
+        return differential_decode_attention(query, key, value, lam, scaling, attention_mask, noise_ratio)
     heads = query.view(b, t, g, -1, d).permute(0, 2, 3, 1, 4)  # (B, G, n + m, T, d): a view
     out = blocked_differential_attention(heads[:, :, :n], heads[:, :, n:], key, value, lam, scaling, attention_mask)
     return out.view(b, t, g * n, 2 * d)
@@ -405,7 +427,7 @@ __all__ = [
     "blocked_differential_attention",
     "differential_sdpa_attention",
     "gqa_decode_attention",
-    "packed_decode_attention",
+    "differential_decode_attention",
     "pair_decode_attention",
     "needs_grad",
     "query_padding",

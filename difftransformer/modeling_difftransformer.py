@@ -13,14 +13,16 @@ Head layout of one layer (docs/model.md, "What it computes"), shown for V1 with 
     differential head h = g·n + r uses Q[g,c,r], K[g,c] for map c = 0, 1 and V = [V g0 | V g1] (2d wide).
 
 With that order the standard GQA rule (query head i reads KV head i // n) already pairs every map with its
-own key head, and the cache holds a Llama's bytes. This implementation views K and V per group as one packed
-``2d``-wide head, ``[K1 | K2]`` and ``[V_g,0 | V_g,1]`` (a free view of the projections), and zero-pads each
-query to ``2d`` on the side of its own key (``[Q1 | 0]``, ``[0 | Q2]``): one standard attention call per layer
-with equal q/k/v head sizes (what fast SDPA, flash and flex kernels need) then returns ``A_c·[V1;V2]`` for every
-map, and the two maps of a head are combined afterwards. That call does twice a Llama's attention arithmetic, so
-under ``attn_implementation="sdpa"`` V1 runs its own kernel instead (``differential_sdpa_attention``: one packed
-SDPA call per group when decoding, ``A1 − λ·A2`` materialised block by block otherwise, with a recomputing
-backward). The eager path materialises ``A1 − λ·A2`` whole and returns the differential maps.
+own key head, and the cache holds a Llama's tensors: ``(B, Hkv, S, d)``, exactly what transformers' caches (dynamic,
+static, quantized, paged, and those built from the config) allocate. Under ``attn_implementation="sdpa"`` V1 runs
+its own kernels on those tensors: on CUDA the one-pass Triton kernel (triton_difftransformer.py: both softmax maps
+of a head in one pass over each K/V block), on CPU ``differential_sdpa_attention`` (kernels_difftransformer.py).
+Every other backend (eager, flex, flash, a user's AttentionInterface function) receives one standard call per layer
+with equal q/k/v head sizes: K and V viewed per group as one ``2d``-wide head, ``[K1 | K2]`` and ``[V_g,0 | V_g,1]``
+(a free view of the projections; a copy of a cache), and each query zero-padded to ``2d`` on the side of its own key
+(``[Q1 | 0]``, ``[0 | Q2]``), so the call returns ``A_c·[V1;V2]`` for every map and the two maps of a head are
+combined afterwards. That call does twice a Llama's attention arithmetic. The eager path materialises ``A1 − λ·A2``
+whole and returns the differential maps.
 
 V2 is standard GQA attention over all 2H query heads, adjacent query heads (2h, 2h+1) forming a pair over one
 shared KV head; ``λ`` is computed per token and head by ``lambda_proj``.
@@ -40,20 +42,14 @@ Deliberate deviations from Microsoft's reference code: rotate-half RoPE (transfo
 interleaved, group-major query rows (convert_scripts handle both), no attention dropout.
 """
 
-import dataclasses
-import functools
-import inspect
 import math
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-import transformers
-from packaging import version
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
@@ -61,8 +57,6 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -81,151 +75,28 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 from transformers.utils import can_return_tuple
-from transformers.utils.generic import TransformersKwargs, merge_with_config_defaults
+from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .compat_difftransformer import (
+    ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE,
+    CACHE_NAME,
+    MASK_CACHE_ARGUMENT,
+    PackedGroupsPagedCache,
+    accepts_old_cache_name,
+    check_forward_arguments,
+)
 from .configuration_difftransformer import DiffTransformerConfig
 from .kernels_difftransformer import (
-    blocked_differential_attention,
     causal_block_attention,
     differential_sdpa_attention,
-    packed_decode_attention,
-    pair_decode_attention,
     needs_grad,
+    pair_decode_attention,
     query_padding,
     uses_causal_block_attention,
 )
-
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The cache argument across transformers releases.
-#
-# transformers 5.24 renamed the cache argument of every model, decoder-layer and attention forward, and the cache field
-# of the model outputs, from `past_key_values` to `cache`; the old name stays a deprecated alias until 5.40. Before
-# 5.24, `cache` named only continuous batching's paged cache, which the attention functions updated themselves; from
-# 5.24 the attention module updates every cache, the paged one included. This file reads whichever the installed
-# release uses, as that release's Llama does, and refuses what it would not read: a cache under another name, an
-# unknown keyword argument, or a decoding step whose cache is missing (see `check_forward_arguments`).
-TRANSFORMERS_VERSION = transformers.__version__
-# The name of the cache argument and output field in the installed release (what generate() passes and reads back,
-# and what code that calls a transformers model with a cache must use).
-CACHE_RENAMED = "cache" in {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
-CACHE_NAME = "cache" if CACHE_RENAMED else "past_key_values"
-# Where transformers announced the removal of the old name (`deprecate_kwarg("past_key_values", "5.40.0", ...)`).
-OLD_CACHE_NAME_REMOVED_IN = "5.40.0"
-# Up to 5.23 the attention functions (sdpa, flash, paged|eager) update a paged cache passed to them as `cache=`.
-ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE = "cache" in inspect.signature(sdpa_attention_forward).parameters
-MASK_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-
-
-def accepts_old_cache_name(forward: Callable) -> Callable:
-    """Let ``forward(..., cache=...)`` also take the cache as ``past_key_values=``.
-
-    Up to transformers 5.23 ``past_key_values`` is the current name (generate() passes it), so it is renamed silently;
-    from 5.24 it is transformers' deprecated alias: renamed with a ``FutureWarning`` until 5.40, refused from then on,
-    as transformers' own models do. Passing both names is an error."""
-
-    @functools.wraps(forward)
-    def wrapper(self, *args, **kwargs):
-        if "past_key_values" in kwargs:
-            old = kwargs.pop("past_key_values")
-            if old is not None and kwargs.get("cache") is not None:
-                raise ValueError(
-                    f"{type(self).__name__}.forward got both `cache` and `past_key_values`: pass the cache once, as "
-                    f"`{CACHE_NAME}` (transformers {TRANSFORMERS_VERSION})."
-                )
-            if CACHE_RENAMED and version.parse(TRANSFORMERS_VERSION) >= version.parse(OLD_CACHE_NAME_REMOVED_IN):
-                raise TypeError(
-                    f"{type(self).__name__}.forward got `past_key_values`, which transformers {TRANSFORMERS_VERSION} no "
-                    "longer accepts (renamed in 5.24, removed in 5.40): pass the cache as `cache=`."
-                )
-            if CACHE_RENAMED and old is not None and not torch.compiler.is_compiling():
-                warnings.warn(
-                    f"`past_key_values` is deprecated and will be removed in transformers {OLD_CACHE_NAME_REMOVED_IN} "
-                    f"for `{type(self).__name__}.forward`. Use `cache` instead.",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-            if old is not None or "cache" not in kwargs:
-                kwargs["cache"] = old
-        return forward(self, *args, **kwargs)
-
-    return wrapper
-
-
-# Keyword arguments a forward passes on, beyond its named inputs: transformers' shared model kwargs (output flags,
-# packed-sequence lengths, `num_items_in_batch`), continuous batching's paged-attention arguments and the causal-LM
-# loss's own arguments. The attention function in use adds its named parameters (`check_forward_arguments`).
-_PASSED_ON_KWARGS = frozenset(TransformersKwargs.__annotations__) | frozenset(
-    name for name in inspect.signature(ForCausalLMLoss).parameters if name not in ("logits", "labels", "vocab_size", "kwargs")
-)
-try:
-    from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
-
-    _PASSED_ON_KWARGS |= frozenset(PagedAttentionArgs.__annotations__) - {"cache"}
-except ImportError:  # only a name list: releases without it pass none of these
-    pass
-_ATTENTION_FUNCTION_KWARGS: dict[str, frozenset] = {}
-
-
-def attention_function_kwargs(attn_implementation: str | None) -> frozenset:
-    """Named parameters of the attention function registered under ``attn_implementation`` (beyond module, query, key,
-    value and mask): what that backend reads from the kwargs a forward passes on."""
-    name = str(attn_implementation)
-    if name not in _ATTENTION_FUNCTION_KWARGS:
-        function = ALL_ATTENTION_FUNCTIONS.get(name, eager_attention_forward)
-        try:
-            parameters = inspect.signature(function).parameters.values()
-        except (TypeError, ValueError):
-            parameters = ()
-        _ATTENTION_FUNCTION_KWARGS[name] = frozenset(
-            p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-        ) - {"module", "query", "key", "value", "attention_mask"}
-    return _ATTENTION_FUNCTION_KWARGS[name]
-
-
-def check_forward_arguments(model, kwargs: dict, cache, position_ids) -> None:
-    """Never silently wrong: refuse what this forward would ignore.
-
-    * a keyword argument that is neither an input of the model nor one its layers or attention backend reads (a cache
-      under a name this release does not use is named as such: the next rename of transformers' cache argument
-      fails here instead of decoding every step without its past);
-    * a decoding step without its past: positions that start after 0 while no cache holds the earlier tokens (the
-      signature of a cache lost on the way, e.g. generate() passing it under a name the model does not read).
-      Skipped under ``torch.compile`` and for compileable (static) caches, whose length lives on the device; and for
-      continuous batching's paged cache and vLLM's Transformers backend, whose attention functions keep the cache.
-    """
-    attn = model.config._attn_implementation
-    recordable = {f"output_{key}" for key in getattr(model, "_can_record_outputs", None) or {}}
-    unknown = [k for k in kwargs if k not in _PASSED_ON_KWARGS and k not in recordable and k not in attention_function_kwargs(attn)]
-    for name in unknown:
-        if isinstance(kwargs[name], Cache):
-            raise TypeError(
-                f"{type(model).__name__}.forward got a {type(kwargs[name]).__name__} as `{name}`, a name it does not read: "
-                f"with transformers {TRANSFORMERS_VERSION} the cache is passed as `{CACHE_NAME}`. Decoding with "
-                "the cache ignored would be silently wrong; if transformers renamed its cache argument again, "
-                "difftransformer must follow it."
-            )
-    if unknown:
-        raise TypeError(
-            f"{type(model).__name__}.forward got unexpected keyword argument(s) {', '.join(map(repr, unknown))} "
-            f"(transformers {TRANSFORMERS_VERSION}, attn_implementation={attn!r}): neither an input of the model nor an "
-            "argument of its attention backend, so it would be ignored."
-        )
-    if position_ids is None or isinstance(cache, PagedAttentionCache) or str(attn).startswith("vllm"):
-        return  # continuous batching and vLLM hand the attention function their own cache
-    if torch.compiler.is_compiling():
-        return
-    if cache is None or (not getattr(cache, "is_compileable", False) and cache.get_seq_length() == 0):
-        start = int(position_ids.min())
-        if start > 0:
-            raise ValueError(
-                f"{type(model).__name__}.forward got position_ids starting at {start} but "
-                f"{'no cache' if cache is None else 'an empty cache'} (`{CACHE_NAME}`, transformers "
-                f"{TRANSFORMERS_VERSION}): a decoding step needs the cache that holds the {start} earlier tokens, or "
-                "the whole sequence from position 0. Was the cache passed under another name?"
-            )
+from .triton_difftransformer import differential_attention_triton
+from .triton_difftransformer import is_available as triton_runs_on
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -271,15 +142,19 @@ def eager_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Materialised differential attention: ``O_h = (softmax(Q1K1ᵀ·s + M) − λ·softmax(Q2K2ᵀ·s + M))·V``.
 
-    query ``(B, 2H, T, w)``, key/value ``(B, G, S, w)`` exactly as the module passes them to every kernel.
-    Unlike standard kernels this returns the *combined* output ``(B, T, H, w)`` together with the differential
-    maps ``(B, H, T, S)`` it was computed from (what ``output_attentions`` shows: docs/model.md).
+    query ``(B, 2H, T, w)``, key/value ``(B, G, S, w)`` exactly as the module passes them to every kernel (V1: padded
+    queries over packed groups, ``w = 2d``; V2: ``w = d``). With ``diff_lambda`` (what the module passes) this returns
+    the *combined* output ``(B, T, H, w)`` together with the differential maps ``(B, H, T, S)`` it was computed from
+    (what ``output_attentions`` shows: docs/model.md). Without it, it is plain eager attention: one output per softmax
+    map, ``(B, T, 2H, w)``, and the softmax maps ``(B, 2H, T, S)`` (the module's ``combine`` then pairs the outputs).
     """
     keys = repeat_kv(key, module.num_key_value_groups)  # (B, 2H, S, w)
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
     maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)  # (B, 2H, T, S)
+    if diff_lambda is None:
+        return torch.matmul(maps, repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous(), maps
     r = getattr(module, "noise_ratio", 1)
     lam = diff_lambda if diff_lambda.dim() == 0 else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
     diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1, noise_ratio=r)  # (B, H, T, S)
@@ -288,42 +163,29 @@ def eager_attention_forward(
     return attn_output, diff_maps
 
 
-class PackedGroupsPagedCache(PagedAttentionCache):
-    """V1's view of transformers' paged cache (continuous batching), handed to the kernel in place of the cache.
-
-    Continuous batching writes keys and values inside the attention function, into a cache laid out per token as
-    ``(num_key_value_heads, head_dim)``: byte for byte the packed ``(G, 2d)`` groups V1 gives its kernel
-    (``[K1 | K2]`` per group, docs/model.md, "Caches and generation"). ``update`` converts the views both ways — no copy — so every kernel that
-    supports the paged cache (sdpa, ``paged|eager``) runs V1 with its single call. The flash block-table path writes
-    the cache inside the flash kernel with the config's head size and is refused.
-    """
-
-    def __init__(self, cache: PagedAttentionCache):  # a view: deliberately no second cache (no super().__init__)
-        self._cache = cache
-
-    def __getattr__(self, name):
-        return getattr(self._cache, name)
-
-    def update(self, key_states, value_states, layer_idx, kwargs):
-        def heads(x):  # (1, G, T, 2d) -> (1, Hkv, T, d)
-            return x.transpose(1, 2).unflatten(-1, (2, -1)).flatten(2, 3).transpose(1, 2)
-
-        def groups(x):  # (1, Hkv, S, d) -> (1, G, S, 2d)
-            return x.transpose(1, 2).unflatten(2, (-1, 2)).flatten(3, 4).transpose(1, 2)
-
-        key, value = self._cache.update(heads(key_states), heads(value_states), layer_idx, kwargs)
-        if kwargs.get("block_table") is not None:
-            raise NotImplementedError(
-                "diff_version=1 with a block-table paged cache (flash paged attention) is not supported: that kernel "
-                "writes keys of width head_dim, V1 attends over packed 2*head_dim groups. Use attn_implementation="
-                "'sdpa' or 'eager' for continuous batching, or a diff_version=2 model."
-            )
-        return groups(key), groups(value)
+def pack_groups(x: torch.Tensor) -> torch.Tensor:
+    """V1's keys or values as one ``2d``-wide head per group: ``(B, 2G, S, d)`` → ``(B, G, S, 2d)``, group g holding
+    heads ``[2g | 2g + 1]``. A view where the tensor is laid out per token (a projection, the paged cache), a copy where
+    it is laid out per head (dynamic and static caches)."""
+    b, hkv, s, d = x.shape
+    return x.transpose(1, 2).reshape(b, s, hkv // 2, 2 * d).transpose(1, 2)
 
 
-# Devices on which V1 prefill and training under "sdpa" run the blocked kernel (measured on CPUs only); elsewhere they
-# keep the padded call. Tests empty it to run the non-CPU dispatch on a CPU.
+def triton_differential_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
+    """V1's one-pass Triton kernel (triton_difftransformer.py) called with transformers' sdpa conventions: without a
+    mask several queries are causal from the first key (a prompt, or a prefill into an empty static cache, where the
+    keys past the prompt are never seen), while the kernel places the queries at the last positions of the keys."""
+    t = query.shape[1]
+    if attention_mask is None and 1 < t < key.shape[2]:
+        key, value = key[:, :, :t], value[:, :, :t]
+    return differential_attention_triton(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask)
+
+
+# Devices on which V1's own kernels run under "sdpa" (tests change them to run another device's dispatch on a CPU):
+# the blocked CPU kernel for prefill and training, the one-pass Triton kernel (where Triton is installed) for every
+# step. Elsewhere prefill and training keep the padded call, and decoding takes the decode kernel.
 BLOCKED_KERNEL_DEVICES = ("cpu",)
+TRITON_KERNEL_DEVICES = ("cuda",)
 
 
 class DiffTransformerHeadRMSNorm(nn.Module):
@@ -345,50 +207,23 @@ class DiffTransformerHeadRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class DiffTransformerPolyNorm(nn.Module):
-    """Motif's PolyNorm activation (``hidden_act="poly_norm"``), over the last dimension:
+class DiffTransformerLambdaProjection(nn.Module):
+    """V2's λ gate before its sigmoid, ``x ↦ x W_λᵀ`` (``W_λ``: ``(H, E)``, no bias), saved as ``lambda_proj.weight``.
 
-        ``y = w0·N(x³) + w1·N(x²) + w2·N(x) + b``,  ``N(z) = z / sqrt(mean(z²) + eps)``
+    Deliberately not an ``nn.Linear``: transformers' quantizers (bitsandbytes, torchao, optimum-quanto) convert
+    ``nn.Linear`` layers, and the gate that weighs one softmax map against the other must keep its exact weights and
+    dtype when the projections around it are quantized (docs/ecosystem.md). It costs what the linear layer cost."""
 
-    with learnable ``weight`` (3,) (initialised to 1/3 each) and ``bias`` (1,) (0), computed in float32 (or the
-    input's wider dtype) and cast back, eps 1e-6 (fixed, as in Motif's code). Reference: vLLM
-    ``vllm/model_executor/layers/layernorm.py`` ``PolyNorm`` (the one Motif's models use).
-    """
-
-    def __init__(self, eps: float = 1e-6):
+    def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.full((3,), 1.0 / 3.0))
-        self.bias = nn.Parameter(torch.zeros(1))
-        self.eps = eps
+        self.in_features, self.out_features = in_features, out_features  # as nn.Linear's (tensor parallelism reads them)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        xf, w, b = x.to(dtype), self.weight.to(dtype), self.bias.to(dtype)
-
-        def norm(z):
-            return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.eps)
-
-        return (w[0] * norm(xf.pow(3)) + w[1] * norm(xf.pow(2)) + w[2] * norm(xf) + b).to(x.dtype)
+        return F.linear(x, self.weight)
 
     def extra_repr(self):
-        return f"eps={self.eps}"
-
-
-class DiffTransformerPolyNormMLP(nn.Module):
-    """Llama's gated MLP, ``down(act(gate(x)) ⊙ up(x))``, with PolyNorm as ``act`` (``hidden_act="poly_norm"``): an
-    activation with weights of its own, saved as ``mlp.act_fn.weight`` and ``mlp.act_fn.bias`` (Motif's names).
-    Every other activation uses transformers' ``LlamaMLP``."""
-
-    def __init__(self, config: DiffTransformerConfig):
-        super().__init__()
-        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
-        self.act_fn = DiffTransformerPolyNorm()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class DiffTransformerAttention(nn.Module):
@@ -397,8 +232,8 @@ class DiffTransformerAttention(nn.Module):
     their own ``forward`` (where transformers and vLLM look for that call).
 
     ``value_width`` is the width of one differential head's output: ``2d`` for V1 (its value ``[V1; V2]``), ``d`` for V2.
-    Keys and values are passed to every kernel (and cached) as ``Hkv·d / value_width`` heads of that width: V1's packed
-    groups ``[K1 | K2]``, ``[V_g,0 | V_g,1]`` are a free view of the projections (module docstring).
+    Keys and values are cached as a Llama's, ``(B, Hkv, S, d)``; V1's standard kernels see them as packed groups
+    ``[K1 | K2]``, ``[V_g,0 | V_g,1]`` (module docstring).
     """
 
     diff_version: int
@@ -427,8 +262,8 @@ class DiffTransformerAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * value_width, hidden, bias=bias)
 
     def project(self, hidden_states, position_embeddings, cache, kwargs):
-        """→ rotated queries ``(B, T, 2H, d)`` in q_proj row order, and the cached keys and values
-        ``(B, Hkv·d / value_width, S, value_width)`` (this step's, appended to ``cache``).
+        """→ rotated queries ``(B, T, 2H, d)`` in q_proj row order, and the cached keys and values ``(B, Hkv, S, d)``
+        (this step's, appended to ``cache``).
 
         A paged cache (continuous batching) is updated here from transformers 5.24 on, with the paged-attention
         ``kwargs`` it fills in place; before, the attention function updates it (:meth:`attention_kwargs`)."""
@@ -437,8 +272,8 @@ class DiffTransformerAttention(nn.Module):
         key = self.k_proj(hidden_states).view(*input_shape, -1, self.head_dim)  # (B, T, Hkv, d)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
-        key = key.view(*input_shape, -1, self.value_width).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(*input_shape, -1, self.value_width).transpose(1, 2)
+        key = key.transpose(1, 2)  # (B, Hkv, T, d)
+        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if cache is not None and not (ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache)):
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         return query, key, value
@@ -465,9 +300,9 @@ class DiffTransformerAttention(nn.Module):
         return attn_output
 
     def uses_own_sdpa_kernel(self, query, attention_mask, cache) -> bool:
-        """Whether this call runs a kernel of kernels_difftransformer.py instead of transformers' sdpa function:
-        under ``"sdpa"`` only, and never with an additive float mask (a user's 4-D mask) or continuous batching (its
-        paged cache and packed sequences). Subclasses narrow it further."""
+        """Whether this call may run one of the package's own kernels instead of transformers' sdpa function: under
+        ``"sdpa"`` only, and never with an additive float mask (a user's 4-D mask) or continuous batching (its paged
+        cache and packed sequences). The subclasses choose the kernel."""
         if self.config._attn_implementation != "sdpa" or isinstance(cache, PagedAttentionCache):
             return False
         return attention_mask is None or attention_mask.dtype == torch.bool
@@ -497,8 +332,8 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
     """DIFF V1 (paper §2.1): ``O_h = (softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d))·[V1; V2]`` with one scalar λ per
     layer, then ``(1 − λinit)·RMSNorm_2d(O_h) ⊙ w``. Reference: microsoft/unilm ``Diff-Transformer/multihead_flashdiff_2.py``.
 
-    Every kernel but V1's own receives one call with zero-padded queries ``[Q1 | 0]``, ``[0 | Q2]`` over the packed
-    ``2d``-wide groups; under ``"sdpa"`` on CPU (and for decoding everywhere) :func:`differential_sdpa_attention` runs.
+    Under ``"sdpa"`` V1 runs its own kernels (:meth:`own_kernel`); every other backend receives one call with
+    zero-padded queries ``[Q1 | 0]``, ``[0 | Q2]`` over the packed ``2d``-wide groups.
     """
 
     diff_version = 1
@@ -525,13 +360,25 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         q1, k1, q2, k2 = (p.to(dtype) for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
         return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
 
-    def uses_own_sdpa_kernel(self, query, attention_mask, cache) -> bool:
-        """Off the CPU only decoding takes V1's kernel: there, prefill and training keep the padded call, which CUDA's
-        flash / memory-efficient SDPA kernels run without writing any map (the blocked kernel is a CPU kernel,
-        docs/performance.md)."""
-        if not super().uses_own_sdpa_kernel(query, attention_mask, cache):
-            return False
-        return query.device.type in BLOCKED_KERNEL_DEVICES or self.is_decode_step(query)
+    def own_kernel(self, query, key, value, attention_mask, lam, cache) -> Callable | None:
+        """V1's own kernel for this call under ``"sdpa"``, or None where the padded call runs.
+
+        * Where Triton runs (CUDA with triton installed), outside ``torch.compile``: the one-pass kernel, for prefill,
+          training and decoding. (Compiled, decoding takes the decode kernel and prompts the padded call, which
+          inductor traces without graph breaks.)
+        * On CPU: :func:`differential_sdpa_attention` (block by block for prompts and training, the decode kernel for
+          one token).
+        * Elsewhere: the decode kernel for one token without autograd; prefill and training keep the padded call,
+          which CUDA's flash / memory-efficient SDPA kernels run without writing any map.
+        """
+        if not self.uses_own_sdpa_kernel(query, attention_mask, cache):
+            return None
+        device = query.device.type
+        if device in TRITON_KERNEL_DEVICES and triton_runs_on(query.device) and not torch.compiler.is_compiling():
+            return triton_differential_attention
+        if device in BLOCKED_KERNEL_DEVICES or self.is_decode_step(query, key, value, lam):
+            return differential_sdpa_attention
+        return None
 
     @accepts_old_cache_name
     def forward(
@@ -542,16 +389,21 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if isinstance(cache, PagedAttentionCache):
-            cache = PackedGroupsPagedCache(cache)  # continuous batching: the paged cache seen as packed groups
-        query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, G, S, 2d)
+        if ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache):
+            cache = PackedGroupsPagedCache(cache)  # up to 5.23 the attention function writes it: as packed groups
+        query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, Hkv, S, d)
         lam = self.lambda_full()
-        if self.uses_own_sdpa_kernel(query, attention_mask, cache):
-            attn_output = differential_sdpa_attention(
-                query, key, value, attention_mask, lam, self.scaling, self.pair_stride, self.noise_ratio
-            )
+        kernel = self.own_kernel(query, key, value, attention_mask, lam, cache)
+        if kernel is not None:
+            attn_output = kernel(query, key, value, attention_mask, lam, self.scaling, self.pair_stride, self.noise_ratio)  # (B, T, H, 2d)
             attn_weights = None
         else:
+            if isinstance(cache, PagedAttentionCache) and kwargs.get("block_table") is not None:
+                raise NotImplementedError(
+                    "diff_version=1 with a block-table paged cache (flash paged attention) is not supported: that "
+                    "kernel reads keys of width head_dim, V1's padded call attends over 2*head_dim-wide groups. Use "
+                    "attn_implementation='sdpa' or 'eager' for continuous batching, or a diff_version=2 model."
+                )
             # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, j) → (g, j, c', d), a group's
             # n signal rows first (c' = 0 carries them), then its noise rows.
             pad = query_padding(self.pair_stride, self.num_key_value_groups - self.pair_stride, query.dtype, query.device)
@@ -562,8 +414,8 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
             attn_output, attn_weights = attention_interface(
                 self,
                 padded.transpose(1, 2),
-                key,
-                value,
+                pack_groups(key),
+                pack_groups(value),
                 attention_mask,
                 dropout=0.0,
                 scaling=self.scaling,
@@ -586,7 +438,7 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
     def __init__(self, config: DiffTransformerConfig, layer_idx: int):
         super().__init__(config, layer_idx, value_width=config.head_dim)
         self.pair_stride = self.noise_ratio  # q_proj rows are ordered (h, c); blocks [signal × r, noise] when grouped
-        self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.lambda_proj = DiffTransformerLambdaProjection(config.hidden_size, self.num_heads)
 
     def own_sdpa_kernel(self, query, key, value, attention_mask, lam, cache, kwargs) -> torch.Tensor | None:
         """The combined heads ``(B, T, H, d)`` from one of V2's own kernels under ``"sdpa"``, or None where
@@ -644,7 +496,12 @@ class DiffTransformerDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
-        self.mlp = DiffTransformerPolyNormMLP(config) if config.hidden_act == "poly_norm" else LlamaMLP(config)
+        if config.hidden_act == "poly_norm":  # Motif's checkpoints: an activation with weights of its own
+            from .motif import MotifPolyNormMLP
+
+            self.mlp = MotifPolyNormMLP(config)
+        else:
+            self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -733,9 +590,10 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         if isinstance(module, DiffTransformerV1Attention):
             for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
-        elif isinstance(module, DiffTransformerPolyNorm):
-            init.constant_(module.weight, 1.0 / 3.0)
-            init.zeros_(module.bias)
+        elif isinstance(module, DiffTransformerLambdaProjection):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        elif hasattr(module, "init_own_weights"):  # modules whose init transformers does not know (Motif's PolyNorm)
+            module.init_own_weights()
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -780,31 +638,31 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
             )
         return (model, info) if output_loading_info else model
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """As transformers', but the folder's ``auto_map`` names every Auto class.
+    # Set on classes made outside this file (below): the class of this file whose code their folders carry.
+    _remote_code_class = None
 
-        transformers records only the class being saved (plus ``AutoConfig``); with all of them, the folder
-        loads as remote code through ``AutoModel``, ``AutoModelForCausalLM`` and the other heads. Wrappers that
-        subclass the model dynamically (FSDP2's ``fully_shard`` makes ``FSDPDiffTransformerForCausalLM`` in a torch
-        module) would make transformers copy *their* module and record their class: the code of the model class
-        itself is saved instead.
-        """
-        if self._auto_class is None:  # neither `import difftransformer` nor remote-code loading asked for code
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ != __name__ and "_auto_class" not in vars(cls):
+            # A class made elsewhere that did not choose its remote code (FSDP2's `fully_shard` makes
+            # FSDPDiffTransformerForCausalLM in a torch module; a user's subclass): transformers would copy *its*
+            # module into saved folders. It saves the code of the class of this file it derives from instead.
+            cls._auto_class = None
+            cls._remote_code_class = next(c for c in cls.__mro__ if c.__module__ == __name__)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """As transformers', with the folder's ``auto_map`` naming every Auto class (transformers records only the
+        class being saved), so that it loads as remote code through ``AutoModel``, ``AutoModelForCausalLM`` and the
+        other heads; and for classes made elsewhere (``_remote_code_class``), the code of this file."""
+        code_class = type(self) if type(self).__module__ == __name__ else self._remote_code_class
+        if code_class is None or code_class._auto_class is None:  # Motif's format, or no remote code asked for
             return super().save_pretrained(save_directory, *args, **kwargs)
-        code_class = next(c for c in type(self).__mro__ if c.__module__ == DiffTransformerPreTrainedModel.__module__)
-        module = code_class.__module__.rsplit(".", 1)[-1]
+        module = __name__.rsplit(".", 1)[-1]
         auto_map = {auto: f"{module}.{name}" for auto, name in _AUTO_MAP.items()}
         self.config.auto_map = {**auto_map, **(getattr(self.config, "auto_map", None) or {})}
-        if code_class is type(self):
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        wrapper = type(self)
-        wrapper._auto_class = None  # on the wrapper class only: keeps transformers from saving the wrapper's code
-        try:
-            result = super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            del wrapper._auto_class
-        if kwargs.get("is_main_process", True):
-            custom_object_save(SimpleNamespace(__module__=code_class.__module__), save_directory)  # copies the files
+        result = super().save_pretrained(save_directory, *args, **kwargs)  # copies the code when code_class saves
+        if code_class is not type(self) and kwargs.get("is_main_process", True):
+            custom_object_save(SimpleNamespace(__module__=__name__), save_directory)  # this file and its imports
         return result
 
     def layer_lambdas(self) -> torch.Tensor:
@@ -849,7 +707,7 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
     ) -> DiffTransformerModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        check_forward_arguments(self, kwargs, cache, position_ids)
+        check_forward_arguments(self, kwargs, cache, position_ids, eager_attention_forward)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
@@ -965,10 +823,8 @@ __all__ = [
     "DiffTransformerForSequenceClassification",
     "DiffTransformerForQuestionAnswering",
     "DiffTransformerForTokenClassification",
-    "blocked_differential_attention",
     "differential_combine",
-    "differential_sdpa_attention",
     "eager_attention_forward",
-    "packed_decode_attention",
     "lambda_init_fn",
+    "pack_groups",
 ]

@@ -255,6 +255,33 @@ def bf16_gradient_bounds(model, ids, mask, labels, draws: int, factor: float):
     return exact, {k: bf16_error_bound([r[k] for r in runs], exact[k], factor) for k in exact}
 
 
+def reference_differential_attention(query, key, value, lam, scaling, pair_stride, noise_ratio=1, allowed=None,
+                                     rnd=_exact):
+    """DIFF V1 attention in float64, materialised, for checking a kernel of the same layout (triton_difftransformer.py,
+    kernels_difftransformer.py): ``query`` ``(B, T, Hq, d)`` in q_proj row order (per KV group its n signal rows, then
+    its ``n / noise_ratio`` noise rows), ``key``/``value`` ``(B, 2G, S, d)`` (group g: heads 2g, 2g + 1), ``lam`` a
+    scalar, ``allowed`` a boolean mask broadcastable to ``(B, 1, T, S)`` or None (causal, the queries at the last T of
+    the S positions). Returns ``(B, T, G·n, 2d)``: ``O_h = (A1 − λ·A2)·[V0 | V1]``, a row that sees no key 0.
+
+    ``rnd`` rounds what a low-precision kernel may round: the scores, both maps (before they meet the value) and the
+    output (see :class:`RoundingModel`). Differentiable with respect to every input."""
+    q, k, v = query.double(), key.double(), value.double()
+    b, t, hq, d = q.shape
+    s, g, n = k.shape[2], k.shape[1] // 2, pair_stride
+    m = n // noise_ratio
+    rows = q.reshape(b, t, g, n + m, d)
+    if allowed is None:
+        allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    allowed = allowed.to(q.device).expand(b, 1, t, s)[:, :, None]  # (B, 1, 1, T, S) against (B, G, rows, T, S)
+    maps = []
+    for part, keys in ((rows[:, :, :, :n], k[:, 0::2]), (rows[:, :, :, n:], k[:, 1::2])):
+        scores = rnd(torch.einsum("btgjd,bgsd->bgjts", part, keys) * scaling).masked_fill(~allowed, float("-inf"))
+        maps.append(rnd(torch.nan_to_num(scores.softmax(-1), nan=0.0)))  # a row that sees nothing: zeros
+    diff = maps[0] - lam.double() * maps[1].repeat_interleave(noise_ratio, dim=2)
+    out = torch.einsum("bgjts,bgse->btgje", diff, torch.cat((v[:, 0::2], v[:, 1::2]), -1))
+    return rnd(out).reshape(b, t, g * n, 2 * d)
+
+
 def left_padded_batch(vocab_size, lengths, seed=0, pad_token_id=0):
     """Random prompts of the given lengths, left padded: (input_ids, attention_mask)."""
     g = torch.Generator().manual_seed(seed)

@@ -132,8 +132,9 @@ def test_the_quantized_cache_tests_unpack_equals_quantos_compiled_kernel():
     pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
     import os
 
-    from conftest import _unpack_bits
     from optimum.quanto.library.extensions import get_extension
+
+    from conftest import _unpack_bits
 
     ext = get_extension("quanto_cpp")
     if not os.path.exists(os.path.join(ext.build_directory, "pytorch_version.txt")):
@@ -187,6 +188,30 @@ def test_cache_holds_exactly_a_llamas_bytes(layout):
         model(ids, **{CACHE_NAME: ours_static}, use_cache=True)
         llama(ids, **{CACHE_NAME: theirs_static}, use_cache=True)
     assert _cache_bytes(ours_static) == _cache_bytes(theirs_static) > 0
+    # not only the bytes: the very tensor shapes (B, Hkv, S, d), which caches sized from the config allocate
+    for mine, llamas in ((ours, theirs), (ours_static, theirs_static)):
+        assert [tuple(x.keys.shape) for x in mine.layers] == [tuple(x.keys.shape) for x in llamas.layers]
+        assert [tuple(x.values.shape) for x in mine.layers] == [tuple(x.values.shape) for x in llamas.layers]
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v1_mha", "v2_gqa"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_caches_allocated_from_the_config_before_the_first_step(layout, attn):
+    """transformers' export wrapper, chunked prefill and any `StaticCache(config=...)` followed by
+    `early_initialization` allocate `(num_key_value_heads, head_dim)` per layer from the config (transformers'
+    `get_head_shapes` reads those two fields) before the model writes anything: prefill plus cached steps must give
+    the uncached logits."""
+    model = _model(layout, attn)
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+        cache = StaticCache(config=cfg, max_cache_len=16)
+        cache.early_initialization(batch_size=2, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                   dtype=torch.float32, device="cpu")
+        steps = [model(ids[:, :6], **{CACHE_NAME: cache}, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], **{CACHE_NAME: cache}, use_cache=True).logits for t in range(6, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=1e-5)
 
 
 def _peaked_model(layout):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig
 
+from convert_scripts import convert as convert_cli
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer import kernels_difftransformer as kernels
 from difftransformer import modeling_difftransformer as mdt
-from convert_scripts import convert as convert_cli
 from difftransformer.convert import ConversionError, convert, duplicated_to_gda, gda_to_duplicated
 from utils_difftransformer import (
     CONTRACT_CALLS,
@@ -181,7 +181,7 @@ def test_blocked_kernel_gradients_with_shared_noise_maps_are_exact():
     b, g, n, m, t, s, d = 2, 2, 4, 2, 3, 5, 2
     q1 = torch.randn(b, g, n, t, d, dtype=torch.float64, generator=gen).requires_grad_()
     q2 = torch.randn(b, g, m, t, d, dtype=torch.float64, generator=gen).requires_grad_()
-    key, value = (torch.randn(b, g, s, 2 * d, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(2))
+    key, value = (torch.randn(b, 2 * g, s, d, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(2))
     lam = torch.tensor(0.37, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(b, 1, t, s, dtype=torch.bool).tril(s - t)
     mask[0, :, :, :2] = False
@@ -196,7 +196,7 @@ def test_blocked_kernel_gradients_with_shared_noise_maps_are_exact():
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_decode_kernels_with_shared_noise_maps_equal_the_formula(version):
-    """One query token: V1's packed decode (rows ``[signal × n, noise × m]`` per group) and V2's pair decode (blocks
+    """One query token: V1's decode kernel (rows ``[signal × n, noise × m]`` per group) and V2's pair decode (blocks
     ``[signal × r, noise]``) against a loop over heads, float64, with and without a padding mask."""
     gen = torch.Generator().manual_seed(version)
     b, g, s, d, r, m = 2, 2, 9, 8, 3, 2  # m noise heads per KV group, r signal heads per noise head
@@ -205,7 +205,8 @@ def test_decode_kernels_with_shared_noise_maps_equal_the_formula(version):
     visible = torch.ones(b, 1, 1, s, dtype=torch.bool)
     visible[0, ..., :3] = False
     width = 2 * d if version == 1 else d
-    key, value = (torch.randn(b, g, s, width, dtype=torch.float64, generator=gen) for _ in range(2))
+    heads = 2 * g if version == 1 else g  # V1: group g's key and value heads 2g, 2g + 1 (as cached)
+    key, value = (torch.randn(b, heads, s, d, dtype=torch.float64, generator=gen) for _ in range(2))
     if version == 1:
         query = torch.randn(b, g, n + m, d, dtype=torch.float64, generator=gen)
     else:
@@ -221,15 +222,15 @@ def test_decode_kernels_with_shared_noise_maps_equal_the_formula(version):
         for h in range(g * n):
             gg, j = divmod(h, n)
             if version == 1:
-                a1 = softmax(query[:, gg, j], key[:, gg, :, :d])
-                a2 = softmax(query[:, gg, n + j // r], key[:, gg, :, d:])
-                ref[:, h] = torch.einsum("bs,bse->be", a1 - lam1 * a2, value[:, gg])
+                a1 = softmax(query[:, gg, j], key[:, 2 * gg])
+                a2 = softmax(query[:, gg, n + j // r], key[:, 2 * gg + 1])
+                ref[:, h] = torch.einsum("bs,bse->be", a1 - lam1 * a2, torch.cat((value[:, 2 * gg], value[:, 2 * gg + 1]), -1))
             else:
                 k = h // r  # noise head
                 a1, a2 = (softmax(query[:, 0, k * (r + 1) + i], key[:, gg]) for i in (h % r, r))
                 ref[:, h] = torch.einsum("bs,bse->be", a1 - lam2[:, 0, h, None] * a2, value[:, gg])
         if version == 1:
-            out = kernels.packed_decode_attention(query, key, value, lam1, d**-0.5, mask, noise_ratio=r).reshape(b, g * n, width)
+            out = kernels.differential_decode_attention(query.reshape(b, 1, -1, d), key, value, lam1, d**-0.5, mask, noise_ratio=r)[:, 0]
         else:
             out = kernels.pair_decode_attention(query, key, value, lam2, d**-0.5, mask, noise_ratio=r)[:, 0]
         torch.testing.assert_close(out, ref)
@@ -344,7 +345,7 @@ def test_dynamic_and_static_cache_equal_uncached_greedy(layout, attn):
         torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["v1_gda4"])  # inductor compiles on CPU for ~30 s: V1's packed decode kernel
+@pytest.mark.parametrize("layout", ["v1_gda4"])  # inductor compiles on CPU for ~30 s: V1's decode kernel
 def test_compiled_static_cache_decode(layout):
     model = _model(layout)
     ids, _ = left_padded_batch(model.config.vocab_size, [6], seed=6)
@@ -401,7 +402,7 @@ def test_quantized_cache_within_its_error(layout, quanto_without_its_compiled_ke
 
 @pytest.mark.parametrize("layout,attn", [("v1_gda4", "sdpa"), ("v1_gda4", "eager"), ("v2_gda2_m2", "sdpa")])
 def test_continuous_batching_matches_generate(layout, attn):
-    """transformers' generate_batch (paged cache written inside the attention function; V1 through its packed view)."""
+    """transformers' generate_batch (paged cache written inside the attention function; V1 through the padded call)."""
     model = _model(layout, attn)
     prompts = [[5, 17, 3, 90, 42, 7], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
     greedy = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=0)

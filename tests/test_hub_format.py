@@ -16,7 +16,7 @@ from huggingface_hub.errors import EntryNotFoundError
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer.data import get_tokenizer
-from difftransformer.hub import check_hub_folder, model_card, push_to_hub, save_for_hub
+from difftransformer.hub import SOURCE_FILES, check_hub_folder, model_card, push_to_hub, save_for_hub
 
 IDS = [[1, 40, 41, 42, 43, 44, 45, 46]]
 
@@ -142,10 +142,10 @@ def test_pushed_folders_load_elsewhere_without_the_package(tokenizer, fake_hub, 
 
     pushed = dict(fake_hub.commits)
     assert pushed["user/diff-v1"] == sorted([
-        "README.md", "config.json", "configuration_difftransformer.py", "generation_config.json",
-        "kernels_difftransformer.py", "model.safetensors", "modeling_difftransformer.py", "tokenizer.json",
-        "tokenizer_config.json",
+        "README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json", *SOURCE_FILES,
     ])
+    assert {"configuration_difftransformer.py", "modeling_difftransformer.py", "kernels_difftransformer.py"} <= set(SOURCE_FILES)
     assert {"config.json", "model.safetensors", "generation_config.json", "configuration_difftransformer.py",
             "modeling_difftransformer.py"} <= set(fake_hub.commits[1][1])
     check_hub_folder(fake_hub.root / "user" / "diff-v1")

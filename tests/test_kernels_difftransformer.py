@@ -1,4 +1,4 @@
-"""V1's kernel under ``attn_implementation="sdpa"`` (blocked materialisation, packed decode) against eager.
+"""V1's CPU kernels under ``attn_implementation="sdpa"`` (blocked materialisation, decode) against eager.
 
 The forward of every backend is already compared with the float64 reference (tests/utils_difftransformer.py) in test_modeling; here: the
 kernel's own gradients (float64 gradcheck), its masking conventions, several blocks per call, and, inside a model,
@@ -19,7 +19,7 @@ from utils_difftransformer import bf16_gradient_bounds, left_padded_batch, rando
 def _inputs(b, g, n, t, s, d, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q1, q2 = (torch.randn(b, g, n, t, d, dtype=dtype, generator=gen) for _ in range(2))
-    key, value = (torch.randn(b, g, s, 2 * d, dtype=dtype, generator=gen) for _ in range(2))
+    key, value = (torch.randn(b, 2 * g, s, d, dtype=dtype, generator=gen) for _ in range(2))  # as cached: (B, Hkv, S, d)
     return q1, q2, key, value, torch.tensor(0.37, dtype=dtype)
 
 
@@ -27,10 +27,10 @@ def _materialised(q1, q2, key, value, lam, allowed):
     """Whole-map ``(softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d))·V`` with ``allowed`` ``(B, 1, T, S)``; → ``(B, T, G, n, 2d)``."""
     d = q1.shape[-1]
     maps = []
-    for q, k in ((q1, key[..., :d]), (q2, key[..., d:])):
+    for q, k in ((q1, key[:, 0::2]), (q2, key[:, 1::2])):  # group g: key heads 2g (map 1) and 2g + 1 (map 2)
         scores = torch.einsum("bgntd,bgsd->bgnts", q, k) * d**-0.5
         maps.append(scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1))
-    out = torch.einsum("bgnts,bgse->bgnte", maps[0] - lam * maps[1], value)
+    out = torch.einsum("bgnts,bgse->bgnte", maps[0] - lam * maps[1], torch.cat((value[:, 0::2], value[:, 1::2]), -1))
     return out.permute(0, 3, 1, 2, 4)
 
 
@@ -72,14 +72,15 @@ def test_mask_conventions_match_the_materialised_formula(block):
     allowed[1, ..., :2] = False
     out = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, allowed, block)
     torch.testing.assert_close(out, _materialised(q1, q2, key, value, lam, allowed))
-    # packed decode agrees with the blocked kernel (no mask and a boolean one)
+    # the decode kernel agrees with the blocked kernel (no mask and a boolean one)
     q1, q2, key, value, lam = _inputs(b, g, n, 1, 9, d, seed=4)
-    query = torch.stack((q1, q2), 2).squeeze(-2)  # (B, G, 2, n, d)
+    query = torch.cat((q1, q2), 2).permute(0, 3, 1, 2, 4).reshape(b, 1, 2 * g * n, d)  # q_proj order (g, c, r)
     visible = torch.ones(b, 1, 1, 9, dtype=torch.bool)
     visible[0, ..., :3] = False
     for mask in (None, visible):
-        ref = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, mask, block)[:, 0]
-        torch.testing.assert_close(kernels.packed_decode_attention(query, key, value, lam, d**-0.5, mask), ref)
+        ref = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, mask, block)
+        out = kernels.differential_decode_attention(query, key, value, lam, d**-0.5, mask)
+        torch.testing.assert_close(out, ref.reshape(b, 1, g * n, 2 * d))
 
 
 def _model(kv_heads: int, version: int = 1, seed: int = 0) -> DiffTransformerForCausalLM:
@@ -383,10 +384,10 @@ def test_v2_decode_steps_take_the_pair_kernel_and_equal_eager(monkeypatch):
     assert not calls
 
 
-def test_decode_kernels_take_sdpa_outputs_in_the_memory_layout_of_cuda_kernels(monkeypatch):
+def test_decode_kernel_takes_sdpa_outputs_in_the_memory_layout_of_cuda_kernels(monkeypatch):
     """CUDA's SDPA kernels return ``(B, G, rows, w)`` stored rows-outermost (strides of a transposed tensor): a GPU run
-    of V1's and V2's decode kernels failed on a ``view`` of it. Here SDPA's result is given that layout on the CPU;
-    both decode kernels must still equal their results with the contiguous layout."""
+    of the decode kernels failed on a ``view`` of it. Here SDPA's result is given that layout on the CPU; V2's decode
+    kernel (V1's calls no SDPA) must still equal its result with the contiguous layout."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def rows_outermost(*args, **kwargs):
@@ -398,14 +399,10 @@ def test_decode_kernels_take_sdpa_outputs_in_the_memory_layout_of_cuda_kernels(m
     query2 = torch.randn(b, 1, 2 * g * n, d, generator=gen)
     key, value = torch.randn(b, g, s, d, generator=gen), torch.randn(b, g, s, d, generator=gen)
     lam2 = torch.rand(b, 1, g * n, generator=gen)
-    query1 = torch.randn(b, g, 2, n, d, generator=gen)
-    key1, value1 = torch.randn(b, g, s, 2 * d, generator=gen), torch.randn(b, g, s, 2 * d, generator=gen)
-    expected = (kernels.pair_decode_attention(query2, key, value, lam2, d**-0.5),
-                kernels.packed_decode_attention(query1, key1, value1, torch.tensor(0.3), d**-0.5))
+    expected = kernels.pair_decode_attention(query2, key, value, lam2, d**-0.5)
     monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", rows_outermost)
     assert not rows_outermost(query2.reshape(b, g, -1, d), key, value).is_contiguous()
-    torch.testing.assert_close(kernels.pair_decode_attention(query2, key, value, lam2, d**-0.5), expected[0])
-    torch.testing.assert_close(kernels.packed_decode_attention(query1, key1, value1, torch.tensor(0.3), d**-0.5), expected[1])
+    torch.testing.assert_close(kernels.pair_decode_attention(query2, key, value, lam2, d**-0.5), expected)
 
 
 def test_private_flash_operators_are_used_only_with_the_schema_the_kernel_calls(caplog):

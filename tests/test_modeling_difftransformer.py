@@ -213,6 +213,31 @@ def test_output_attentions_are_the_differential_maps(layout):
     assert all(maps.grad is not None and maps.grad.abs().sum() > 0 for maps in out.attentions)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_eager_attention_forward_with_its_defaults_is_a_plain_backend(layout):
+    """``eager_attention_forward`` called without ``diff_lambda`` (as a user's AttentionInterface function might) is
+    plain eager attention: one output per softmax map, which the module combines; the model still equals the float64
+    reference."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    from difftransformer.modeling_difftransformer import eager_attention_forward
+
+    def plain(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out, maps = eager_attention_forward(module, query, key, value, attention_mask, scaling)
+        assert out.shape[2] == query.shape[1] and maps.shape[1] == query.shape[1]  # per map, not combined
+        return out, maps
+
+    AttentionInterface.register("plain_eager_test", plain)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("plain_eager_test", eager_mask)  # eager adds a float mask
+    model = _model(layout, "plain_eager_test")
+    ids, mask = left_padded_batch(model.config.vocab_size, [7, 4], seed=3)
+    ref_logits, _ = reference_forward(model, ids, mask)
+    logits = model(ids, attention_mask=mask).logits
+    rows = mask.bool()
+    torch.testing.assert_close(logits[rows].double(), ref_logits[rows], atol=TOL[torch.float32], rtol=0)
+
+
 def test_lambdas_are_inspectable():
     v1 = _model("v1_gqa", "sdpa")
     lam = v1.layer_lambdas()
@@ -327,8 +352,12 @@ def test_hand_set_weights_pair_maps_keys_and_values_as_the_paper(version, hq, hk
 
 
 def test_auto_model_from_config_and_task_heads():
-    from transformers import AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification
-    from transformers import AutoModelForQuestionAnswering
+    from transformers import (
+        AutoModel,
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     cfg = tiny_config("v2_gqa", num_labels=3)
     ids = torch.tensor([[5, 6, 7, 8]])

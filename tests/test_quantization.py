@@ -4,10 +4,10 @@ model's and in the dtype they have without quantization, under bitsandbytes (4- 
 (int8 and int4 weight-only) and optimum-quanto (int8, int4); greedy generation runs; QLoRA
 (``peft.prepare_model_for_kbit_training`` + LoRA) trains with λ trainable. docs/ecosystem.md, "Tools".
 
-The model declares the differential modules in ``_keep_in_fp32_modules``, the one list every transformers quantizer
-skips, under the names each matches: bitsandbytes and quanto match module names ("lambda_proj"), torchao parameter
-names ("lambda_proj.weight"). Each test also checks that the other linear layers *were* quantized, so that a scheme
-that converts nothing cannot pass."""
+Every transformers quantizer converts ``nn.Linear`` layers (torchao: the weights of ``nn.Linear``); V2's λ projection
+is a module of its own (``DiffTransformerLambdaProjection``), V1's λ vectors and per-head norm are no linear layers, so
+none is converted, whatever skip list the user gives. Each test also checks that the other linear layers *were*
+quantized, so that a scheme that converts nothing cannot pass."""
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
+from difftransformer.modeling_difftransformer import DiffTransformerLambdaProjection
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -105,7 +106,8 @@ def test_quantization_leaves_the_differential_parameters_alone(folders, scheme, 
     attention = [layer.self_attn for layer in model.model.layers]
     assert all(is_quantized(a.q_proj) and is_quantized(a.o_proj) for a in attention), scheme  # it did quantize
     if version == 2:
-        assert all(type(a.lambda_proj) is nn.Linear and type(a.lambda_proj.weight) is nn.Parameter for a in attention)
+        assert all(type(a.lambda_proj) is DiffTransformerLambdaProjection and type(a.lambda_proj.weight) is nn.Parameter
+                   for a in attention)
     expected, got = differential(reference), differential(model)
     assert sorted(got) == sorted(expected) and len(got) == (10 if version == 1 else 2)  # 2 layers: 4 λ + subln, or lambda_proj
     for name, param in got.items():
@@ -135,8 +137,8 @@ def test_differential_parameters_keep_the_dtype_of_the_load(folders, dtype):
 
 
 def test_a_users_skip_list_keeps_the_differential_parameters_too(folders):
-    """bitsandbytes replaces its default skips (lm_head) with ``llm_int8_skip_modules`` when given; the model's own
-    list is added either way."""
+    """bitsandbytes replaces its default skips (lm_head) with ``llm_int8_skip_modules`` when given: λ's projection
+    stays unconverted whatever the user's list says, since it is no linear layer."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
     from transformers import BitsAndBytesConfig
 
@@ -144,7 +146,7 @@ def test_a_users_skip_list_keeps_the_differential_parameters_too(folders):
         folders[2], quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["down_proj"]))
     layer = model.model.layers[0]
     assert type(layer.mlp.down_proj) is nn.Linear and is_quantized(layer.self_attn.q_proj)
-    assert type(layer.self_attn.lambda_proj) is nn.Linear
+    assert type(layer.self_attn.lambda_proj) is DiffTransformerLambdaProjection
 
 
 def stored(weight: torch.Tensor) -> torch.Tensor:

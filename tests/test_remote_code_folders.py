@@ -152,8 +152,10 @@ def test_update_code_command_refreshes_a_folder_saved_by_release_0_1_0(tmp_path,
     """A folder whose code is release 0.1.0's (before transformers 5.24 support): wrong cached decoding where the
     installed transformers renamed the cache argument; after `difftransformer-update-code`, right everywhere."""
     folder = saved_folder(tmp_path, "v2_gqa")
-    for name in SOURCE_FILES:
-        shutil.copyfile(ASSETS / name, folder / name)
+    for name in SOURCE_FILES:  # the folder holds 0.1.0's files only (later releases ship more)
+        (folder / name).unlink()
+    for path in ASSETS.glob("*.py"):
+        shutil.copyfile(path, folder / path.name)
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(5))
     expected = package_greedy(folder, ids)
     before = remote_generate(folder, ids, tmp_path)

@@ -1,0 +1,99 @@
+"""V1 inside the model through the one-pass Triton kernel (what CUDA runs under ``attn_implementation="sdpa"`` where
+Triton is installed), on the CPU through Triton's interpreter: the modeling file's dispatch, its sdpa-convention
+adapter and the kernel together, against the float64 reference, uncached greedy decoding and eager's gradients.
+
+The kernel's own tests (every gradient, masks, GQA factors, GDA, decode, dtypes) are tests/test_triton_difftransformer.py.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel runs: Triton's CPU interpreter
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from difftransformer import DiffTransformerForCausalLM, triton_difftransformer  # noqa: E402
+from difftransformer import modeling_difftransformer as mdt  # noqa: E402
+from difftransformer.testing_utils import (  # noqa: E402
+    FP32_LOGITS_ATOL,
+    GRAD_RTOL,
+    left_padded_batch,
+    randomize_norms,
+    reference_forward,
+    tiny_config,
+)
+
+pytestmark = [
+    pytest.mark.skipif(triton_difftransformer.triton is None, reason="triton is not installed"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET was set to something else"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """Dispatch V1 to the Triton kernel on the CPU (as on CUDA), counting its calls."""
+    calls = []
+    kernel = mdt.differential_attention_triton
+
+    def counted(query, *args, **kwargs):
+        calls.append(tuple(query.shape))
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(mdt, "TRITON_KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(mdt, "differential_attention_triton", counted)
+    return calls
+
+
+def _model(layout, seed=0):
+    torch.manual_seed(seed)
+    model = DiffTransformerForCausalLM(tiny_config(layout)).eval()
+    randomize_norms(model, seed)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v1_gda4"])
+def test_left_padded_logits_equal_the_float64_reference(layout, triton_on_cpu):
+    model = _model(layout)
+    ids, mask = left_padded_batch(model.config.vocab_size, [7, 4], seed=3)
+    logits = model(ids, attention_mask=mask).logits
+    assert len(triton_on_cpu) == model.config.num_hidden_layers  # one kernel call per layer
+    ref, _ = reference_forward(model, ids, mask)
+    rows = mask.bool()
+    torch.testing.assert_close(logits[rows].double(), ref[rows], atol=FP32_LOGITS_ATOL, rtol=0)
+
+
+def test_cached_greedy_decoding_equals_uncached(triton_on_cpu):
+    """Prefill and every decode step through the kernel (dynamic and static cache; the static cache's prefill has no
+    mask, transformers' top-left causal convention) against uncached greedy decoding on the CPU kernels."""
+    model = _model("v1_gqa")
+    ids, mask = left_padded_batch(model.config.vocab_size, [6, 4], seed=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mdt, "TRITON_KERNEL_DEVICES", ())
+        ref = model.generate(ids, use_cache=False, **kwargs)
+    for cache in ({}, {"cache_implementation": "static"}):
+        triton_on_cpu.clear()
+        assert torch.equal(model.generate(ids, **cache, **kwargs), ref), cache
+        assert sum(shape[1] == 1 for shape in triton_on_cpu) == 3 * model.config.num_hidden_layers  # decode steps
+
+
+def test_training_gradients_equal_eagers(triton_on_cpu):
+    """A left-padded batch whose loss reads no padding row (a padding query sees no key: eager's additive mask gives it
+    a uniform row, SDPA-style kernels zeros; neither may reach the loss)."""
+    model = _model("v1_gqa").train()
+    ids, mask = left_padded_batch(model.config.vocab_size, [6, 4], seed=7)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)  # the label a padding row would predict
+    grads = {}
+    for attn in ("eager", "sdpa"):
+        model.zero_grad()
+        model.set_attn_implementation(attn)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads[attn] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert triton_on_cpu, "the sdpa step did not run the Triton kernel"
+    assert grads["sdpa"].keys() == grads["eager"].keys()
+    for name, grad in grads["eager"].items():
+        torch.testing.assert_close(grads["sdpa"][name], grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * grad.abs().max().item(),
+                                   msg=name)
