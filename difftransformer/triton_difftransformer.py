@@ -36,25 +36,28 @@ The kernels (one file, in the layout of Liger-Kernel's ``ops/`` files and Triton
   every cache byte is read once per group, split over the keys (flash-decoding) when the batch has too few groups to
   fill the GPU, and ``_diff_attn_decode_combine`` merging the splits.
 * backward (flash-attention style, recomputing each map from its saved per-row log-sum-exp; no T×S map is stored):
-  ``_diff_attn_bwd_preprocess`` computes ``δ1 = rowsum(dO ∘ O1)`` and ``δ2 = rowsum(dO' ∘ O2)`` with ``O1 = O + λ·O2``
-  and ``dO'`` the sum of dO over a noise row's r signal heads; ``_diff_attn_bwd_dkdv`` owns a block of keys of one
-  group and loops over every query row of the group (all n + m heads), so key and value gradients are summed over the
-  group's heads in registers (deterministic, no atomics); ``_diff_attn_bwd_dq`` owns query rows like the forward.
+  ``_diff_attn_bwd_preprocess`` computes ``δ1 = rowsum(dO ∘ O1)`` and ``δ2 = rowsum(dO' ∘ O2)`` with
+  ``O1 = O + λ·O2`` and ``dO'`` the sum of dO over a noise row's r signal heads; ``_diff_attn_bwd_dkdv`` owns a block
+  of keys of one group and loops over every query row of the group (all n + m heads), so key and value gradients are
+  summed over the group's heads in registers (deterministic, no atomics); ``_diff_attn_bwd_dq`` owns query rows like
+  the forward.
   Map 1 back-propagates ``dO``, map 2 ``−λ·dO'``; ``dλ = −Σ δ2`` over every noise row.
 
-Memory saved for the backward: the inputs and the output (which autograd keeps anyway for the next layer's input),
-the per-row log-sum-exp of both maps (float32, ``(B, G·n, T)`` and ``(B, G·m, T)``) and one extra tensor, the noise
-map's un-differenced output ``O2 = A2·V`` (``(B, T, G·m, 2d)`` in the input dtype: the size of the output when
-r = 1, 1/r of it otherwise), from which ``O1 = O + λ·O2`` is rebuilt for ``δ1``.
+Memory saved for the backward: the inputs and the output (references: the projections and the next operation keep
+them too, unless that operation saves a converted copy), the per-row log-sum-exp of both maps (float32,
+``(B, G·n, T)`` and ``(B, G·m, T)``) and one extra tensor, the noise map's un-differenced output ``O2 = A2·V``
+(``(B, T, G·m, 2d)`` in the input dtype: the size of the output when r = 1, 1/r of it otherwise), from which
+``O1 = O + λ·O2`` is rebuilt for ``δ1``. Without it the backward would need a third pass over keys and values.
 
 Arithmetic: both maps' scores together are a same-shape Llama's ``QKᵀ`` (the Llama has 2H query heads of width d);
 both maps times the 2d-wide value are twice a Llama's ``PV``: 1.5× a Llama's attention arithmetic, against 2× for the
 zero-padded single call. Under autograd the backward recomputes scores twice (once for key/value gradients, once for
 query gradients), as Triton's fused-attention tutorial does.
 
-Triton is imported lazily: without it (or without a CUDA device, unless ``TRITON_INTERPRET=1``) :func:`is_available`
-is False and nothing here runs. The kernels are decorated on first use, so ``TRITON_INTERPRET=1`` (Triton's CPU
-interpreter, which the tests use) takes effect whenever it is set before the first call.
+Triton is optional: without it (or without a CUDA device, unless ``TRITON_INTERPRET=1``) :func:`is_available` is
+False, the module still imports and nothing here runs. The kernels are decorated with ``triton.jit`` on first use,
+so ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, which tests/test_triton_difftransformer.py uses) takes effect
+whenever it is set before the first call, even after triton itself was imported.
 """
 
 import math
@@ -685,7 +688,8 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     if key.device != query.device or value.device != query.device:
-        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
     b, t, hq, d = query.shape
     if key.shape != value.shape:
         raise ValueError(f"key and value must have the same shape (B, 2G, S, d), got {tuple(key.shape)} and "
@@ -724,9 +728,11 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
             raise TypeError("attention_mask must be a boolean tensor (True = visible) broadcastable to (B, 1, T, S), "
                             f"got {getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
         if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-            raise ValueError(f"attention_mask must have shape (B or 1, 1, T or 1, S), got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must have shape (B or 1, 1, T or 1, S), got {tuple(attention_mask.shape)}")
         if attention_mask.device != query.device:
-            raise ValueError(f"attention_mask must be on the query's device {query.device}, got {attention_mask.device}")
+            raise ValueError(
+                f"attention_mask must be on the query's device {query.device}, got {attention_mask.device}")
         # transformers' sdpa path slices a longer mask to the keys the same way.
         mask = attention_mask[..., :s]
         try:

@@ -276,7 +276,9 @@ def test_head_dim_not_a_power_of_two():
 def test_bidirectional(with_mask):
     """is_causal=False: every key (or the mask alone) decides, e.g. an encoder."""
     query, key, value, lam = leaf_inputs(1, 24, 24, 1, 2, 1, 16)
-    mask = (torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(5)) < 0.7).to(DEVICE) if with_mask else None
+    mask = None
+    if with_mask:
+        mask = (torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(5)) < 0.7).to(DEVICE)
     check_forward_backward(query, key, value, lam, 2, 1, mask=mask, is_causal=False)
 
 
@@ -464,5 +466,6 @@ def test_kernels_compile_for_h100(monkeypatch):
             else:
                 signature[param.name] = "fp32" if isinstance(value, float) else "i32"
         options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
-        compiled = triton_compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+        source = ASTSource(fn, signature, constexprs)
+        compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm.get("cubin"), name
