@@ -1,5 +1,5 @@
 """The declared version ranges are true: every lower bound in pyproject.toml is a version CI installs, and the
-README's "Tested versions" line names exactly what the CI scripts install (scripts/setup.sh: requirements-dev.txt;
+"Tested versions" table of docs/ecosystem.md names what the CI scripts install (scripts/setup.sh: requirements-dev.txt;
 scripts/setup_min.sh: pyproject.toml's lowest transformers; scripts/setup_latest.sh: the newest releases, resolved
 per run)."""
 
@@ -81,15 +81,20 @@ def test_every_lower_bound_is_a_version_ci_runs(package):
         )
 
 
-def test_readme_tested_versions_are_what_ci_installs():
-    text = (REPO / "README.md").read_text()
-    line = " ".join(text.split("Tested versions", 1)[1].split("\n\n", 1)[0].split())
+def test_docs_tested_versions_are_what_ci_installs():
+    """docs/ecosystem.md's "Tested versions" table: the pinned run's versions are requirements-dev.txt's, the lowest
+    run's transformers is the declared lower bound, and the newest run resolves the newest releases at each run."""
+    section = (REPO / "docs" / "ecosystem.md").read_text().split("### Tested versions", 1)[1].split("\n#", 1)[0]
+    rows = {cells[1].strip(): cells for cells in (line.split("|") for line in section.splitlines() if line.startswith("| "))}
+    assert {"pinned", "newest", "lowest"} <= set(rows), sorted(rows)
     installed = pins()
-    expected = [f"torch {installed['torch']}", f"transformers {lowest_transformers()}.0", f"{installed['transformers']} with",
-                *(f"{name} {installed[name]}" for name in ("peft", "accelerate", "tokenizers", "safetensors")),
-                "the newest releases"]
-    missing = [fragment for fragment in expected if fragment not in line]
-    assert not missing, (missing, line)
+    pinned = " ".join(rows["pinned"][3:5])
+    expected = [installed["transformers"], *(f"{name} {installed[name.replace('_', '-')]}" for name in
+                                             ("torch", "peft", "accelerate", "tokenizers", "safetensors", "huggingface_hub"))]
+    missing = [fragment for fragment in expected if fragment not in pinned]
+    assert not missing, (missing, pinned)
+    assert f"{lowest_transformers()}.x" in rows["lowest"][3], rows["lowest"][3]
+    assert "newest release" in rows["newest"][3] and "resolved at each run" in rows["newest"][3], rows["newest"][3]
     assert "scripts/setup_latest.sh" in (REPO / "scripts" / "test.sh").read_text()  # the newest run exists
     assert "--upgrade-strategy eager" in (REPO / "scripts" / "setup_latest.sh").read_text()  # resolved, not pinned
 
