@@ -60,6 +60,7 @@ so ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, which tests/test_triton_dif
 whenever it is set before the first call, even after triton itself was imported.
 """
 
+import contextlib
 import math
 import os
 
@@ -744,6 +745,11 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
     return b, t, s, g, n, m, d, mask
 
 
+def _on_device(device):
+    """Triton launches on the current CUDA device: make it the tensors' one (a no-op on CPU, the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _mask_args(mask, fallback):
     if mask is None:
         return fallback, 0, 0, 0
@@ -904,10 +910,13 @@ class DifferentialAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' backward is not itself differentiable: say so
     def backward(ctx, dout):
         query, key, value, lam, out, o2, lse1, lse2, mask = ctx.saved_tensors
         scaling, n, r, is_causal = ctx.args
-        dq, dk, dv, dlam = _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, mask, is_causal)
+        with _on_device(query.device):
+            dq, dk, dv, dlam = _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, mask,
+                                         is_causal)
         return dq, dk, dv, (dlam.to(lam.dtype) if ctx.needs_input_grad[3] else None), None, None, None, None, None
 
 
@@ -932,11 +941,13 @@ def differential_attention_triton(query, key, value, lam, scaling, pair_stride, 
     query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
     lam32 = lam.float()
     scaling = float(scaling)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam)):
-        return DifferentialAttentionFunction.apply(query, key, value, lam32, scaling, n, noise_ratio, mask, is_causal)
-    if t == 1:
-        return _decode(query, key, value, lam32, scaling, n, noise_ratio, mask, is_causal)
-    return _forward(query, key, value, lam32, scaling, n, noise_ratio, mask, is_causal, save_stats=False)[0]
+    with _on_device(query.device):
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam)):
+            return DifferentialAttentionFunction.apply(query, key, value, lam32, scaling, n, noise_ratio, mask,
+                                                       is_causal)
+        if t == 1:
+            return _decode(query, key, value, lam32, scaling, n, noise_ratio, mask, is_causal)
+        return _forward(query, key, value, lam32, scaling, n, noise_ratio, mask, is_causal, save_stats=False)[0]
 
 
 __all__ = ["DifferentialAttentionFunction", "differential_attention_triton", "is_available"]

@@ -469,3 +469,13 @@ def test_kernels_compile_for_h100(monkeypatch):
         source = ASTSource(fn, signature, constexprs)
         compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm.get("cubin"), name
+
+
+def test_double_backward_is_refused():
+    """The kernels' backward is not differentiable: a second-order gradient raises instead of coming out silently
+    wrong."""
+    query, key, value, lam = leaf_inputs(1, 16, 16, 1, 1, 1, 16)
+    out = tdt.differential_attention_triton(query, key, value, lam, 0.25, 1)
+    (grad_q,) = torch.autograd.grad(out.square().sum(), query, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()
