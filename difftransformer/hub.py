@@ -194,7 +194,7 @@ def update_remote_code(folder: str | os.PathLike, check: bool = False) -> list[s
     to a temporary name and moved into place, so an interrupted update leaves every file whole. With ``check=True``
     nothing is written. Returns the names of the files that differ(ed) from this package's.
     """
-    from .modeling_difftransformer import _AUTO_MAP
+    from .modeling_difftransformer import AUTO_MAP
 
     folder = Path(folder)
     config = _read_config(folder)
@@ -207,7 +207,7 @@ def update_remote_code(folder: str | os.PathLike, check: bool = False) -> list[s
     stale = [name for name in SOURCE_FILES if not (folder / name).is_file()
              or (folder / name).read_bytes() != (package / name).read_bytes()]
     auto_map = {"AutoConfig": "configuration_difftransformer.DiffTransformerConfig",
-                **{auto: f"modeling_difftransformer.{name}" for auto, name in _AUTO_MAP.items()}}
+                **{auto: f"modeling_difftransformer.{name}" for auto, name in AUTO_MAP.items()}}
     if (config.get("auto_map") or {}) != {**(config.get("auto_map") or {}), **auto_map}:
         stale.append("config.json")
     if check or not stale:

@@ -658,7 +658,7 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         if code_class is None or code_class._auto_class is None:  # Motif's format, or no remote code asked for
             return super().save_pretrained(save_directory, *args, **kwargs)
         module = __name__.rsplit(".", 1)[-1]
-        auto_map = {auto: f"{module}.{name}" for auto, name in _AUTO_MAP.items()}
+        auto_map = {auto: f"{module}.{name}" for auto, name in AUTO_MAP.items()}
         self.config.auto_map = {**auto_map, **(getattr(self.config, "auto_map", None) or {})}
         result = super().save_pretrained(save_directory, *args, **kwargs)  # copies the code when code_class saves
         if code_class is not type(self) and kwargs.get("is_main_process", True):
@@ -808,7 +808,7 @@ class DiffTransformerForTokenClassification(GenericForTokenClassification, DiffT
 # here, not in the package, so that it also holds for remote-code loading.
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("difftransformer", "DiffTransformerForCausalLM")
 
-_AUTO_MAP = {
+AUTO_MAP = {
     "AutoModel": "DiffTransformerModel",
     "AutoModelForCausalLM": "DiffTransformerForCausalLM",
     "AutoModelForSequenceClassification": "DiffTransformerForSequenceClassification",

@@ -1,4 +1,4 @@
-"""vLLM plugin (setup.py's ``vllm.general_plugins`` entry point): registers the package's native vLLM models.
+"""vLLM plugin (pyproject.toml's ``vllm.general_plugins`` entry point): registers the package's native vLLM models.
 
 vLLM calls ``register`` in each of its processes before it resolves a model's architecture. Registration is by name
 (``"module:Class"``), so vLLM imports ``vllm_model`` only when it builds one of these models. Importing this package

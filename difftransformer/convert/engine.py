@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_difftransformer import DiffTransformerConfig
-from ..modeling_difftransformer import _AUTO_MAP, DiffTransformerForCausalLM
+from ..modeling_difftransformer import AUTO_MAP, DiffTransformerForCausalLM
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -489,7 +489,7 @@ def write_config(config: PreTrainedConfig, folder: Path, dtype: torch.dtype) -> 
         custom_object_save(model, folder)
         config.auto_map = {
             "AutoConfig": f"configuration_difftransformer.{DiffTransformerConfig.__name__}",
-            **{auto: f"modeling_difftransformer.{cls}" for auto, cls in _AUTO_MAP.items()},
+            **{auto: f"modeling_difftransformer.{cls}" for auto, cls in AUTO_MAP.items()},
         }
     else:
         config.architectures = ["DiffLlamaForCausalLM"]
