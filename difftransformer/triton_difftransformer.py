@@ -81,8 +81,10 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tiles that fit in registers without spilling at r = 1 and no mask (about 210–255 registers per thread). float32
 # tiles take twice the registers of 16-bit ones, so float32 inputs get the tiles of a head twice as wide. Not yet
 # timed: the first thing to tune on a GPU. ``rows``: signal rows of a tile (query positions × r; at least 16
-# positions, as tl.dot needs 16 rows on the GPU); ``block_n``: keys of a tile. ``_TUNING`` overrides them per kernel
-# (the tests shrink the tiles so that tiny problems cross several; a decode entry may fix ``splits``).
+# positions, as tl.dot needs 16 rows on the GPU); ``block_n``: keys of a tile; ``units`` (forward, dq; default 1):
+# noise rows of a group per program, with their signal rows, sharing each K/V tile (GQA reads K/V once per ``units``
+# noise rows instead of once per noise row; the decode path always takes all of a group's rows). ``_TUNING`` overrides
+# them per kernel (the tests shrink the tiles so that tiny problems cross several; a decode entry may fix ``splits``).
 _TUNING: dict[str, dict] = {}
 _MIN_DOT = 16  # the smallest tile side tl.dot accepts on NVIDIA GPUs
 
