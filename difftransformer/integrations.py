@@ -30,15 +30,32 @@ is missing from:
   Loading needs nothing: ``Trainer.train(resume_from_checkpoint=...)`` (``PeftModel.load_adapter``) and
   ``PeftModel.from_pretrained`` pass the λ keys to ``load_state_dict(strict=False)`` unchanged, so the λ of the
   checkpoint's step come back.
+
+Liger Kernel (``TrainingArguments(use_liger_kernel=True)``, TRL's ``use_liger_kernel``) looks a model's patch
+function up by ``config.model_type`` in ``liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN`` and
+applies nothing, saying so at info level, for a type it does not know. :func:`register_liger` adds
+``"difftransformer"`` there with :func:`apply_liger_kernel_to_difftransformer` the moment that module is imported
+(importing Liger loads Triton: seconds, so ``import difftransformer`` does not do it). The patch function replaces
+the Llama blocks our model shares with Llama by Liger's (RMSNorm, SwiGLU MLP, cross-entropy or the fused linear
+cross-entropy that never materialises the logits), returns what it patched, and warns at WARNING level about every
+requested kernel it cannot apply (RoPE: the attention rotates its own packed heads; SwiGLU on Motif's PolyNorm MLP),
+and when it applies nothing at all.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
+from types import MethodType
 
 from transformers import TrainerCallback
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 MODEL_TYPE = "difftransformer"
 # Names of the V1 λ vectors inside an attention module (docs/model.md).
@@ -65,8 +82,145 @@ def register_peft() -> bool:
 
 
 def register_integrations() -> None:
-    """:func:`register_peft`; meant to run at ``import difftransformer``."""
+    """:func:`register_peft` and :func:`register_liger`; meant to run at ``import difftransformer``."""
     register_peft()
+    register_liger()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Liger Kernel
+
+LIGER_MONKEY_PATCH = "liger_kernel.transformers.monkey_patch"
+
+
+def _add_to_liger_table(monkey_patch) -> None:
+    monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.setdefault(MODEL_TYPE, apply_liger_kernel_to_difftransformer)
+
+
+class _RegisterWithLigerOnImport(importlib.abc.MetaPathFinder):
+    """Adds our patch function to Liger's table when Liger's ``monkey_patch`` module is imported (by the Trainer,
+    TRL or the user): Liger is not imported before something asks for it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != LIGER_MONKEY_PATCH:
+            return None
+        sys.meta_path.remove(self)  # one registration; and the real finders locate the module
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec_):
+                return None
+
+            def exec_module(self, module):
+                execute(module)
+                _add_to_liger_table(module)
+
+        spec.loader = Loader()
+        return spec
+
+
+def register_liger() -> None:
+    """Make ``model_type="difftransformer"`` known to Liger Kernel (module docstring): at once where Liger's
+    ``monkey_patch`` module is loaded already, else when it is imported. Idempotent; nothing when Liger is absent."""
+    if LIGER_MONKEY_PATCH in sys.modules:
+        _add_to_liger_table(sys.modules[LIGER_MONKEY_PATCH])
+    elif importlib.util.find_spec("liger_kernel") is not None and not any(
+            isinstance(f, _RegisterWithLigerOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWithLigerOnImport())
+
+
+def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: bool = False,
+                                          fused_linear_cross_entropy: bool = True, rms_norm: bool = True,
+                                          swiglu: bool = True, model=None) -> dict[str, list[str]]:
+    """Liger Kernel's Triton kernels in a difftransformer model instance (what ``Trainer(use_liger_kernel=True)``
+    calls, with ``liger_kernel_config`` as keyword arguments; the same arguments as Liger's Llama function).
+
+    * ``rms_norm``: every ``LlamaRMSNorm`` (each layer's two and the final norm) runs Liger's RMSNorm (V1's
+      per-head norm, our own module with its ``1 − λinit`` scale, is left as it is);
+    * ``swiglu``: every SwiGLU MLP (``LlamaMLP`` with ``silu``) runs Liger's (Motif's PolyNorm MLP is not one);
+    * ``fused_linear_cross_entropy`` (default): in training, with labels, the loss comes from Liger's fused
+      linear cross-entropy over the last hidden states and ``lm_head``'s weight, without materialising the logits
+      (the output's ``logits`` is then None, as with Liger's Llama); otherwise the model's own forward;
+    * ``cross_entropy``: Liger's cross-entropy in transformers' loss functions (process-wide, as Liger does for
+      Llama); not together with ``fused_linear_cross_entropy``;
+    * ``rope``: not applied (the attention rotates its own, V1-packed, heads): warned.
+
+    Returns the names of the modules patched per kernel: ``{"rms_norm": [...], "swiglu": [...],
+    "fused_linear_cross_entropy": [""]`` (the model itself) ``, "cross_entropy": [...]}``; warns at WARNING level
+    about each requested kernel not applied, and when nothing is applied. Liger's kernels are Triton: the patched
+    model runs on a GPU (benchmarks/gpu_check.py can call this function and compare the outputs)."""
+    if model is None:
+        raise ValueError("apply_liger_kernel_to_difftransformer patches a model instance: pass model=... "
+                         "(transformers' Trainer does).")
+    if cross_entropy and fused_linear_cross_entropy:
+        raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True (Liger's rule): the fused "
+                         "loss replaces the cross-entropy.")
+    from liger_kernel.transformers import LigerSwiGLUMLP
+    from liger_kernel.transformers import monkey_patch as liger
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from .telemetry import _unwrap
+
+    target = _unwrap(model)
+    _config_of(target)
+    patched: dict[str, list[str]] = {"rms_norm": [], "swiglu": [], "fused_linear_cross_entropy": [], "cross_entropy": []}
+    skipped = []
+    if rope:
+        skipped.append("rope (the differential attention rotates its own packed heads; transformers' rotary "
+                       "embedding stays)")
+    silu = getattr(target.config, "hidden_act", "silu") in ("silu", "swish")
+    for name, module in target.named_modules():
+        if rms_norm and isinstance(module, LlamaRMSNorm):
+            liger._patch_rms_norm_module(module, eps=module.variance_epsilon)
+            patched["rms_norm"].append(name)
+        elif swiglu and name.endswith(".mlp"):
+            if isinstance(module, LlamaMLP) and silu:
+                liger._patch_swiglu_module(module, LigerSwiGLUMLP)
+                patched["swiglu"].append(name)
+            elif not any(reason.startswith("swiglu") for reason in skipped):
+                skipped.append(f"swiglu (the MLP is {type(module).__name__} with {target.config.hidden_act!r}, "
+                               "not SwiGLU)")
+    if fused_linear_cross_entropy:
+        target.forward = MethodType(_liger_fused_loss_forward, target)
+        patched["fused_linear_cross_entropy"].append("")
+    if cross_entropy:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+        from transformers.loss import loss_utils
+
+        loss_utils.nn.functional.cross_entropy = liger_cross_entropy
+        patched["cross_entropy"].append("transformers.loss.loss_utils")
+    for reason in skipped:
+        logger.warning(f"Liger Kernel: not applied to {type(target).__name__}: {reason}.")
+    if not any(patched.values()):
+        logger.warning(f"Liger Kernel: nothing applied to {type(target).__name__} (use_liger_kernel=True with "
+                       f"rms_norm, swiglu, cross_entropy and fused_linear_cross_entropy all off or inapplicable).")
+    else:
+        logger.info("Liger Kernel applied to %s: %s", type(target).__name__,
+                    {kernel: len(names) for kernel, names in patched.items() if names})
+    return patched
+
+
+def _liger_fused_loss_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                              labels=None, logits_to_keep=0, **kwargs):
+    """The causal LM's forward with Liger's fused linear cross-entropy in training (with labels): the base model's
+    last hidden states and ``lm_head``'s weight go to Liger's loss; the logits are never built. Otherwise the
+    class's own forward."""
+    if labels is None or not self.training:
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    from liger_kernel.transformers.model.loss_utils import LigerForCausalLMLoss
+
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, **kwargs)
+    loss = LigerForCausalLMLoss(hidden_states=outputs.last_hidden_state, lm_head_weight=self.lm_head.weight,
+                                labels=labels, hidden_size=self.config.hidden_size,
+                                num_items_in_batch=kwargs.get("num_items_in_batch"),
+                                shift_labels=kwargs.get("shift_labels"))
+    output_class = sys.modules[type(self).__module__].DiffTransformerCausalLMOutputWithPast
+    return output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
 
 
 def _config_of(model):
@@ -183,9 +337,11 @@ __all__ = [
     "LambdaCheckpointCallback",
     "V1_LAMBDA_NAMES",
     "add_lambdas_to_adapter",
+    "apply_liger_kernel_to_difftransformer",
     "enable_lambda_training",
     "lambda_modules_to_save",
     "register_integrations",
+    "register_liger",
     "register_peft",
     "save_adapter",
     "trainable_lambdas",

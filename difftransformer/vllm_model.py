@@ -2,7 +2,7 @@
 Llama layers plus differential attention.
 
 vLLM imports this module only when it builds a ``DiffTransformerForCausalLM`` or ``MotifForCausalLM`` folder;
-``vllm_plugin.register`` (the ``vllm.general_plugins`` entry point of setup.py) tells it where the classes are.
+``vllm_plugin.register`` (the ``vllm.general_plugins`` entry point of pyproject.toml) tells it where the classes are.
 
 The model is vLLM's ``LlamaForCausalLM`` with one layer changed, the attention. Both versions run ONE call of vLLM's
 attention layer per layer (vLLM writes the KV cache inside that call, so prefix caching, chunked prefill and continuous
@@ -89,7 +89,7 @@ def _refuse_unsupported(config) -> None:
 
 
 class DiffTransformerPolyNorm(torch.nn.Module):
-    """Motif's PolyNorm (``hidden_act="poly_norm"``), as ``modeling_difftransformer.DiffTransformerPolyNorm``:
+    """Motif's PolyNorm (``hidden_act="poly_norm"``), as ``motif.MotifPolyNorm``:
     ``w0·N(x³) + w1·N(x²) + w2·N(x) + b``, ``N(z) = z / sqrt(mean(z²) + eps)`` over the intermediate features, in
     float32. Under tensor parallelism each rank holds ``1/T`` of those features (the gate's column shard), so the
     three means of squares are summed over the ranks (one all-reduce of ``(tokens, 3)`` sums)."""
@@ -399,12 +399,27 @@ class MotifForCausalLM(DiffTransformerForCausalLM):
     ``MotifConfig``: DIFF V1, grouped differential attention, λinit from depth − 1, PolyNorm MLP) on the native model.
     Motif's key names are ours; its query rows are ``[signal × r, noise]`` per noise head, which is our row order
     whenever each KV group holds one noise head (both released models), and is permuted into ours here otherwise
-    (``difftransformer.motif.motif_query_rows``)."""
+    (``difftransformer.motif.motif_query_rows``).
+
+    Weights pushed after that first load (an RL trainer's weight sync: TRL's GRPO calls ``load_weights`` with one
+    tensor at a time, named as the training model's ``named_parameters()``) come from difftransformer's
+    ``MotifForCausalLM`` in transformers, which holds its query rows in our order already (it permutes them at load):
+    they are loaded as given. The first call is vLLM's checkpoint loader, reading the folder's files (Motif's order);
+    a later reload from the files themselves (vLLM's ``reload_weights`` without weights) is not supported for the
+    permuted layouts."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # Set by the first load_weights (vLLM's checkpoint loader); dummy weights (load_format="dummy", a set-up that
+        # pushes every weight itself) never read the files.
+        self._checkpoint_loaded = str(getattr(vllm_config.load_config, "load_format", "")) == "dummy"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         rows = motif_query_rows(self.config)
-        if torch.equal(rows, torch.arange(rows.numel())):
-            return super().load_weights(weights)
+        if torch.equal(rows, torch.arange(rows.numel())) or self._checkpoint_loaded:
+            loaded = super().load_weights(weights)
+            self._checkpoint_loaded = True
+            return loaded
 
         def ours(weights):
             for name, tensor in weights:
@@ -412,4 +427,6 @@ class MotifForCausalLM(DiffTransformerForCausalLM):
                     tensor = tensor.index_select(0, rows.to(tensor.device))
                 yield name, tensor
 
-        return super().load_weights(ours(weights))
+        loaded = super().load_weights(ours(weights))
+        self._checkpoint_loaded = True
+        return loaded

@@ -121,8 +121,8 @@ def test_quantization_leaves_the_differential_parameters_alone(folders, scheme, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_differential_parameters_keep_the_dtype_of_the_load(folders, dtype):
-    """The skip list does not change dtypes: in a bfloat16 or float16 load (quantized or not), lambda_proj and subln
-    have the load's dtype and V1's λ vectors stay float32, as without quantization; the float16 V2 runs."""
+    """In a bfloat16 or float16 load, quantized or not, lambda_proj and subln have the load's dtype and V1's λ vectors
+    stay float32, as without quantization; the float16 V2 runs."""
     for version in (1, 2):
         plain = AutoModelForCausalLM.from_pretrained(folders[version], dtype=dtype)
         quantized = AutoModelForCausalLM.from_pretrained(folders[version], dtype=dtype,
