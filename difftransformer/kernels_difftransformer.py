@@ -85,6 +85,33 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
+class HeadRMSNorm(torch.autograd.Function):
+    """``scale · RMSNorm(x) ⊙ w`` over the last axis, computed in float32 (or the input's wider dtype), saving for the
+    backward only ``x`` in its own dtype and one float32 ``rsqrt`` per row. ``F.rms_norm`` on the float32 copy would
+    save that copy: twice the bytes of a bfloat16 ``x``, per layer, where ``x`` (the attention's output) is kept by
+    the attention kernel anyway. The backward recomputes the normalised rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale: float, eps: float):
+        acc = _accumulation_dtype(x.dtype)
+        xf = x.to(acc)
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
+        out = (xf * rstd * (weight.to(acc) * scale)).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd
+        g = grad.to(rstd.dtype)
+        dweight = (g * xhat).reshape(-1, x.shape[-1]).sum(0).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
+        gw = g * (weight.to(rstd.dtype) * ctx.scale)
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), None if dweight is None else dweight.to(weight.dtype), None, None
+
+
 def query_padding(signal_rows: int, noise_rows: int, dtype: torch.dtype, device) -> torch.Tensor:
     """The 0/1 pattern that zero-pads V1 queries to ``2d``, shape ``(signal_rows + noise_rows, 2, 1)``: a KV group's
     signal rows (its first map) become ``[Q | 0]``, its noise rows ``[0 | Q]``. Multiply a ``(..., rows, 1, d)`` view of
@@ -422,6 +449,7 @@ def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling,
 
 __all__ = [
     "BlockedDifferentialAttention",
+    "HeadRMSNorm",
     "CausalBlockAttention",
     "causal_block_attention",
     "blocked_differential_attention",

@@ -88,6 +88,7 @@ from .compat_difftransformer import (
 )
 from .configuration_difftransformer import DiffTransformerConfig
 from .kernels_difftransformer import (
+    HeadRMSNorm,
     causal_block_attention,
     differential_sdpa_attention,
     needs_grad,
@@ -191,7 +192,8 @@ TRITON_KERNEL_DEVICES = ("cuda",)
 class DiffTransformerHeadRMSNorm(nn.Module):
     """V1's per-head norm, ``scale · RMSNorm_2d(O_h) ⊙ w`` (paper §2.1, "GroupNorm" = RMSNorm per head in the
     reference code). ``scale`` is ``1 − λinit``. Computed in float32, or in the input's dtype where that is wider
-    (float64 stays float64). A module (not a bare weight read) so that hooks such as accelerate's offloading see it run."""
+    (float64 stays float64); under autograd through :class:`HeadRMSNorm`, which keeps the input in its own dtype for
+    the backward. A module (not a bare weight read) so that hooks such as accelerate's offloading see it run."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -199,6 +201,8 @@ class DiffTransformerHeadRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, heads: torch.Tensor, scale: float) -> torch.Tensor:
+        if needs_grad(heads, self.weight):
+            return HeadRMSNorm.apply(heads, self.weight, scale, self.eps)
         dtype = torch.promote_types(heads.dtype, torch.float32)
         weight = self.weight.to(dtype) * scale
         return F.rms_norm(heads.to(dtype), (heads.shape[-1],), weight, self.eps).to(heads.dtype)

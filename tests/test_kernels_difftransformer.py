@@ -441,3 +441,22 @@ def test_v2_prompts_without_the_private_operators_take_the_public_path_and_equal
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, eager, rtol=1e-4, atol=1e-4)
     assert not calls
+
+
+def test_head_norm_gradients_are_exact_and_it_saves_its_input_in_its_own_dtype():
+    """V1's per-head norm under autograd (kernels.HeadRMSNorm): float64 gradcheck; in bfloat16 it keeps for the
+    backward the bf16 input and one float32 number per row, never a float32 copy of the input (what F.rms_norm on the
+    float32 copy saves: twice the input's bytes per layer)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: kernels.HeadRMSNorm.apply(x, w, 0.7, 1e-5), (x, w))
+    norm = mdt.DiffTransformerHeadRMSNorm(16, eps=1e-5)
+    heads = torch.randn(2, 3, 4, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        out = norm(heads, scale=0.7)
+    assert out.dtype == torch.bfloat16
+    assert (torch.float32, heads.numel()) not in saved and (torch.bfloat16, heads.numel()) in saved, saved
+    with torch.no_grad():  # the same function as the inference path
+        torch.testing.assert_close(out, norm(heads, scale=0.7), rtol=0, atol=0)
