@@ -736,18 +736,21 @@ def v1_formulation(model, spec: dict) -> str:
     return "padded"
 
 
-def run_speed(rec: Recorder, profile: Profile) -> None:
-    """The speed rows of every shape, group by group (SPEED_GROUPS), each row within the time budget."""
+def run_speed(rec: Recorder, profile: Profile, groups: tuple[str, ...] = SPEED_GROUPS) -> None:
+    """The speed rows of every shape, group by group (``groups``, in SPEED_GROUPS's order), each row within the time
+    budget; a later call adds the rows of further groups to the same report."""
     device, dtype = profile.device, DTYPES[profile.speed_dtype]
     cuda = device.startswith("cuda")
     speed = rec.report["speed"]
-    speed.update(dtype=profile.speed_dtype, clock="cuda (synchronized wall)" if cuda else "wall", shapes={}, skipped=[])
+    if "shapes" not in speed:
+        speed.update(dtype=profile.speed_dtype, clock="cuda (synchronized wall)" if cuda else "wall", shapes={},
+                     skipped=[])
+        for s in profile.speed_shapes:
+            speed["shapes"][s.name] = {"shape": asdict(s.shape), "plan": asdict(s.plan), "models": list(s.models),
+                                       "results": []}
     built: dict[str, dict[str, torch.nn.Module]] = {}
     compile_rate = COMPILE_S_PER_LAYER
-    for s in profile.speed_shapes:
-        speed["shapes"][s.name] = {"shape": asdict(s.shape), "plan": asdict(s.plan), "models": list(s.models),
-                                   "results": []}
-    for group in SPEED_GROUPS:
+    for group in groups:
         shapes = profile.speed_shapes
         if group == "decode_compiled":  # the quickest compiles first
             shapes = sorted(shapes, key=lambda s: s.shape.num_hidden_layers * len(s.models))
@@ -993,11 +996,20 @@ def run_attention_micro(rec: Recorder, profile: Profile) -> None:
             continue
         try:
             runs = attention_candidates(b, t, s, hq, hkv, d, dtype, device, backward)
+            failed = {}
+            for kind, fn in list(runs.items()):  # one candidate that cannot run must not cost the others their row
+                try:
+                    fn()
+                except Exception as exc:
+                    failed[kind] = f"{type(exc).__name__}: {exc}"[:500]
+                    del runs[kind]
+            if "llama_sdpa" not in runs:
+                raise RuntimeError(f"the Llama's SDPA call failed: {failed['llama_sdpa']}")
             harness.set_clock("cuda" if device.startswith("cuda") else "wall")
             stats = harness.run_interleaved({k: _timed(f) for k, f in runs.items()}, reps=max(profile_reps(profile), 4),
                                             warmup=2, trace=False)
             base = stats["llama_sdpa"]
-            row = {"item": name, "models": {}}
+            row = {"item": name, "models": {}, "failed": failed}
             for kind, st in stats.items():
                 entry = {"median_ms": st["median"] * 1e3, "ratio": st["median"] / base["median"]}
                 if len(st.get("samples", ())) >= 4:
@@ -1104,7 +1116,8 @@ def summary_text(report: dict) -> str:
                 lines.append(f"  {row['item']}: {row.get('error') or 'skipped: ' + row.get('skipped', '')}"[:200])
                 continue
             lines.append(f"  {row['item']:<18s} " + "; ".join(
-                f"{k} {v['median_ms']:.3f} ms ×{v.get('paired_ratio', v['ratio']):.2f}" for k, v in row["models"].items()))
+                f"{k} {v['median_ms']:.3f} ms ×{v.get('paired_ratio', v['ratio']):.2f}" for k, v in row["models"].items())
+                + "".join(f"; {k} FAILED ({msg[:80]})" for k, msg in (row.get("failed") or {}).items()))
     for shape_name, models in (report.get("profiles") or {}).items():
         lines += ["", f"profile, {shape_name}: device time by kernel category (one step each)"]
         for kind, workloads in (models.items() if isinstance(models, dict) else []):
@@ -1147,10 +1160,11 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, only: tup
             run_forward_checks(rec, profile)
             run_grad_checks(rec, profile)
             run_generation_checks(rec, profile)
-        if "speed" in only:
+        if "speed" in only:  # compiled decoding last: it costs the most per row
             run_attention_micro(rec, profile)
-            run_speed(rec, profile)
+            run_speed(rec, profile, tuple(g for g in SPEED_GROUPS if g != "decode_compiled"))
             run_profiles(rec, profile)
+            run_speed(rec, profile, ("decode_compiled",))
         report["meta"]["finished"] = True
         rec.save()
         text = summary_text(report)
