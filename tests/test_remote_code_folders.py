@@ -22,9 +22,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
+from difftransformer.compat_difftransformer import CACHE_RENAMED
 from difftransformer.convert import convert
 from difftransformer.hub import SOURCE_FILES, main_update_code, update_remote_code
-from difftransformer.modeling_difftransformer import CACHE_RENAMED
 from utils_difftransformer import tiny_config
 from utils_remote_code import NEW_TOKENS, remote_generate, remote_generate_all
 

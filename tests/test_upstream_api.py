@@ -15,7 +15,7 @@ import transformers
 from transformers import DynamicCache
 
 from difftransformer import DiffTransformerForCausalLM
-from difftransformer.modeling_difftransformer import CACHE_NAME, CACHE_RENAMED
+from difftransformer.compat_difftransformer import CACHE_NAME, CACHE_RENAMED
 from utils_difftransformer import left_padded_batch, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
