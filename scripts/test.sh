@@ -2,21 +2,22 @@
 # The test command (what CI runs: .ci/run). Sets up (idempotent), then runs the tests on every transformers release
 # the package declares, from the lowest to the newest (docs/ecosystem.md, "Tested versions"):
 #   1. pinned:  the whole suite in .venv (requirements-dev.txt's exact versions), on two pytest-xdist workers;
-#   2. newest:  model, generation, caches, remote-code folders, conversions, PEFT, pipeline, Trainer, Motif-2 folders
-#               and transformers' own common model tests in .venv-latest, which scripts/setup_latest.sh brings to the
-#               newest releases setup.py allows at every run (not pinned: the next upstream release that breaks the
-#               package fails here). Where pip's dry run finds them to be the pinned releases
-#               (scripts/newest_versions.py; requirements-dev.txt follows the newest), the pinned run has run the
-#               whole suite on them: no .venv-latest is built and the summary says so;
-#   3. lowest:  the model, generation, cache, remote-code, PEFT and pipeline tests on the lowest transformers setup.py
-#               declares (in .venv-vllm, whose vLLM build pins that version; scripts/setup_min.sh builds .venv-min
-#               where they part);
+#   2. newest:  the newest releases pyproject.toml allows, resolved at every run by pip's dry run (not pinned: the next
+#               upstream release that breaks the package fails here), torch included (the registry's newest, a CUDA
+#               build), in .venv-latest (scripts/setup_latest.sh). Where only torch differs from the pins
+#               (scripts/newest_versions.py exits 4; requirements-dev.txt follows the newest of the rest), the core
+#               suite (CORE below: model, generation, caches, remote-code folders, conversions, PEFT, pipeline, Motif-2
+#               folders); where more differs (exit 3), also config, Trainer, the other conversions and transformers'
+#               own common model tests; where nothing differs (exit 0), nothing: the pinned run ran the whole suite;
+#   3. lowest:  the core suite on the lowest releases pyproject.toml declares (torch, transformers, accelerate, peft,
+#               safetensors, tokenizers: requirements-min.txt and pyproject.toml's lowest transformers), in .venv-min
+#               (scripts/setup_min.sh, built beside the pinned run);
 #   4. serving: vLLM (its CPU build) and its OpenAI-compatible server, in .venv-vllm. It starts as soon as that venv
 #               is ready and runs beside the other runs: its test process mostly waits for vLLM's engine, which
 #               computes on one core.
-# The newest and lowest runs leave out what does not depend on the transformers version and costs minutes, and the
-# pinned run covers: flex_attention's compiled kernels (torch's), grouped-head layouts beyond the Motif-2 ones; the
-# lowest run also bf16 (the same code paths as float32) and the released Motif-2 layer shapes (large, not API).
+# The newest and lowest runs leave out what costs minutes and the pinned run covers: flex_attention's compiled kernels,
+# grouped-head layouts beyond the Motif-2 ones, bf16 (the same code paths as float32) and the released Motif-2 layer
+# shapes (large, not API).
 # Every pytest run lists its skips with their reasons; a skipped module, or a skipped
 # test that guards a README claim, is repeated by name in the summary at the end (tests/conftest.py). Extra
 # arguments go to the first run.
@@ -41,10 +42,13 @@ for name in ('torch', 'transformers', 'peft', 'accelerate', 'huggingface_hub', '
 print(' | '.join(found))"
 }
 
-# .venv-vllm (and .venv-latest where needed) are set up beside .venv (pip keeps about one core busy each); their
-# logs follow.
-# The serving run follows .venv-vllm's set-up in the same background job; "$logs/vllm.rc" tells the lowest run that
-# the venv is ready.
+# .venv-vllm, .venv-min and .venv-latest (where needed) are set up beside .venv (pip keeps about one core busy each);
+# their logs follow.
+CORE=(tests/test_upstream_api.py tests/test_modeling_difftransformer.py tests/test_save_load_difftransformer.py
+      tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_remote_code_folders.py
+      tests/test_convert_llama.py tests/test_peft.py tests/test_pipeline.py tests/test_motif.py)
+CORE_K="not flex and not bfloat16 and not released_layer_shapes"
+# The serving run follows .venv-vllm's set-up in the same background job ("$logs/vllm.rc": the set-up's exit status).
 logs=$(mktemp -d)
 (
     set +e
@@ -59,21 +63,24 @@ logs=$(mktemp -d)
     exit $rc
 ) &
 serving_pid=$!
-# The newest releases setup.py allows, resolved now by pip's dry run (seconds; nothing installed). .venv-latest is
-# set up only where they are not the pinned ones (scripts/newest_versions.py exits 3), or where the dry run fails.
+# The newest releases pyproject.toml allows, resolved now by pip's dry run (seconds; nothing installed), without the
+# machine's pip configuration (which caps torch at the CPU wheels on disk), as scripts/setup_latest.sh installs them.
+# .venv-latest is set up only where they are not the pinned ones (scripts/newest_versions.py exits 3 or 4), or where
+# the dry run fails.
 (
     set +e
-    constraints=$(mktemp) && echo "torch==2.13.0" >"$constraints"  # as scripts/setup_latest.sh: the CPU wheel on disk
-    ${PYTHON:-python3} -m pip install --dry-run --ignore-installed --quiet --report "$logs/newest.json" \
-        -c "$constraints" -e ".[test]" pytest-xdist 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
-    rm -f "$constraints"
+    PIP_CONFIG_FILE=/dev/null ${PYTHON:-python3} -m pip install --dry-run --ignore-installed --quiet \
+        --report "$logs/newest.json" -e ".[test]" pytest-xdist
     ${PYTHON:-python3} scripts/newest_versions.py "$logs/newest.json" >"$logs/newest.versions" 2>&1
     state=$?
     echo "$state" >"$logs/newest.state"
     [ "$state" = 0 ] || bash scripts/setup_latest.sh
 ) >"$logs/latest" 2>&1 &
 latest_pid=$!
-trap 'pkill -P "$serving_pid" 2>/dev/null || true; kill "$serving_pid" "$latest_pid" 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
+# The lowest releases: .venv-min (scripts/setup_min.sh; it prints the venv's path on standard output).
+bash scripts/setup_min.sh >"$logs/min.venv" 2>"$logs/min" &
+min_pid=$!
+trap 'pkill -P "$serving_pid" 2>/dev/null || true; kill "$serving_pid" "$latest_pid" "$min_pid" 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
 t=$(date +%s)
 bash scripts/setup.sh
 phase setup "$t" "$(versions .venv)"
@@ -87,11 +94,16 @@ t=$(date +%s)
 DIFFTRANSFORMER_VENV=pinned .venv/bin/python -m pytest tests -q -p no:cacheprovider -rs --durations=30 -n 2 --dist loadfile --no-loadscope-reorder "$@"
 phase pinned "$t" "$(versions .venv)"
 
-# 2. newest releases setup.py allows, resolved now.
+# 2. newest releases pyproject.toml allows, resolved now.
 t=$(date +%s)
 wait "$latest_pid" || { cat "$logs/latest"; echo "setting up .venv-latest failed" >&2; exit 1; }
 cat "$logs/latest"
-if [ "$(cat "$logs/newest.state")" = 0 ]; then
+if [ "$(cat "$logs/newest.state")" = 4 ]; then
+    # Only torch is newer than the pins: the core suite on it.
+    DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
+        --no-loadscope-reorder "${CORE[@]}" -k "$CORE_K"
+    phase newest "$t" "$(versions .venv-latest) (only torch newer than the pins: the core suite)"
+elif [ "$(cat "$logs/newest.state")" = 0 ]; then
     # requirements-dev.txt pins the newest releases: the pinned run above ran the whole suite on them.
     echo "newest releases setup.py allows, resolved now: $(cat "$logs/newest.versions") (the pinned ones)"
     phases+=("$(printf '%-9s %5s    %s' newest - "$(cat "$logs/newest.versions"): resolved now, the pinned releases: whole suite run above")")
@@ -105,18 +117,15 @@ else
     phase newest "$t" "$(versions .venv-latest)"
 fi
 
-# 3. lowest transformers setup.py declares.
+# 3. lowest releases pyproject.toml declares.
 t=$(date +%s)
-while [ ! -f "$logs/vllm.rc" ] && kill -0 "$serving_pid" 2>/dev/null; do sleep 5; done
-cat "$logs/vllm"
-[ "$(cat "$logs/vllm.rc" 2>/dev/null)" = 0 ] || { echo "setting up .venv-vllm failed" >&2; exit 1; }
-min_venv=$(bash scripts/setup_min.sh .venv-vllm)
-DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile --no-loadscope-reorder \
-    tests/test_upstream_api.py tests/test_modeling_difftransformer.py tests/test_save_load_difftransformer.py \
-    tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_remote_code_folders.py \
-    tests/test_convert_llama.py tests/test_peft.py tests/test_pipeline.py tests/test_motif.py \
-    -k "not flex and not bfloat16 and not released_layer_shapes"
+wait "$min_pid" || { cat "$logs/min"; echo "setting up .venv-min failed" >&2; exit 1; }
+cat "$logs/min"
+min_venv=$(cat "$logs/min.venv")
+DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
+    --no-loadscope-reorder "${CORE[@]}" -k "$CORE_K"
 phase lowest "$t" "$(versions "$min_venv")"
+cat "$logs/vllm" 2>/dev/null || true
 
 # 4. serving: started above, beside the other runs; its output and outcome.
 t=$(date +%s)

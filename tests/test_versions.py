@@ -60,6 +60,17 @@ def lowest_transformers() -> str:
     return found.pop()
 
 
+def lowest_pins() -> dict[str, str]:
+    """requirements-min.txt: what scripts/setup_min.sh installs besides transformers (the lowest-version run)."""
+    assert "requirements-min.txt" in (REPO / "scripts" / "setup_min.sh").read_text()
+    found = {}
+    for line in (REPO / "requirements-min.txt").read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==([0-9][^\s#]*)", line.strip())
+        if match:
+            found[match[1].lower()] = match[2]
+    return found
+
+
 def same_release(bound: str, installed: str) -> bool:
     """`>=2.13` is run by 2.13.0, `>=0.23.3` by 0.23.3 (a bound names a release, trailing zeros aside)."""
     def norm(v):
@@ -75,6 +86,7 @@ def test_every_lower_bound_is_a_version_ci_runs(package):
     bounds = lower_bounds().get(package)
     assert bounds, f"pyproject.toml declares no lower bound for {package}"
     ci_runs = {pins()[package]} | ({lowest_transformers()} if package == "transformers" else set())
+    ci_runs |= {version for name, version in lowest_pins().items() if name == package}
     for bound in bounds:
         assert any(same_release(bound, version) for version in ci_runs), (
             f"pyproject.toml: {package}>={bound}, but CI installs {sorted(ci_runs)} (raise the bound or test that version)"
