@@ -43,15 +43,17 @@ def export_for_decoding(model, max_cache_len: int, batch_size: int = 1) -> torch
 
     if model.training:
         raise ValueError("export_for_decoding exports inference: call model.eval() first.")
-    config = model.generation_config
-    previous = config.cache_implementation
-    config.cache_implementation = "static"  # what the wrapper expects of a model it exports
+    generation, config = model.generation_config, model.config
+    previous = generation.cache_implementation, config.use_cache
+    # What the wrapper expects of a model it exports: a static cache, and caching on (a folder saved after training
+    # with gradient checkpointing has use_cache=False in its config).
+    generation.cache_implementation, config.use_cache = "static", True
     try:
         wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len)
         ids = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)
         return wrapper.export(input_ids=ids, cache_position=torch.tensor([0], device=model.device))
     finally:
-        config.cache_implementation = previous
+        generation.cache_implementation, config.use_cache = previous
 
 
 @torch.no_grad()
