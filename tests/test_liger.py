@@ -26,7 +26,6 @@ def tiny(version=1, **overrides):
 @pytest.mark.parametrize("version", [1, 2])
 def test_trainers_liger_call_patches_norms_mlps_and_loss(version):
     from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
-
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     # Registered by `import difftransformer`: at once, or (as in a fresh process) when Liger's table is imported.

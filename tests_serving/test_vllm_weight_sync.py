@@ -94,7 +94,7 @@ def run_sync_jobs(jobs_file: str, out_file: str) -> None:
         llm = vllm.LLM(model=job["folder"], dtype="float32", seed=0, max_model_len=256, enforce_eager=True,
                        skip_tokenizer_init=True)
 
-        def greedy():
+        def greedy(llm=llm):
             out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
             return {"ids": list(out.token_ids), "logprobs": [s[t].logprob for s, t in zip(out.logprobs, out.token_ids)]}
 
