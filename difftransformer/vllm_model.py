@@ -50,8 +50,8 @@ import threading
 from collections.abc import Iterable
 
 import torch
-from vllm.config import VllmConfig
 from vllm import _custom_ops as vllm_ops
+from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.attention import Attention
