@@ -33,7 +33,7 @@ left padding, GQA factors 1, 2 and 4, grouped noise heads, a static cache's deco
 
 Speed (bf16 on the GPU), each model against a transformers ``LlamaForCausalLM`` of the same shape in the same
 process, interleaved and paired exactly as benchmarks/bench.py does (its workloads, ``time_group``, medians,
-quartiles; the clock waits for the GPU: ``harness.CLOCKS["cuda"]``), at the sizes users run (issue 34): Llama-3.2-1B's
+quartiles; the clock waits for the GPU: ``harness.CLOCKS["cuda"]``), at the sizes users run: Llama-3.2-1B's
 shape at full depth (hidden 2048, 16 layers, 32 query / 8 KV heads of width 64, MLP 8192, vocabulary 128256) as
 Llama, V1 and V2, and SmolLM2-135M's against its V2 and V1 upcycles; a training step at 8×2048 with and without
 gradient checkpointing, prefill of 1×8192 and 8×2048, decoding at batch 1 and 32 after a 4096-token prompt (dynamic
@@ -129,7 +129,7 @@ class SpeedShape:
 
 
 # Short measurements: the whole GPU run has minutes. reps ≥ 4 gives bench.py's paired ratios and their quartiles.
-# The workloads users run (issue 34): a training step at 8×2048 (with and without gradient checkpointing), prefill of
+# The workloads users run: a training step at 8×2048 (with and without gradient checkpointing), prefill of
 # 1×8192 and 8×2048 tokens, decoding 16 tokens at batch 1 and 32 after a 4096-token prompt, peak memory. reps ≥ 4
 # gives bench.py's paired ratios and their quartiles.
 GPU_PLAN = bench.Plan(prefill_shapes=[(1, 8192), (8, 2048)], decode_batches=[1, 32], prompt_len=4096, new_tokens=16,
@@ -806,7 +806,7 @@ def run_speed(rec: Recorder, profile: Profile, groups: tuple[str, ...] = SPEED_G
     _free(device)
 
 
-# The GPU targets (issue 34, bf16): V2 with the Llama's head counts ≤ 1.03× the Llama in every time row; the SmolLM2 V2
+# The GPU targets (bf16, docs/performance.md): V2 with the Llama's head counts ≤ 1.03× the Llama in every time row; the SmolLM2 V2
 # upcycle ≤ 1.05× its FLOP floor; V1 ≤ 1.10× the floor of its formulation in prefill and training and ≤ 1.10× the Llama
 # in decoding (it reads the same cache bytes); V1's training peak memory ≤ 1.05× the Llama's.
 GPU_TARGETS = {
@@ -1102,7 +1102,7 @@ def summary_text(report: dict) -> str:
                   f"models {', '.join(shape['models'])} (targets: the CPU benchmark's, bench.TARGETS)"]
         if ok:
             lines.append(bench.format_table({"models": shape["models"], "results": {speed["dtype"]: ok}}, paired=True))
-            lines += ["GPU targets (issue 34):"] + (targets_text({"results": ok}) or ["  none applies"])
+            lines += ["GPU targets:"] + (targets_text({"results": ok}) or ["  none applies"])
         lines += [f"ERROR {r['item']}: {r['error'][:200]}" for r in shape["results"] if "error" in r]
     for s in speed.get("skipped", []):
         lines.append(f"SKIP  speed {s['shape']}: {s['item']} ({s['reason']})")

@@ -18,7 +18,8 @@ LAYOUTS = {"v1_mha": (1, 8, 8), "v1_gqa": (1, 8, 4), "v1_gqa4": (1, 8, 2), "v2_m
 def diff_model(layout, seed=0, **overrides):
     version, hq, hkv = LAYOUTS[layout]
     kwargs = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=hq,
-                  num_key_value_heads=hkv, head_dim=8, diff_version=version, initializer_range=0.3, lambda_std=0.3)
+                  num_key_value_heads=hkv, head_dim=8, diff_version=version, initializer_range=0.3,
+                  **({"lambda_std": 0.3} if version == 1 else {}))  # a V2 config refuses V1's fields
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(DiffTransformerConfig(**kwargs)).eval()

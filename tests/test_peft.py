@@ -76,10 +76,10 @@ def test_explicit_and_all_linear_targets(version):
     explicit = get_peft_model(base_model(version), LoraConfig(target_modules=["k_proj", "o_proj", "down_proj"]))
     assert lora_targets(explicit) == ["down_proj", "k_proj", "o_proj"]
     every = get_peft_model(base_model(version), LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear"))
+    # lm_head excluded, as for every transformers model; V2's λ projection too: it is no nn.Linear (quantizers must
+    # leave it alone, docs/ecosystem.md), and trains through modules_to_save (below)
     expected = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    if version == 2:
-        expected = sorted(expected + ["lambda_proj"])  # V2's λ projection is a linear layer too
-    assert lora_targets(every) == expected  # lm_head excluded, as for every transformers model
+    assert lora_targets(every) == expected
     before = logits(every)
     train_a_little(every, steps=1)
     assert not torch.allclose(logits(every), before)
