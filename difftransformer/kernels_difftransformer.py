@@ -126,27 +126,33 @@ def differential_decode_attention(query, key, value, lam, scaling, attention_mas
     ``value`` the cache ``(B, Hkv, S, d)`` (group g: heads 2g, 2g + 1), ``lam`` the layer's λ, ``attention_mask`` None or
     boolean ``(B, 1, 1, S)`` (True = visible). Returns the combined heads ``(B, 1, H, 2d)``.
 
-    Each map's rows meet only their own key head (two matmuls over views of the cache), the two softmax rows are
-    combined in float32, and the combined row meets both value halves (one broadcast matmul): every cache byte is read
-    once, no copy of the cache is made, and no zero is multiplied.
-    """
+    Each map's rows meet only their own key head (one batched matmul over the group's two key heads, views of the
+    cache), the two softmax rows are combined in float32, and the combined row meets both value halves (one broadcast
+    matmul): every cache byte is read once, no copy of the cache is made, and no zero is multiplied. One token always
+    sees itself, so no row is fully hidden (a plain softmax suffices)."""
     b, _, hq, d = query.shape
     g = key.shape[1] // 2
     rows = hq // g
     m = rows // (noise_ratio + 1)
     n = rows - m
-    q = query.reshape(b, g, rows, d)
+    acc = _accumulation_dtype(query.dtype)
+    q = query.reshape(b, g, rows, d) * scaling
     keys, values = key.unflatten(1, (g, 2)), value.unflatten(1, (g, 2))  # (B, G, 2, S, d): views
-    mask = None
+    if m == n:  # both maps in one matmul over (group, map): (B, G, 2, n, d) @ (B, G, 2, d, S)
+        scores = torch.matmul(q.view(b, g, 2, n, d), keys.transpose(-1, -2)).to(acc)
+    else:  # grouped noise heads: the maps have n and m rows
+        scores = [torch.matmul(part, keys[:, :, c].transpose(-1, -2)).to(acc) for c, part in ((0, q[:, :, :n]), (1, q[:, :, n:]))]
     if attention_mask is not None:
-        hide = attention_mask.reshape(b, 1, 1, -1).logical_not()
-        mask = torch.zeros(hide.shape, dtype=_accumulation_dtype(query.dtype), device=query.device).masked_fill_(hide, float("-inf"))
-    maps = []
-    for part, c in ((q[:, :, :n], 0), (q[:, :, n:], 1)):
-        scores = torch.matmul(part * scaling, keys[:, :, c].transpose(-1, -2)).to(_accumulation_dtype(query.dtype))
-        maps.append(_softmax_with_stats(scores if mask is None else scores.add_(mask))[0])
-    diff = maps[0].view(b, g, m, noise_ratio, -1).addcmul_(maps[1].unsqueeze(3), lam, value=-1)
-    out = torch.matmul(diff.view(b, g, 1, n, -1).to(value.dtype), values)  # (B, G, 2, n, d): both value halves
+        hide = torch.zeros(attention_mask.shape, dtype=acc, device=query.device).masked_fill_(attention_mask.logical_not(), float("-inf"))
+        hide = hide.reshape(b, 1, 1, -1)
+        scores = scores + hide.unsqueeze(2) if m == n else [x + hide for x in scores]
+    if m == n:
+        maps = torch.softmax(scores, -1)
+        diff = torch.addcmul(maps[:, :, 0], lam, maps[:, :, 1], value=-1)  # (B, G, n, S)
+    else:
+        first, second = (torch.softmax(x, -1) for x in scores)
+        diff = first.view(b, g, m, noise_ratio, -1).addcmul_(second.unsqueeze(3), lam, value=-1).view(b, g, n, -1)
+    out = torch.matmul(diff.unsqueeze(2).to(value.dtype), values)  # (B, G, 2, n, d): both value halves
     return out.permute(0, 1, 3, 2, 4).reshape(b, 1, g * n, 2 * d)
 
 
