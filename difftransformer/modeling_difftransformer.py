@@ -57,7 +57,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -162,6 +162,14 @@ def eager_attention_forward(
     values = repeat_kv(value, module.num_key_value_groups * r // (r + 1))  # (B, H, S, w): head h reads group h // n
     attn_output = torch.matmul(diff_maps, values).transpose(1, 2).contiguous()  # (B, T, H, w)
     return attn_output, diff_maps
+
+
+def packed_sequences(position_ids, attention_mask, batch_size: int) -> bool:
+    """Whether the inputs are packed sequences, as transformers' masks detect them: position ids that restart within a
+    row, and no attention mask (transformers' ``find_packed_sequence_indices``; not checked under ``torch.compile``)."""
+    if position_ids is None or attention_mask is not None or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
+        return False
+    return find_packed_sequence_indices(position_ids.expand(batch_size, -1)) is not None
 
 
 def pack_groups(x: torch.Tensor) -> torch.Tensor:
@@ -714,6 +722,15 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
         check_forward_arguments(self, kwargs, cache, position_ids, eager_attention_forward)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if packed_sequences(position_ids, attention_mask, inputs_embeds.shape[0]):
+            # transformers builds the block-diagonal mask of packed sequences only without a cache (masking_utils)
+            if cache is not None:
+                raise ValueError(
+                    f"{type(self).__name__}.forward got packed sequences (position_ids restarting within a row, no "
+                    "attention_mask) together with a cache: transformers' masks keep packed sequences apart only "
+                    "without one. Pass use_cache=False (packed sequences cannot be continued) or one sequence per row."
+                )
+            use_cache = False  # the default cache would turn the block mask off; nothing could continue it anyway
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if position_ids is None:

@@ -126,10 +126,11 @@ def pytest_runtest_logreport(report):
 # first (scripts/test.sh passes --no-loadscope-reorder to pytest-xdist, which then hands out files in this order), so
 # that the last files to finish are short ones and neither worker idles long while the other finishes a slow file.
 SLOWEST_FIRST = [
-    "test_real_model.py", "test_modeling_difftransformer.py", "test_grouped_differential_attention.py",
-    "test_transformers_common.py", "test_generation_difftransformer.py", "test_distributed.py",
-    "test_benchmarks_smoke.py", "test_upcycle.py", "test_remote_code_folders.py", "test_lm_eval.py", "test_analysis.py",
-    "test_gpu_check.py", "test_examples_train.py", "test_convert_io.py", "test_kernels_difftransformer.py", "test_motif.py",
+    "test_benchmarks_smoke.py", "test_real_model.py", "test_modeling_difftransformer.py",
+    "test_grouped_differential_attention.py", "test_transformers_common.py", "test_generation_difftransformer.py",
+    "test_distributed.py", "test_upcycle.py", "test_remote_code_folders.py", "test_export.py", "test_compare_small.py",
+    "test_lm_eval.py", "test_analysis.py", "test_gpu_check.py", "test_examples_train.py", "test_quantization.py",
+    "test_triton_dispatch.py", "test_trl.py", "test_convert_io.py", "test_kernels_difftransformer.py", "test_motif.py",
 ]
 
 

@@ -67,6 +67,9 @@ def test_smoke_cli_trains_reports_saves_samples_and_plots(cli_run):
     assert 0 < metrics["validation_loss"] < 10 and f"validation loss {metrics['validation_loss']:.4f}" in log
     assert "%|" in log  # tqdm progress bar
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # telemetry: its plot, and one summary line per probe on the terminal instead of a dictionary of per-layer values
+    assert (out / "telemetry.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[diffattn] " in log and "max logit map 1" in log and "layer_0" not in log
     sample = (out / "sample.txt").read_text()
     assert sample.startswith("def ") and len(sample) > len("def ")
     # The saved folder is a complete model + tokenizer: generation and the reported loss reproduce.

@@ -75,6 +75,18 @@ def test_packed_sequences_attend_within_their_boundaries(tokenizer, version, att
         unbounded = model(torch.cat(parts, dim=1), use_cache=False).logits
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert (unbounded - alone).abs().max() > 1e-3  # without the boundaries the later sequences see the earlier ones
+    # The config's use_cache=True would build a cache, and transformers' masks honour packing only without one: the
+    # model builds none for packed inputs (the same logits, no cache returned) and refuses an explicit cache.
+    from transformers import DynamicCache
+
+    from difftransformer import CACHE_NAME
+
+    with torch.no_grad():
+        default = model(torch.cat(parts, dim=1), position_ids=positions)
+        torch.testing.assert_close(default.logits, alone, rtol=1e-5, atol=1e-5)
+        assert getattr(default, CACHE_NAME) is None
+        with pytest.raises(ValueError, match="packed sequences"):
+            model(torch.cat(parts, dim=1), position_ids=positions, **{CACHE_NAME: DynamicCache(config=model.config)})
 
 
 @pytest.mark.parametrize("version", [1, 2])
