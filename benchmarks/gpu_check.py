@@ -468,6 +468,45 @@ def run_triton_checks(rec: Recorder, profile: Profile) -> None:
         _free(device)
 
 
+def run_liger_checks(rec: Recorder, profile: Profile) -> None:
+    """``liger {layout}``: Liger Kernel applied by ``integrations.apply_liger_kernel_to_difftransformer`` (what
+    ``Trainer(use_liger_kernel=True)`` calls) against the unpatched model: eval logits (Liger's RMSNorm and SwiGLU) and
+    the training loss (its fused linear cross-entropy) in fp32, within the fp32 tolerance relative to their scale
+    (float32 kernels that sum in another order). Liger's kernels are Triton on CUDA: elsewhere "skipped"."""
+    device = profile.device
+    for layout in ("v1_gqa", "v2_gqa"):
+        def check(layout=layout):
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise Skip("absent: liger-kernel is not installed")
+            if not device.startswith("cuda"):
+                raise Skip("skipped: Liger's kernels run on CUDA")
+            from difftransformer.integrations import apply_liger_kernel_to_difftransformer
+
+            model, ids, mask = forward_case(layout)
+            model = model.to(device)
+            ids, mask = ids.to(device), mask.to(device)
+            labels = ids.masked_fill(mask == 0, -100)
+            patched = copy.deepcopy(model)
+            applied = apply_liger_kernel_to_difftransformer(model=patched)
+            outs = []
+            for m in (model, patched):
+                with torch.no_grad():
+                    logits = m(ids, attention_mask=mask).logits[mask.bool()]
+                m.train()
+                loss = m(ids, attention_mask=mask, labels=labels).loss.detach()
+                m.eval()
+                outs.append((logits, loss))
+            err_logits = _max_abs(outs[1][0], outs[0][0]) / max(1.0, outs[0][0].abs().max().item())
+            err_loss = abs(outs[1][1].item() - outs[0][1].item()) / max(1.0, abs(outs[0][1].item()))
+            return {"max_err": max(err_logits, err_loss), "bound": FP32_LOGITS_ATOL,
+                    "passed": bool(applied.get("rms_norm")) and bool(applied.get("swiglu")),
+                    "detail": f"relative: logits {err_logits:.2g}, loss {err_loss:.2g}; patched "
+                    + ", ".join(f"{k} {len(v)}" for k, v in applied.items())}
+
+        rec.check(f"liger {layout}", check)
+    _free(device)
+
+
 def _generation_model(layout: str, backend: str, device: str, seed: int = 0):
     """test_generation_difftransformer.py's model (heads HEAD_DIM wide): EOS disabled (fixed-length outputs), fp32."""
     from difftransformer import DiffTransformerForCausalLM
@@ -1157,6 +1196,7 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, only: tup
         rec.save()
         if "checks" in only:  # the compiling checks (flex attention, compiled decoding) last within each family
             run_triton_checks(rec, profile)
+            run_liger_checks(rec, profile)
             run_forward_checks(rec, profile)
             run_grad_checks(rec, profile)
             run_generation_checks(rec, profile)

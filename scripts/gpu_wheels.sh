@@ -13,7 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS=(transformers==5.23.0 tokenizers==0.23.3 regex==2026.11.19)
+# liger-kernel: pure Python over the machine's torch and Triton (the GPU check's `liger` checks).
+WHEELS=(transformers==5.23.0 tokenizers==0.23.3 regex==2026.11.19 liger-kernel==0.8.5)
 PYTHON=${PYTHON:-python3}
 
 mkdir -p .whl

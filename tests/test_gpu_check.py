@@ -50,6 +50,7 @@ def _expected_checks() -> dict[str, str]:
         for dtype in SMOKE_DTYPES:
             expected[f"triton {case[0]} d16 {dtype}"] = triton
     for layout in SMOKE_LAYOUTS:
+        expected[f"liger {layout}"] = "absent" if importlib.util.find_spec("liger_kernel") is None else "skipped"
         expected[f"reference {layout}"] = "pass"
         for backend in BACKENDS:
             for dtype in SMOKE_DTYPES:
