@@ -147,6 +147,19 @@ def doc_table(datas: list[dict], opts: dict) -> list[str]:
     return markdown(datas[0])
 
 
+def headline(report: dict) -> tuple[str, str]:
+    """The README's results row (scripts/doc_tables.py finds it by this script's name): the 8- and 4-bit schemes'
+    perplexity ratios to unquantized, and whether λ stayed exact in all."""
+    rows = {r["scheme"]: r for r in report["rows"]}
+    eight = [rows[s]["ratio"] for s in rows if "8" in s]
+    four = [rows[s]["ratio"] for s in rows if "4" in s]
+    exact = all(r["lambda_identical"] for r in report["rows"])
+    return ("Quantized loading of the SmolLM2 V2 upcycle (bitsandbytes, torchao, optimum-quanto; CPU): held-out "
+            "perplexity over unquantized",
+            f"8-bit {min(eight):.3f}–{max(eight):.3f}, 4-bit {min(four):.2f}–{max(four):.2f}; λ's projection "
+            f"{'bit-identical in every scheme' if exact else 'CHANGED by some scheme'}")
+
+
 def markdown(report: dict) -> list[str]:
     """The docs table: scheme, perplexity, ratio to unquantized, λ bit-identical."""
     lines = ["| scheme | perplexity (pydoc_data.topics) | ratio to unquantized | λ projection bit-identical |",

@@ -307,7 +307,22 @@ def _floors(data: dict, kinds: tuple[str, ...], seq: int, logits: int = 1) -> li
 
 
 def headline_gpu(data: dict) -> tuple[str, str]:
-    shape = data["speed"]["shapes"]["bench"]
+    shapes = data["speed"]["shapes"]
+    if "llama-3.2-1b" in shapes:  # the users' workloads (gpu_check since 0.2.0)
+        rows = {r["item"]: r for r in shapes["llama-3.2-1b"]["results"] if "error" not in r}
+        p, t, d = rows.get("prefill 8x2048"), rows.get("train 8x2048"), rows.get("decode b1 dynamic")
+
+        def part(label, row):
+            if row is None:
+                return f"{label}: not measured"
+            v1 = row["models"]["ours_v1"]
+            return (f"{label}: V1 {_ratio(row, 'ours_v1')} (its {v1.get('formulation', 'FLOP')} floor "
+                    f"{v1.get('flop_floor', 0):.2f}), V2 {_ratio(row, 'ours_v2')}")
+
+        gpu = data["meta"].get("gpu") or "GPU"
+        return (f"GPU speed against Llama-3.2-1B's shape ({gpu}, bf16; time ratio, lower is faster)",
+                "; ".join((part("prefill 8×2048", p), part("training 8×2048", t), part("decode batch 1", d))))
+    shape = shapes["bench"]
     rows = {r["item"]: r for r in shape["results"] if "error" not in r}
     p, d = rows["prefill 1x2048"], rows["decode b1 dynamic"]
     return ("GPU speed against a same-shape Llama (NVIDIA H200, bf16; time ratio, lower is faster)",
