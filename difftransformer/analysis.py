@@ -288,10 +288,10 @@ class LensReport:
         if self.lambdas is None:
             return []
         if self.lambdas.dim() == 1:
-            return [{"layer": l, "lambda": float(v)} for l, v in enumerate(self.lambdas)]
+            return [{"layer": i, "lambda": float(v)} for i, v in enumerate(self.lambdas)]
         return [
-            {"layer": l, "head": h, **dict(zip(("mean", "std", "min", "max"), stats))}
-            for l, per_head in enumerate(self.lambdas.tolist())
+            {"layer": i, "head": h, **dict(zip(("mean", "std", "min", "max"), stats))}
+            for i, per_head in enumerate(self.lambdas.tolist())
             for h, stats in enumerate(per_head)
         ]
 
@@ -309,12 +309,12 @@ class LensReport:
         if self.lambdas is not None:
             lines += ["", "| layer | λ |" if self.lambdas.dim() == 1 else "| layer | λ mean | λ std | λ min | λ max |"]
             lines += ["|---|---|" if self.lambdas.dim() == 1 else "|---|---|---|---|---|"]
-            for l, v in enumerate(self.lambdas):
+            for i, v in enumerate(self.lambdas):
                 if v.dim() == 0:
-                    lines.append(f"| {l} | {float(v):.4f} |")
+                    lines.append(f"| {i} | {float(v):.4f} |")
                 else:  # V2: average the per-head statistics over heads for the table
                     m = v.mean(0)
-                    lines.append(f"| {l} | {m[0]:.4f} | {m[1]:.4f} | {v[:, 2].min():.4f} | {v[:, 3].max():.4f} |")
+                    lines.append(f"| {i} | {m[0]:.4f} | {m[1]:.4f} | {v[:, 2].min():.4f} | {v[:, 3].max():.4f} |")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -541,7 +541,7 @@ def plot_heatmaps(
     for name, values, bound in (("layers", layers, num_layers), ("heads", heads, num_heads)):
         if not values or any(not 0 <= v < bound for v in values):
             raise ValueError(f"`{name}` must be non-empty indices in [0, {bound}), got {values}.")
-    pairs = [(l, h) for l in layers for h in heads]
+    pairs = [(layer, h) for layer in layers for h in heads]
     seq_len = report.maps[0].maps[kinds[0]].shape[-1]
     first_row = 0 if last_rows is None else max(0, seq_len - last_rows)
     fig, axes = plt.subplots(len(pairs), len(kinds), figsize=(4.2 * len(kinds), 3.2 * len(pairs)), squeeze=False)

@@ -7,8 +7,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
-from difftransformer import analysis
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis
 from difftransformer.analysis import attention_maps, attention_shares, lens, split_pairs
 
 # (diff_version, Hq, Hkv): V1/V2, MHA and GQA (n > 1, where a wrong pairing would show).

@@ -32,6 +32,7 @@ sys.path.insert(0, str(EXAMPLES))
 import dist_common  # noqa: E402
 import train_fsdp2  # noqa: E402
 import train_trainer  # noqa: E402
+
 from utils_distributed import word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(

@@ -19,7 +19,6 @@ from difftransformer import (
 from difftransformer.data import get_tokenizer
 from utils_difftransformer import left_padded_batch, randomize_norms, reference_forward, tiny_config
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

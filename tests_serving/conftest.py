@@ -72,9 +72,9 @@ def smollm2_tokenizer(smollm2_v2_folder):
 def smollm2_v2_model(smollm2_v2_folder):
     """Our model (the package, plain transformers) for the references: float32, eval mode."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     import difftransformer  # noqa: F401  (registers the Auto classes)
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(smollm2_v2_folder, dtype=torch.float32).eval()
@@ -99,9 +99,9 @@ def smollm2_v1_tokenizer(smollm2_v1_folder):
 def smollm2_v1_chat_refs(smollm2_v1_folder, smollm2_v1_tokenizer):
     """The V1 upcycle's greedy answers (our model, plain transformers, float32), as ``smollm2_chat_refs``."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     import difftransformer  # noqa: F401
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_v1_folder, dtype=torch.float32).eval()
     assert type(model).__name__ == "DiffTransformerForCausalLM" and model.config.diff_version == 1
