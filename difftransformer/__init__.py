@@ -17,7 +17,6 @@ from transformers import (
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
 from .configuration_difftransformer import DiffTransformerConfig
-from .integrations import register_integrations
 from .modeling_difftransformer import (
     CACHE_NAME,
     DiffTransformerForCausalLM,
@@ -28,6 +27,7 @@ from .modeling_difftransformer import (
     DiffTransformerPreTrainedModel,
 )
 from .motif import MOTIF_MODEL_TYPE, MotifConfig, MotifForCausalLM, motif_weight_conversions
+from .registration import register_integrations
 
 __version__ = "0.2.0"
 
@@ -44,7 +44,7 @@ DiffTransformerConfig.register_for_auto_class()
 for _auto_class, _model_class in _AUTO_CLASSES.items():
     _auto_class.register(DiffTransformerConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
-register_integrations()  # PEFT default LoRA targets and Trainer's causal-LM table (see integrations.py)
+register_integrations()  # PEFT default adapter targets and Liger's table, when they are imported (registration.py)
 # Motif-2 checkpoints: their config class and model class (ours, configured), and the load-time query-row order.
 AutoConfig.register(MOTIF_MODEL_TYPE, MotifConfig, exist_ok=True)
 AutoModelForCausalLM.register(MotifConfig, MotifForCausalLM, exist_ok=True)

@@ -11,10 +11,11 @@ is missing from:
   class name is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; the modeling file itself adds our causal-LM class there,
   so that this also holds when the model is loaded as remote code without the package.
 
-:func:`register_integrations` runs at ``import difftransformer``. The differential λ parameters can be trained next to an adapter:
+:func:`register_integrations` (difftransformer/registration.py) runs at ``import difftransformer``, without importing
+PEFT or Liger. The differential λ parameters can be trained next to an adapter:
 
-* V2: ``lambda_proj`` is an ``nn.Linear``; PEFT's own ``modules_to_save=["lambda_proj"]`` trains it and stores it in
-  the adapter (see :func:`lambda_modules_to_save`).
+* V2: ``lambda_proj`` (a module of its own, not an ``nn.Linear``, so that quantizers leave it alone); PEFT's own
+  ``modules_to_save=["lambda_proj"]`` trains it and stores it in the adapter (see :func:`lambda_modules_to_save`).
 * V1: ``lambda_q1/k1/q2/k2`` are bare ``nn.Parameter`` vectors of the attention module, which PEFT cannot wrap
   (``modules_to_save`` wraps modules, and wrapping ``self_attn`` would fully fine-tune q/k/v/o and forbid LoRA inside
   it; ``target_parameters`` adds a low-rank update to 2-D weights, it does not train a vector).
@@ -44,8 +45,6 @@ and when it applies nothing at all.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import re
 import sys
@@ -55,81 +54,13 @@ from types import MethodType
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+from .registration import LIGER_MONKEY_PATCH, MODEL_TYPE, register_integrations, register_liger, register_peft  # noqa: F401
+
 logger = logging.get_logger(__name__)
 
-MODEL_TYPE = "difftransformer"
 # Names of the V1 λ vectors inside an attention module (docs/model.md).
 V1_LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 _V1_LAMBDA_RE = re.compile(r"(^|\.)self_attn\.(" + "|".join(V1_LAMBDA_NAMES) + r")$")
-
-
-def register_peft() -> bool:
-    """Give ``model_type="difftransformer"`` PEFT's Llama defaults for every adapter method. Idempotent.
-
-    Returns ``False`` (and does nothing) when PEFT is not installed.
-    """
-    try:
-        from peft.utils import constants
-    except ImportError:
-        return False
-    for name in dir(constants):
-        table = getattr(constants, name)
-        # Mutated in place: PEFT's tuner classes hold references to these very dicts (e.g.
-        # LoraModel.target_module_mapping is TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
-        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and "llama" in table:
-            table.setdefault(MODEL_TYPE, table["llama"])
-    return True
-
-
-def register_integrations() -> None:
-    """:func:`register_peft` and :func:`register_liger`; meant to run at ``import difftransformer``."""
-    register_peft()
-    register_liger()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Liger Kernel
-
-LIGER_MONKEY_PATCH = "liger_kernel.transformers.monkey_patch"
-
-
-def _add_to_liger_table(monkey_patch) -> None:
-    monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.setdefault(MODEL_TYPE, apply_liger_kernel_to_difftransformer)
-
-
-class _RegisterWithLigerOnImport(importlib.abc.MetaPathFinder):
-    """Adds our patch function to Liger's table when Liger's ``monkey_patch`` module is imported (by the Trainer,
-    TRL or the user): Liger is not imported before something asks for it."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != LIGER_MONKEY_PATCH:
-            return None
-        sys.meta_path.remove(self)  # one registration; and the real finders locate the module
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        execute = spec.loader.exec_module
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec_):
-                return None
-
-            def exec_module(self, module):
-                execute(module)
-                _add_to_liger_table(module)
-
-        spec.loader = Loader()
-        return spec
-
-
-def register_liger() -> None:
-    """Make ``model_type="difftransformer"`` known to Liger Kernel (module docstring): at once where Liger's
-    ``monkey_patch`` module is loaded already, else when it is imported. Idempotent; nothing when Liger is absent."""
-    if LIGER_MONKEY_PATCH in sys.modules:
-        _add_to_liger_table(sys.modules[LIGER_MONKEY_PATCH])
-    elif importlib.util.find_spec("liger_kernel") is not None and not any(
-            isinstance(f, _RegisterWithLigerOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWithLigerOnImport())
 
 
 def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: bool = False,
