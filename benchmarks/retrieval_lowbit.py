@@ -16,6 +16,10 @@ same initialisation stream, over several paired seeds:
    quantised to 8, 6 and 4 bits (symmetric, per tensor and per head), and the top activations of attention logits
    and hidden states per layer.
 
+Outputs in ``--out``: ``results.json`` (every run, the per-seed / mean / paired-difference summary, provenance),
+``results.md`` (that summary as a table), ``curves.png``, ``accuracy_vs_length.png``, ``accuracy_vs_bits.png`` and
+``attention_shares.png``.
+
 Resumable: each (seed, model) result is written into ``results.json`` as soon as it is done, and a rerun with the same
 setting skips what is there (``--resume``, the default). Presets: ``default`` (single-threaded CPU, at most two
 CPU-hours for three models x three seeds), ``gpu`` (larger model and data, five seeds) and ``smoke`` (seconds; the
@@ -48,32 +52,36 @@ MODELS = ("llama", "v1", "v2")
 LABELS = {"v1": "DIFF V1", "v2": "DIFF V2", "llama": "Llama"}
 
 PRESETS = {
+    # Frozen after calibrating the Llama alone (docs/reports/2026-11-27-retrieval-lowbit.md, "Calibration"): at this size
+    # and budget a Llama's validation accuracy on both tasks jumps from chance to ~1 between 4,000 and 5,000 steps.
     "default": dict(
-        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=384, train_length=128, batch_size=32, steps=1000, warmup=100, lr=1e-3,
-        needle_fraction=0.5, train_needles="1,2,4,6,8", train_pairs="4,8,12,16,20,24",
-        eval_lengths="64,128,256,512", eval_needles="2,4,8", eval_depths="0,0.25,0.5,0.75,1", eval_samples=4,
-        eval_pairs="8,16,24,32,48", mqar_samples=12, lowbit_samples=6, lowbit_bits="8,6,4", lens_examples=12,
-        eval_every=100, seeds="0,1,2", threads=1, device="cpu"),
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=192, train_length=64, batch_size=32, steps=10000, warmup=200, lr=1e-3, schedule="constant",
+        needle_fraction=0.45, copy_fraction=0.25, train_needles="1,2,4,6", train_queries=8, train_pairs="2,4,6,8,12",
+        eval_lengths="48,64,80,96,128,256", eval_needles="2,4,6,8", eval_depths="0,0.25,0.5,0.75,1", eval_samples=8,
+        eval_pairs="4,8,12,16,24,32,48", mqar_samples=16, lowbit_samples=6, lowbit_bits="8,6,4", lens_examples=20,
+        eval_every=500, seeds="0,1,2", threads=1, device="cpu"),
+    # The same recipe, wider, twice the context and steps, ten seeds (not run here: no GPU was available).
     "gpu": dict(
-        hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-        intermediate_size=688, train_length=256, batch_size=64, steps=4000, warmup=200, lr=1e-3,
-        needle_fraction=0.5, train_needles="1,2,4,8,12,16", train_pairs="8,16,24,32,40,48",
-        eval_lengths="128,256,512,1024", eval_needles="2,4,8,16", eval_depths="0,0.25,0.5,0.75,1", eval_samples=8,
-        eval_pairs="16,32,48", mqar_samples=32, lowbit_samples=12, lowbit_bits="8,6,4", lens_examples=24,
-        eval_every=250, seeds="0,1,2,3,4", threads=4, device="cuda"),
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        intermediate_size=384, train_length=128, batch_size=64, steps=20000, warmup=200, lr=1e-3, schedule="constant",
+        needle_fraction=0.45, copy_fraction=0.25, train_needles="1,2,4,6,8,12", train_queries=8,
+        train_pairs="2,4,8,12,16,24", eval_lengths="64,128,160,192,256,512", eval_needles="2,4,8,12,16",
+        eval_depths="0,0.25,0.5,0.75,1", eval_samples=16, eval_pairs="8,16,24,32,48", mqar_samples=32, lowbit_samples=12,
+        lowbit_bits="8,6,4", lens_examples=25, eval_every=500, seeds="0,1,2,3,4,5,6,7,8,9", threads=4, device="cuda"),
     "smoke": dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=64, train_length=48, batch_size=4, steps=3, warmup=1, lr=1e-3,
-        needle_fraction=0.5, train_needles="1,2,4", train_pairs="4,8",
+        intermediate_size=64, train_length=48, batch_size=4, steps=3, warmup=1, lr=1e-3, schedule="constant",
+        needle_fraction=0.4, copy_fraction=0.2, train_needles="1,2,4", train_queries=2, train_pairs="4,8",
         eval_lengths="48,64", eval_needles="2,4", eval_depths="0,1", eval_samples=1,
-        eval_pairs="4,8", mqar_samples=1, lowbit_samples=1, lowbit_bits="8,4", lens_examples=2,
+        eval_pairs="4,8", mqar_samples=1, lowbit_samples=1, lowbit_bits="4", lens_examples=2,
         eval_every=2, seeds="0,1", threads=1, device="cpu"),
 }
 # The preset values that define a run's setting (a result is reused by --resume only under the same setting).
 SETTING_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "train_length", "batch_size", "steps", "warmup", "lr", "needle_fraction",
-                "train_needles", "train_pairs", "eval_lengths", "eval_needles", "eval_depths", "eval_samples",
+                "intermediate_size", "train_length", "batch_size", "steps", "warmup", "lr", "schedule", "needle_fraction",
+                "copy_fraction",
+                "train_needles", "train_queries", "train_pairs", "eval_lengths", "eval_needles", "eval_depths", "eval_samples",
                 "eval_pairs", "mqar_samples", "lowbit_samples", "lowbit_bits", "lens_examples", "eval_every",
                 "analysis")
 TARGETS = ("logits", "qk")
@@ -97,24 +105,27 @@ def make_data(args, seed: int) -> dict:
     vocab = rt.TaskVocab()
     count = args.steps * args.batch_size
     train = rt.training_examples(vocab, count, seed, args.train_length, _ints(args.train_needles),
-                                 _ints(args.train_pairs), args.needle_fraction)
+                                 _ints(args.train_pairs), args.needle_fraction, args.train_queries,
+                                 copy_fraction=args.copy_fraction)
     batches = [rt.encode(train[i : i + args.batch_size]) for i in range(0, count, args.batch_size)]
     val_seed, eval_seed = seed + 10_000, seed + 20_000
     depths = _floats(args.eval_depths)
     val = rt.needle_grid(vocab, [args.train_length], _ints(args.train_needles)[-2:], depths, 2, val_seed, num_queries=4)
-    val += rt.mqar_grid(vocab, [n for n in _ints(args.train_pairs) if 2 + 4 * n <= args.train_length][-2:], 4, val_seed)
+    val += rt.mqar_grid(vocab, [n for n in _ints(args.train_pairs) if rt.mqar_length(n) <= args.train_length][-2:], 4, val_seed)
+    if args.copy_fraction > 0:  # the induction data: its accuracy shows when induction heads form
+        val += [rt.repeated_copy(vocab, 24, rt._rng(val_seed, "copy", i)) for i in range(8)]
     lengths, needles = _ints(args.eval_lengths), _ints(args.eval_needles)
     evals = {
         "needle": rt.needle_grid(vocab, lengths, needles, depths, args.eval_samples, eval_seed),
         "mqar": rt.mqar_grid(vocab, _ints(args.eval_pairs), args.mqar_samples, eval_seed),
         # Low-bit attention and activation statistics: at the trained length, where every model is in distribution.
-        "lowbit_needle": rt.needle_grid(vocab, [args.train_length], needles[-2:], depths, args.lowbit_samples,
+        "lowbit_needle": rt.needle_grid(vocab, [args.train_length], needles, depths, args.lowbit_samples,
                                         eval_seed + 1),
-        "lowbit_mqar": rt.mqar_grid(vocab, [n for n in _ints(args.train_pairs) if 2 + 4 * n <= args.train_length][-2:],
+        "lowbit_mqar": rt.mqar_grid(vocab, [n for n in _ints(args.train_pairs) if rt.mqar_length(n) <= args.train_length][-2:],
                                     2 * args.lowbit_samples, eval_seed + 1),
         # Lens prompts: cut right after the first query's key (the last token predicts the answer).
-        "lens": rt.needle_grid(vocab, [args.train_length], needles[-2:], depths,
-                               max(1, math.ceil(args.lens_examples / (2 * len(depths)))), eval_seed + 2)[: args.lens_examples],
+        "lens": rt.needle_grid(vocab, [args.train_length], needles, depths,
+                               max(1, math.ceil(args.lens_examples / (len(needles) * len(depths)))), eval_seed + 2)[: args.lens_examples],
     }
     return {"vocab": vocab, "batches": batches, "val": val, "evals": evals}
 
@@ -131,24 +142,34 @@ def summarize_scores(examples, scores) -> dict:
             "loss": sum(loss) / len(loss), "n": len(correct)}
 
 
-def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: str, progress: bool = False) -> dict:
-    """AdamW (betas 0.9/0.95, weight decay 0.1, as the paper), cosine schedule with linear warm-up, gradient clipping
-    at 1.0 (compare_small's recipe); loss on the answer tokens only. Returns the curves and the times."""
-    from transformers import get_cosine_schedule_with_warmup
+def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: str, progress: bool = False,
+          schedule: str = "cosine") -> dict:
+    """AdamW (betas 0.9/0.95, weight decay 0.1, as the paper), linear warm-up then a cosine decay to zero or a
+    constant rate (``schedule``), gradient clipping at 1.0 (compare_small's recipe); loss on the answer tokens only.
+    Returns the curves and the times."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = get_cosine_schedule_with_warmup(opt, warmup, len(batches))
-    curves = {"step": [], "train_loss": [], "eval_step": [], "val_loss": [], "val_accuracy": []}
+    if schedule == "cosine":
+        sched = get_cosine_schedule_with_warmup(opt, warmup, len(batches))
+    else:
+        sched = get_constant_schedule_with_warmup(opt, warmup)
+    curves = {"step": [], "train_loss": [], "eval_step": [], "val_loss": [], "val_accuracy": [], "val_accuracy_by_task": {}}
 
     def evaluate_now(step):
         model.eval()
-        s = summarize_scores(val, rt.score(model, val))
+        scores = rt.score(model, val)
         model.train()
+        s = summarize_scores(val, scores)
+        by_task = grouped(val, scores, lambda e: e.task)
         curves["eval_step"].append(step)
         curves["val_loss"].append(s["loss"])
         curves["val_accuracy"].append(s["accuracy"])
+        for task, v in by_task.items():
+            curves["val_accuracy_by_task"].setdefault(task, []).append(v["accuracy"])
         if progress:
-            print(f"  step {step}: val loss {s['loss']:.3f} acc {s['accuracy']:.3f}", flush=True)
+            print(f"  step {step}: val loss {s['loss']:.3f} acc {s['accuracy']:.3f} ("
+                  + ", ".join(f"{t} {v['accuracy']:.2f}" for t, v in by_task.items()) + ")", flush=True)
 
     cpu0, wall0 = time.process_time(), time.time()
     model.train()
@@ -284,6 +305,14 @@ def paired_summary(runs: dict, metric) -> dict:
     return out
 
 
+def steps_to(curves: dict, task: str, level: float) -> int:
+    """The first validation step at which ``task``'s validation accuracy reached ``level``; the last step plus one
+    validation interval where it never did (a censored value: read it as "more than the run's steps")."""
+    steps, accs = curves["eval_step"], curves["val_accuracy_by_task"].get(task, [])
+    hit = next((s for s, a in zip(steps, accs) if a >= level), None)
+    return hit if hit is not None else steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1)
+
+
 def summaries(runs: dict) -> dict:
     if not runs:
         return {}
@@ -293,6 +322,8 @@ def summaries(runs: dict) -> dict:
         "mqar_accuracy": lambda r: r["eval"]["mqar"]["overall"]["accuracy"],
         "needle_loss": lambda r: r["eval"]["needle"]["overall"]["loss"],
     }
+    for task in ("needle", "mqar"):  # when retrieval "clicks": a censored value (steps + eval_every) where it never did
+        metrics[f"steps_to_90pct_val_{task}"] = lambda r, t=task: steps_to(r["curves"], t, 0.9)
     for L in first["eval"]["needle"]["by_length"]:
         metrics[f"needle_accuracy@{L}"] = lambda r, L=L: r["eval"]["needle"]["by_length"][L]["accuracy"]
     for n in first["eval"]["needle"]["by_needles"]:
@@ -429,6 +460,35 @@ def plot_curves(runs, path) -> str:
     return path
 
 
+# ----------------------------------------------------------------------------------------------- tables
+
+
+def _fmt_entry(entry: dict, digits: int = 3) -> list[str]:
+    """Cells: the per-seed values, mean ± sample std, and (V1/V2) the paired difference to the Llama."""
+    seeds = " / ".join(f"{v:.{digits}f}" for v in entry["per_seed"].values())
+    cells = [seeds, f"{entry['mean']:.{digits}f} ± {entry['std']:.{digits}f}"]
+    d = entry.get("diff_vs_llama")
+    cells.append("" if d is None else f"{d['mean']:+.{digits}f} ± {d['std']:.{digits}f} [{d['min']:+.{digits}f}, {d['max']:+.{digits}f}]")
+    return cells
+
+
+def markdown_tables(report: dict, metrics: list[str] | None = None) -> str:
+    """results.md: one row per (metric, model): per-seed values (seed order), mean ± sample std over seeds, and the
+    paired difference to the Llama of the same seed (mean ± sample std [min, max])."""
+    summary = report["summary"]
+    if not summary:
+        return "(no finished runs)\n"
+    first = next(iter(summary.values()))
+    seeds = ", ".join(next(iter(first.values()))["per_seed"])
+    lines = [f"Seeds {seeds}; setting `{report['meta']['setting_id']}`; command `{report['provenance']['command']}`.", "",
+             "| metric | model | per seed | mean ± std | paired diff vs Llama: mean ± std [min, max] |",
+             "|---|---|---|---|---|"]
+    for metric in metrics or list(summary):
+        for model, entry in summary[metric].items():
+            lines.append(f"| {metric} | {LABELS[model]} | " + " | ".join(_fmt_entry(entry)) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 
 
@@ -450,15 +510,18 @@ def build_parser() -> argparse.ArgumentParser:
         ("intermediate-size", int, "MLP width of the Llama and V1 (V2's is widened to match parameters)."),
         ("train-length", int, "Longest training sequence in tokens (needle sequences are 32..this long)."),
         ("batch-size", int, "Sequences per step."), ("steps", int, "Optimiser steps."),
-        ("warmup", int, "Linear warm-up steps of the cosine schedule."), ("lr", float, "Peak learning rate (AdamW)."),
-        ("needle-fraction", float, "Share of training sequences that are multi-needle (the rest MQAR)."),
+        ("warmup", int, "Linear warm-up steps."), ("lr", float, "Peak learning rate (AdamW)."),
+        ("schedule", str, "After the warm-up: cosine (decay to zero at the last step) or constant."),
+        ("needle-fraction", float, "Share of training sequences that are multi-needle."),
+        ("copy-fraction", float, "Share of training sequences that are a random sequence repeated (induction data); the rest are MQAR."),
         ("train-needles", str, "Needle counts of training sequences, comma-separated."),
+        ("train-queries", int, "Queries per training needle sequence (at most its needle count; each answer is a target)."),
         ("train-pairs", str, "MQAR pair counts of training sequences (those that fit in --train-length)."),
         ("eval-lengths", str, "Held-out needle context lengths in tokens (longer than --train-length tests extrapolation)."),
         ("eval-needles", str, "Held-out needle counts."), ("eval-depths", str, "Depths of the queried needle (0..1)."),
         ("eval-samples", int, "Held-out needle sequences per (length, count, depth) cell."),
         ("eval-pairs", str, "Held-out MQAR pair counts."), ("mqar-samples", int, "Held-out MQAR sequences per pair count."),
-        ("lowbit-samples", int, "Low-bit needle sequences per (count, depth) cell, at the trained length (MQAR: twice as many per pair count)."),
+        ("lowbit-samples", int, "Low-bit needle sequences per (needle count, depth) cell, at the trained length (MQAR: twice as many per pair count, the two largest trained counts that fit)."),
         ("lowbit-bits", str, "Bit widths of the low-bit evaluation."),
         ("lens-examples", int, "Needle prompts the attention lens averages over."),
         ("eval-every", int, "Validate every N steps (curves)."), ("threads", int, "torch.set_num_threads."),
@@ -485,10 +548,12 @@ def resolve_args(argv=None) -> argparse.Namespace:
     if bad or not args.model_list:
         raise SystemExit(f"--models must be a comma-separated subset of {MODELS}, got {args.models!r}.")
     args.seed_list = _ints(args.seeds)
-    for key in ("steps", "batch_size", "train_length", "eval_every", "eval_samples", "mqar_samples", "lowbit_samples",
+    for key in ("steps", "batch_size", "train_length", "train_queries", "eval_every", "eval_samples", "mqar_samples", "lowbit_samples",
                 "lens_examples", "threads"):
         if getattr(args, key) <= 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be a positive integer, got {getattr(args, key)}.")
+    if args.schedule not in ("cosine", "constant"):
+        raise SystemExit(f"--schedule must be cosine or constant, got {args.schedule!r}.")
     if any(b < 2 or b > 16 for b in _ints(args.lowbit_bits)):
         raise SystemExit(f"--lowbit-bits must be integers in [2, 16], got {args.lowbit_bits!r}.")
     return args
@@ -537,6 +602,7 @@ def run(args, argv) -> dict:
     meta = {"setting": setting, "setting_id": sid, "vocab_size": vocab_size, "preset": args.preset,
             "machine": harness.machine_info(args.threads),
             "tokens_per_run": args.steps * args.batch_size * args.train_length}
+    trained = []
     for seed in args.seed_list:
         todo = [m for m in args.model_list if (m, seed) not in runs]
         if not todo:
@@ -546,7 +612,7 @@ def run(args, argv) -> dict:
             cpu0, wall0 = time.process_time(), time.time()
             model = build_model(name, configs[name], seed).to(args.device)
             curves = train(model, data["batches"], data["val"], args.lr, args.warmup, args.eval_every, args.device,
-                           args.progress)
+                           args.progress, args.schedule)
             result = {"model": name, "seed": seed, "params": sum(p.numel() for p in model.parameters()),
                       "curves": curves, "eval": evaluate_retrieval(model, data["evals"])}
             if args.analysis:
@@ -554,6 +620,7 @@ def run(args, argv) -> dict:
                 result["lens"] = evaluate_lens(model, data["evals"]["lens"])
             result["cpu_s"], result["wall_s"] = time.process_time() - cpu0, time.time() - wall0
             runs[(name, seed)] = result
+            trained.append((name, seed))
             save(results_path, runs, meta, argv)
             ev = result["eval"]
             by_length = ", ".join(f"{k}: {v['accuracy']:.2f}" for k, v in ev["needle"]["by_length"].items())
@@ -563,7 +630,10 @@ def run(args, argv) -> dict:
                   f"MQAR acc {ev['mqar']['overall']['accuracy']:.3f}", flush=True)
             del model
     report = save(results_path, runs, meta, argv)
-    if runs:
+    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
+        f.write(markdown_tables(report))
+    plots = ["curves.png", "accuracy_vs_length.png"] + (["accuracy_vs_bits.png", "attention_shares.png"] if args.analysis else [])
+    if runs and (trained or not all(os.path.exists(os.path.join(args.out, p)) for p in plots)):
         plot_curves(runs, os.path.join(args.out, "curves.png"))
         plot_accuracy_vs_length(runs, args, os.path.join(args.out, "accuracy_vs_length.png"))
         if args.analysis:

@@ -24,9 +24,11 @@ def test_multi_needle_sequences_hold_needles_distractors_and_queries():
         assert len(starts) == n
         needles = {(ids[i + 1], ids[i + 2]): ids[i + 3] for i in starts}
         assert len(needles) == n and sorted(needles.values()) == sorted(ex.candidates)  # keys and values distinct
-        prefixes = [p for p, _ in needles]
-        if n >= 2:  # every needle shares its prefix with another one
-            assert all(prefixes.count(p) >= 2 for p in prefixes)
+        prefixes, suffixes = [p for p, _ in needles], [s for _, s in needles]
+        if n >= 2:  # (even n) every needle shares its prefix with another one; two suffixes in all
+            assert sum(prefixes.count(p) >= 2 for p in prefixes) >= n - n % 2 and len(set(suffixes)) == 2
+        if n >= 4:  # neither token alone names a needle (but the odd one out of an odd count)
+            assert sum(suffixes.count(s) >= 2 for s in suffixes) == n
         filler = set(VOCAB.tokens("filler"))
         covered = {j for i in starts for j in range(i, i + 4)}
         assert all(t in filler for j, t in enumerate(ids[1 : ex.question_start], 1) if j not in covered)
@@ -47,14 +49,17 @@ def test_multi_needle_sequences_hold_needles_distractors_and_queries():
 def test_mqar_sequences_and_errors():
     ex = rt.mqar(VOCAB, 6, random.Random(0), depth=1.0)
     ids = ex.input_ids
-    assert len(ids) == 2 + 4 * 6 and ids[0] == VOCAB.BOS and ids[ex.question_start - 1] == VOCAB.SEP
+    assert len(ids) == 2 + 2 * 6 + 2 * 3 == rt.mqar_length(6) and ids[0] == VOCAB.BOS and ids[ex.question_start - 1] == VOCAB.SEP
     pairs = dict(zip(ids[1:13:2], ids[2:13:2]))
     assert len(pairs) == 6 and set(ids[1:13:2]) <= set(VOCAB.tokens("keys"))
-    assert [ids[p] for p, _ in ex.targets] == list(ids[ex.question_start :: 2])  # every key queried once
-    assert sorted(ids[p] for p, _ in ex.targets) == sorted(pairs)
+    queried = [ids[p] for p, _ in ex.targets]
+    assert queried == list(ids[ex.question_start :: 2]) and len(set(queried)) == 3  # half the keys, each once
+    assert set(queried) <= set(pairs)
     assert all(pairs[ids[p]] == a == ids[p + 1] for p, a in ex.targets)
     assert ex.evidence[0] == (11, 13)  # depth 1: the first query asks for the last pair
+    assert len(rt.mqar(VOCAB, 6, random.Random(0), num_queries=6).targets) == 6
     for bad, match in ((lambda: rt.mqar(VOCAB, 1, random.Random(0)), "num_pairs"),
+                       (lambda: rt.mqar(VOCAB, 4, random.Random(0), num_queries=5), "num_queries"),
                        (lambda: rt.multi_needle(VOCAB, 20, 4, 1, random.Random(0)), "too short"),
                        (lambda: rt.multi_needle(VOCAB, 64, 2, 3, random.Random(0)), "num_queries"),
                        (lambda: rt.multi_needle(VOCAB, 64, 2, 1, random.Random(0), 1.5), "depth"),
@@ -73,6 +78,7 @@ def test_sets_are_deterministic_and_cells_independent():
     train = rt.training_examples(VOCAB, 50, 0, 96, (1, 4), (4, 8, 40))
     assert {x.task for x in train} == {"needle", "mqar"} and max(x.context_length for x in train) <= 96
     assert all(x.count in (4, 8) for x in train if x.task == "mqar")  # 40 pairs do not fit in 96 tokens
+    assert all(len(x.targets) == max(1, x.count // 2) for x in train if x.task == "needle")
 
 
 def test_encode_labels_exactly_the_answers_and_score_reads_them():
@@ -120,7 +126,7 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     assert params["v1"] - params["llama"] == 2 * 6 * 8  # λ vectors (4d) and subln (2d) per layer, as compare_small
     for r in runs.values():
         assert set(r["lowbit"]["accuracy"]) == {"none"} | {f"{t}/{g}/{b}" for t in script.TARGETS
-                                                          for g in script.GRANULARITIES for b in (8, 4)}
+                                                          for g in script.GRANULARITIES for b in (4,)}
         assert len(r["lowbit"]["activations"]["logits"]) == len(r["lowbit"]["activations"]["hidden"]) == 2
         assert 0 <= r["lens"]["answer_mean"] <= 1 and 0 <= r["lens"]["distractor_mean"] <= 1
         assert r["lens"]["kind"] == ("softmax" if r["model"] == "llama" else "diff")
@@ -132,6 +138,8 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
             acc["v1"]["per_seed"][seed] - acc["llama"]["per_seed"][seed])
     saved = json.loads((out / "results.json").read_text())
     assert saved["provenance"]["script"] == "retrieval_lowbit.py" and saved["meta"]["setting_id"]
+    table = (out / "results.md").read_text()
+    assert "| needle_accuracy | DIFF V1 |" in table and "paired diff vs Llama" in table
     for png in ("curves.png", "accuracy_vs_length.png", "accuracy_vs_bits.png", "attention_shares.png"):
         assert (out / png).stat().st_size > 0
     # The same data in the same order for every model of a seed, and another order for another seed.
