@@ -29,6 +29,7 @@ tests run it). Every flag overrides its preset's value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -173,11 +174,13 @@ def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: 
 
     cpu0, wall0 = time.process_time(), time.time()
     model.train()
-    evaluate_now(0)
+    with harness.trace_code():  # the code record (harness.code_record): a validation pass and the first step
+        evaluate_now(0)
     window = []
     for step, (ids, labels) in enumerate(batches, 1):
-        loss = model(input_ids=ids.to(device), labels=labels.to(device), use_cache=False).loss
-        loss.backward()
+        with harness.trace_code() if step == 1 else contextlib.nullcontext():
+            loss = model(input_ids=ids.to(device), labels=labels.to(device), use_cache=False).loss
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -567,21 +570,27 @@ def setting_id(setting: dict) -> str:
     return hashlib.sha256(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def load_runs(path: str, sid: str) -> dict:
-    """The finished (model, seed) results of ``path`` under setting ``sid`` (others are dropped)."""
+def load_runs(path: str, sid: str) -> tuple[dict, dict | None]:
+    """The finished (model, seed) results of ``path`` under setting ``sid`` (others are dropped) and the provenance of
+    the run that wrote them (None where none are kept)."""
     if not os.path.exists(path):
-        return {}
+        return {}, None
     with open(path) as f:
         saved = json.load(f)
-    if saved.get("meta", {}).get("setting_id") != sid:
-        return {}
-    return {(r["model"], r["seed"]): r for r in saved.get("runs", [])}
+    if saved.get("meta", {}).get("setting_id") != sid or not saved.get("runs"):
+        return {}, None
+    return {(r["model"], r["seed"]): r for r in saved["runs"]}, saved.get("provenance")
 
 
-def save(path: str, runs: dict, meta: dict, argv) -> dict:
-    """Write ``results.json`` atomically (a killed run leaves the previous file whole)."""
+def save(path: str, runs: dict, meta: dict, argv, earlier: dict | None = None) -> dict:
+    """Write ``results.json`` atomically (a killed run leaves the previous file whole). ``earlier``: the provenance of
+    the run whose results a ``--resume`` kept (recorded as ``resumed_from``)."""
     report = {"meta": meta, "summary": summaries(runs),
               "runs": [runs[k] for k in sorted(runs, key=lambda k: (k[1], MODELS.index(k[0])))]}
+    prov = harness.provenance(SCRIPT, argv)
+    if earlier is not None:
+        prov["resumed_from"] = earlier
+    report["provenance"] = prov
     tmp = path + ".tmp"
     written = harness.write_json(tmp, report, SCRIPT, argv)
     os.replace(tmp, path)
@@ -594,7 +603,7 @@ def run(args, argv) -> dict:
     results_path = os.path.join(args.out, "results.json")
     setting = setting_of(args)
     sid = setting_id(setting)
-    runs = load_runs(results_path, sid) if args.resume else {}
+    runs, earlier = load_runs(results_path, sid) if args.resume else ({}, None)
     vocab_size = rt.TaskVocab().size
     configs = build_configs(vocab_size, args.hidden_size, args.num_hidden_layers, args.num_attention_heads,
                             args.num_key_value_heads, args.head_dim, args.intermediate_size,
@@ -610,18 +619,20 @@ def run(args, argv) -> dict:
         data = make_data(args, seed)
         for name in todo:
             cpu0, wall0 = time.process_time(), time.time()
-            model = build_model(name, configs[name], seed).to(args.device)
+            with harness.trace_code():
+                model = build_model(name, configs[name], seed).to(args.device)
             curves = train(model, data["batches"], data["val"], args.lr, args.warmup, args.eval_every, args.device,
                            args.progress, args.schedule)
-            result = {"model": name, "seed": seed, "params": sum(p.numel() for p in model.parameters()),
-                      "curves": curves, "eval": evaluate_retrieval(model, data["evals"])}
-            if args.analysis:
-                result["lowbit"] = evaluate_lowbit(model, data["evals"], _ints(args.lowbit_bits))
-                result["lens"] = evaluate_lens(model, data["evals"]["lens"])
+            with harness.trace_code():  # evaluation is short beside training: traced whole
+                result = {"model": name, "seed": seed, "params": sum(p.numel() for p in model.parameters()),
+                          "curves": curves, "eval": evaluate_retrieval(model, data["evals"])}
+                if args.analysis:
+                    result["lowbit"] = evaluate_lowbit(model, data["evals"], _ints(args.lowbit_bits))
+                    result["lens"] = evaluate_lens(model, data["evals"]["lens"])
             result["cpu_s"], result["wall_s"] = time.process_time() - cpu0, time.time() - wall0
             runs[(name, seed)] = result
             trained.append((name, seed))
-            save(results_path, runs, meta, argv)
+            save(results_path, runs, meta, argv, earlier)
             ev = result["eval"]
             by_length = ", ".join(f"{k}: {v['accuracy']:.2f}" for k, v in ev["needle"]["by_length"].items())
             print(f"seed {seed} {name}: {result['params']:,} params, train {curves['train_cpu_s']:.0f} cpu-s, total "
@@ -629,7 +640,11 @@ def run(args, argv) -> dict:
                   f"(by length {by_length}); "
                   f"MQAR acc {ev['mqar']['overall']['accuracy']:.3f}", flush=True)
             del model
-    report = save(results_path, runs, meta, argv)
+    if trained or earlier is None:
+        report = save(results_path, runs, meta, argv, earlier)
+    else:  # nothing new: the file and its provenance stay as the runs that made them wrote them
+        with open(results_path) as f:
+            report = json.load(f)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write(markdown_tables(report))
     plots = ["curves.png", "accuracy_vs_length.png"] + (["accuracy_vs_bits.png", "attention_shares.png"] if args.analysis else [])

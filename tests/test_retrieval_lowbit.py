@@ -138,6 +138,11 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
             acc["v1"]["per_seed"][seed] - acc["llama"]["per_seed"][seed])
     saved = json.loads((out / "results.json").read_text())
     assert saved["provenance"]["script"] == "retrieval_lowbit.py" and saved["meta"]["setting_id"]
+    # The code record names what ran (the staleness of the result is judged from it): tasks, model, low-bit, lens.
+    ran = {key.rsplit(":", 1)[0] for key in saved["provenance"]["code"]["digests"]}
+    assert saved["provenance"]["code"]["how"] == "traced"
+    assert {"difftransformer/retrieval_tasks.py", "difftransformer/modeling_difftransformer.py",
+            "difftransformer/lowbit.py", "difftransformer/analysis.py", "benchmarks/retrieval_lowbit.py"} <= ran
     table = (out / "results.md").read_text()
     assert "| needle_accuracy | DIFF V1 |" in table and "paired diff vs Llama" in table
     for png in ("curves.png", "accuracy_vs_length.png", "accuracy_vs_bits.png", "attention_shares.png"):
@@ -153,11 +158,12 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     real_train = script.train
     monkeypatch.setattr(script, "train", lambda model, *a, **k: trained.append(model) or real_train(model, *a, **k))
     script.main(argv)
-    assert trained == []
+    assert trained == [] and json.loads((out / "results.json").read_text())["provenance"] == saved["provenance"]
     saved["runs"] = [r for r in saved["runs"] if not (r["model"] == "v2" and r["seed"] == 1)]
     (out / "results.json").write_text(json.dumps(saved))
     again = script.main(argv)
     assert len(trained) == 1 and len(again["runs"]) == 6
+    assert again["provenance"]["resumed_from"] == saved["provenance"]  # the kept runs' own record
     script.main(argv + ["--models", "llama", "--seeds", "0", "--no-analysis", "--steps", "2"])
     assert len(trained) == 2
 
