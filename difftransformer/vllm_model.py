@@ -175,10 +175,12 @@ class DiffTransformerQueryPadOp(CustomOp):
     ``forward_native`` (what vLLM's torch.compile fuses into the step before the attention call) multiplies by a
     broadcast 0/1 factor. In eager mode on CPU, ``forward_cpu`` writes the queries into a reused zero buffer, one per
     thread and layout, whose zero halves are never written: a 4096-token prefill's padded queries are 2·Hq·d floats
-    per token (38 MB for SmolLM2's V1 upcycle in float32), and glibc's malloc maps every block over its mmap threshold
-    (at most 32 MiB) afresh, so a new tensor of that size is page-faulted in on each layer (docs/serving.md, "The
-    memory allocator and V1"). The buffer's rows past the step's tokens hold stale queries and are never returned.
-    Other platforms run ``forward_native``."""
+    per token (38 MB for SmolLM2's V1 upcycle in float32), and glibc's malloc serves blocks over its mmap threshold
+    (adaptive, at most 32 MiB) with fresh mappings, so a new tensor of that size may be page-faulted in again on each
+    layer. That cost is a hypothesis, not a measured cause: a compiled run with a larger threshold did not show the
+    allocator to be the reason for V1's difference (docs/reports/2026-11-26-vllm-throughput.md, "The memory
+    allocator"; no profile was taken). The buffer's rows past the step's tokens hold stale queries and are never
+    returned. Other platforms run ``forward_native``."""
 
     _per_thread = threading.local()  # (not `_buffers`: nn.Module's registered buffers)
 

@@ -319,7 +319,7 @@ def motif_state_dict_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 def parameter_count(kind: str, **overrides) -> int:
     """The parameters of a Motif checkpoint of ``kind`` (with ``overrides``), from its key shapes: how
-    docs/motif-sources.md infers the released models' vocabularies, layer counts and tying."""
+    docs/reports/2026-11-26-motif-sources.md infers the released models' vocabularies, layer counts and tying."""
     return sum(math.prod(shape) for shape in motif_state_dict_shapes(motif_config(kind, **overrides)).values())
 
 

