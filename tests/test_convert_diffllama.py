@@ -1,4 +1,5 @@
-"""transformers DiffLlama ↔ difftransformer V1 (docs/convert.md): equal logits, exact round trip, subln folding."""
+"""transformers DiffLlama ↔ difftransformer V1 (docs/convert.md): logits within 1e-5 absolute + 1e-5 relative both ways
+(tiny random float32 models, eager and sdpa, unpadded positions), the weights back bit for bit, subln folding."""
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_diffllama_to_v1_logits_and_round_trip(tmp_path, hq, hkv):
 
 
 def test_trained_v1_model_exports_to_diffllama(tmp_path):
-    """A V1 model with a non-trivial subln weight and biases: DiffLlama serves it with the same logits."""
+    """A V1 model with a non-trivial subln weight and biases: DiffLlama serves it with logits within 1e-5."""
     torch.manual_seed(1)
     cfg = DiffTransformerConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,

@@ -193,25 +193,31 @@ def test_a_llama_checkpoint_is_refused_with_a_pointer_to_the_converter(tmp_path)
         AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
-def test_empty_state_dict_initialises_every_tensor_like_a_new_model(layout):
+def test_empty_state_dict_initialises_every_tensor_like_a_new_model(layout, dtype):
     """transformers' own way to build a model through from_pretrained (its common tests use it): every tensor is
     missing, so every one is initialised as docs/model.md ("Loading") says: projections and embeddings
     N(0, initializer_range) (the padding row zero), norms (V1's subln too) ones, V1's λ vectors N(0, lambda_std).
     Checked by their statistics: each matrix's standard deviation within 25% of its std (at least 192 draws: about
-    5 standard errors) and its mean within 5 standard errors of 0; the λ vectors pooled (96 draws) within 35%."""
+    5 standard errors) and its mean within 5 standard errors of 0; the λ vectors pooled (96 draws) within 35%. Every
+    tensor has the dtype asked for except V1's λ vectors, which stay float32 (docs/model.md, "Numerics: float64,
+    float32, bfloat16")."""
     cfg = tiny_config(layout)
     torch.manual_seed(0)
-    model, info = DiffTransformerForCausalLM.from_pretrained(None, config=cfg, state_dict={}, output_loading_info=True)
+    model, info = DiffTransformerForCausalLM.from_pretrained(None, config=cfg, state_dict={}, dtype=dtype,
+                                                             output_loading_info=True)
     assert set(info["missing_keys"]) >= {k for k in model.state_dict() if k != "lm_head.weight"}
     lambdas, checked = [], set()
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all() and p.device.type == "cpu", name
-        p = p.detach().double()
+        loaded, p = p.dtype, p.detach().double()  # the dtype as loaded; the statistics in float64
+        is_lambda = name.rsplit(".", 1)[-1] in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+        assert loaded == (torch.float32 if is_lambda else dtype), (name, loaded)
         if name.endswith(("norm.weight", "layernorm.weight", "subln.weight")):
             assert torch.equal(p, torch.ones_like(p)), name
-        elif name.rsplit(".", 1)[-1] in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            assert p.dtype == torch.float64 and p.numel() == cfg.head_dim, name
+        elif is_lambda:
+            assert p.numel() == cfg.head_dim, name
             lambdas.append(p)
         elif p.dim() == 2:
             if name == "model.embed_tokens.weight":
