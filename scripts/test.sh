@@ -18,9 +18,10 @@
 # The newest and lowest runs leave out what costs minutes and the pinned run covers: flex_attention's compiled kernels,
 # grouped-head layouts beyond the Motif-2 ones, bf16 (the same code paths as float32) and the released Motif-2 layer
 # shapes (large, not API).
-# Every pytest run lists its skips with their reasons; a skipped module, or a skipped
-# test that guards a README claim, is repeated by name in the summary at the end (tests/conftest.py). Extra
-# arguments go to the first run.
+# Every pytest run lists its skips with their reasons; a skipped module, or a skipped test that guards a claimed
+# feature (GUARDED_CLAIMS in tests/conftest.py and tests_serving/conftest.py), is repeated by name in the summary at
+# the end: every run, the serving one included, appends it to $DIFFTRANSFORMER_SKIP_REPORT (tests/utils_skips.py).
+# Extra arguments go to the first run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DIFFTRANSFORMER_CI=1
@@ -140,7 +141,7 @@ echo "======================================== CI summary ======================
 printf '%s\n' "${phases[@]}"
 echo "total     $(( $(date +%s) - start )) s"
 if [ -s "$DIFFTRANSFORMER_SKIP_REPORT" ]; then
-    echo "skips of whole modules or of tests that guard a README claim (venv: test: reason):"
+    echo "skips of whole modules or of tests that guard a claimed feature (venv: test: reason):"
     python3 - "$DIFFTRANSFORMER_SKIP_REPORT" <<'EOF'
 import json, sys
 for line in open(sys.argv[1], encoding="utf-8"):
@@ -149,5 +150,5 @@ for line in open(sys.argv[1], encoding="utf-8"):
     print(f"  {s['venv']}: {s['test']} ({what}): {s['reason']}")
 EOF
 else
-    echo "no module and no test guarding a README claim was skipped"
+    echo "no module and no test guarding a claimed feature was skipped (serving run included)"
 fi

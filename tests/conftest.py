@@ -10,11 +10,12 @@
   loader takes about half a minute, so each of these runs once per session."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from utils_skips import SkipRecorder
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
@@ -84,11 +85,11 @@ def smollm2_v2(smollm2_gguf, tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Skips are never silent. Every skip is listed with its reason (pytest -rs); a skipped module, and a skipped test that
-# guards a feature the README claims, is also written to $DIFFTRANSFORMER_SKIP_REPORT (one JSON object per line), from
-# which scripts/test.sh prints CI's summary, by name and reason, for every venv it ran.
-# Node-id prefix → the README claim the test guards. Each prefix must match a collected test (else the session
-# fails: a renamed test would otherwise stop being guarded unnoticed).
+# Skips are never silent (tests/utils_skips.py): a skipped module, and a skipped test that guards a feature the docs
+# claim, is listed at the end of the run and in CI's summary (scripts/test.sh), by name and reason, for every venv.
+# Node-id prefix → the claim the test guards. Each prefix must match a collected test (else the session fails: a
+# renamed test would otherwise stop being guarded unnoticed).
+_QUANTIZED = "tests/test_quantization.py::test_quantization_leaves_the_differential_parameters_alone"
 GUARDED_CLAIMS = {
     "tests/test_generation_difftransformer.py::test_flex_attention_generate": "flex_attention inside generate()",
     "tests/test_modeling_difftransformer.py::test_backends_bfloat16_within_the_rounding_model[flex_attention":
@@ -99,27 +100,30 @@ GUARDED_CLAIMS = {
     "tests/test_peft.py": "PEFT LoRA",
     "tests/test_lm_eval.py": "lm-evaluation-harness",
     "tests/test_generation_difftransformer.py::test_quantized_cache": "the quantized cache",
+    # Quantized loading, one entry per backend (torchao's CUDA-only int4 scheme is no CPU claim: skipped by design).
+    f"{_QUANTIZED}[bnb-": "quantized loading with bitsandbytes",
+    "tests/test_quantization.py::test_a_users_skip_list_keeps_the_differential_parameters_too":
+        "quantized loading with bitsandbytes (a user's skip list)",
+    f"{_QUANTIZED}[torchao-int8-": "quantized loading with torchao",
+    **{f"{_QUANTIZED}[torchao-int4-{version}]": "quantized loading with torchao (int4 on CPU)" for version in (1, 2)},
+    f"{_QUANTIZED}[quanto-": "quantized loading with optimum-quanto",
+    "tests/test_quantization.py::test_qlora_trains_lambda_with_the_adapter": "QLoRA (bitsandbytes, torchao)",
+    "tests/test_export.py::test_onnx_logits_within_float32_rounding": "ONNX export (onnxruntime)",
+    "tests/test_convert_io.py::test_installed_console_command_converts_with_a_progress_bar":
+        "the difftransformer-convert console script",
+    "tests/test_distributed.py::test_ddp_": "DDP training on 2 processes",
+    "tests/test_distributed.py::test_fsdp2_": "FSDP2 training on 2 processes",
+    "tests/test_distributed.py::test_tensor_parallel_": "tensor-parallel inference on 2 processes",
 }
-_SKIPS: list[dict] = []
-
-
-def _claim_of(nodeid: str) -> str | None:
-    return next((claim for prefix, claim in GUARDED_CLAIMS.items() if nodeid.startswith(prefix)), None)
-
-
-def _record_skip(nodeid: str, longrepr, module: bool) -> None:
-    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-    _SKIPS.append({"test": nodeid, "reason": reason.removeprefix("Skipped: "), "module": module, "claim": _claim_of(nodeid)})
+SKIPS = SkipRecorder(GUARDED_CLAIMS, Path(__file__).parent)
 
 
 def pytest_collectreport(report):
-    if report.skipped:
-        _record_skip(report.nodeid, report.longrepr, module=True)
+    SKIPS.collectreport(report)
 
 
 def pytest_runtest_logreport(report):
-    if report.skipped and report.when in ("setup", "call"):
-        _record_skip(report.nodeid, report.longrepr, module=False)
+    SKIPS.runtest_logreport(report)
 
 
 # The slowest test files (on a fresh CI machine: torch.compile, the real model, subprocesses), slowest first. They run
@@ -140,32 +144,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_collection_finish(session):
-    if session.config.getoption("keyword", None) or session.config.getoption("markexpr", None):
-        return  # a -k / -m selection runs part of the suite on purpose
-    collected = [item.nodeid for item in session.items]
-    files = {nodeid.split("::")[0] for nodeid in collected} | {s["test"] for s in _SKIPS if s["module"]}
-    suite = {f"tests/{path.name}" for path in Path(__file__).parent.glob("test_*.py")}
-    if not suite <= files:
-        return  # a part of the suite (CI's newest and lowest runs, single files): only the whole suite checks the guards
-    missing = [prefix for prefix in GUARDED_CLAIMS if not any(nodeid.startswith(prefix) for nodeid in collected)
-               and not any(s["test"].startswith(prefix.split("::")[0]) for s in _SKIPS)]
-    if missing:
-        raise pytest.UsageError(f"GUARDED_CLAIMS entries match no collected test (renamed?): {missing}")
+    SKIPS.check_guards(session)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # the controller reports what every worker skipped
-    guarded = list({s["test"]: s for s in _SKIPS if s["module"] or s["claim"]}.values())
-    if guarded:
-        terminalreporter.section("skips of whole modules or of tests guarding a README claim")
-        for s in guarded:
-            what = "module" if s["module"] else f"guards: {s['claim']}"
-            terminalreporter.write_line(f"SKIPPED {s['test']} ({what}): {s['reason']}")
-    path = os.environ.get("DIFFTRANSFORMER_SKIP_REPORT")
-    if path and guarded:
-        import json
-
-        with open(path, "a", encoding="utf-8") as out:
-            for s in guarded:
-                out.write(json.dumps({**s, "venv": os.environ.get("DIFFTRANSFORMER_VENV", sys.prefix)}) + "\n")
+    SKIPS.terminal_summary(terminalreporter)

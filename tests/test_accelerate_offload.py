@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 import difftransformer  # noqa: F401
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 
-pytest.importorskip("accelerate")
+pytest.importorskip("accelerate", reason="accelerate is not installed, though the package requires it "
+                                 "(pyproject.toml): this venv is incomplete")
 
 
 def _tiny(diff_version: int) -> DiffTransformerForCausalLM:

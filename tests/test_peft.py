@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-peft = pytest.importorskip("peft")
+peft = pytest.importorskip("peft", reason="PEFT is not installed (pip install peft, or the [train] extra)")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from peft.tuners.lora import LoraLayer  # noqa: E402
 from safetensors import safe_open  # noqa: E402

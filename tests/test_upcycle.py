@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("peft")
+pytest.importorskip("peft", reason="upcycling fine-tunes with PEFT LoRA (pip install peft, or the [train] extra)")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402

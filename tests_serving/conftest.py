@@ -21,6 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the repository's difftransformer, also for vLLM's spawned processes
+if str(ROOT / "tests") not in sys.path:
+    sys.path.append(str(ROOT / "tests"))  # the main suite's helpers: its skip recorder
 
 # Before vLLM is imported: 1 GiB of KV cache (its smallest setting) instead of a share of the machine's memory.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -39,6 +41,34 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from serving_utils import chat_references, serve_smollm2  # noqa: E402
+
+from utils_skips import SkipRecorder  # noqa: E402
+
+# Skips are never silent (tests/utils_skips.py): a module skipped whole (vLLM, the openai client, PEFT absent) and a
+# skipped test that guards a feature the docs claim are listed at the end of the run and in CI's summary
+# (scripts/test.sh: the serving run writes to the same $DIFFTRANSFORMER_SKIP_REPORT as the others, as venv "serving").
+# Node-id prefix → the claim the test guards; each must match a collected test when the whole suite runs.
+GUARDED_CLAIMS = {
+    "tests_serving/test_vllm_native.py::test_two_tensor_parallel_ranks_equal_generate":
+        "vLLM tensor parallelism: 2 ranks of the native model",
+}
+SKIPS = SkipRecorder(GUARDED_CLAIMS, Path(__file__).parent)
+
+
+def pytest_collectreport(report):
+    SKIPS.collectreport(report)
+
+
+def pytest_runtest_logreport(report):
+    SKIPS.runtest_logreport(report)
+
+
+def pytest_collection_finish(session):
+    SKIPS.check_guards(session)
+
+
+def pytest_terminal_summary(terminalreporter):
+    SKIPS.terminal_summary(terminalreporter)
 
 
 @pytest.fixture(scope="session")
