@@ -93,9 +93,9 @@ def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: boo
     from liger_kernel.transformers import monkey_patch as liger
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-    from .telemetry import _unwrap
+    from .telemetry import unwrap_model
 
-    target = _unwrap(model)
+    target = unwrap_model(model)
     _config_of(target)
     patched: dict[str, list[str]] = {"rms_norm": [], "swiglu": [], "fused_linear_cross_entropy": [], "cross_entropy": []}
     skipped = []

@@ -55,12 +55,14 @@ MAP_METRICS = ("negative_share", "first_token_mass", "map_separation")
 MAX_METRICS = ("max_logit_map1", "max_logit_map2")
 
 
-def _unwrap(model):
+def unwrap_model(model):
+    """The model a PEFT wrapper holds (``PeftModel.get_base_model()``), or ``model`` itself. Not transformers'
+    ``unwrap_model``, which takes off distributed containers (``model.module``) and leaves a PEFT wrapper on."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def is_differential(model) -> bool:
-    return getattr(getattr(_unwrap(model), "config", None), "model_type", None) == "difftransformer"
+    return getattr(getattr(unwrap_model(model), "config", None), "model_type", None) == "difftransformer"
 
 
 @torch.no_grad()
@@ -70,7 +72,7 @@ def probe_metrics(model, probe_input_ids: torch.Tensor) -> dict[str, list[float]
     (V2), and ``negative_share``, ``first_token_mass``, ``map_separation`` (module docstring), one float per layer."""
     from .analysis import _diff_attention_modules, attention_maps, split_pairs
 
-    base = _unwrap(model)
+    base = unwrap_model(model)
     modules = _diff_attention_modules(base)
     inputs: dict[int, tuple] = {}
 
@@ -370,4 +372,5 @@ __all__ = [
     "summary_line",
     "telemetry_records",
     "unflatten",
+    "unwrap_model",
 ]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from utils_quanto import unpack_bits
 from utils_skips import SkipRecorder
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -30,25 +31,20 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def _unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """optimum-quanto's 2/4-bit unpack (its reference algorithm, ``optimum.quanto.library.unpack``): value ``i`` of a
-    byte is bits ``[bits·i, bits·(i+1))``; the values of each position are concatenated along the first dimension."""
-    return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]).to(torch.uint8)
-
-
 @pytest.fixture
 def quanto_without_its_compiled_kernel(monkeypatch):
     """optimum-quanto compiles a C++ extension (``quanto_cpp``, its unpack on CPU) with the system compiler the first
     time a quantized tensor is read: one to two minutes of CI's two cores in every fresh venv. The quantized-cache
-    tests give quanto the same unpack in torch instead (the same bits, so the cache's values and the model's outputs
-    are unchanged; a check against the compiled kernel where it is built: tests/test_generation_difftransformer.py).
+    tests give quanto the same unpack in torch instead (``utils_quanto.unpack_bits``: the same bits, so the cache's
+    values and the model's outputs are unchanged; a check against the compiled kernel where it is built:
+    tests/test_generation_difftransformer.py).
     quanto's kernel itself is quanto's to test."""
     pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
     from types import SimpleNamespace
 
     from optimum.quanto.library.extensions import get_extension
 
-    monkeypatch.setattr(get_extension("quanto_cpp"), "_lib", SimpleNamespace(unpack=_unpack_bits))
+    monkeypatch.setattr(get_extension("quanto_cpp"), "_lib", SimpleNamespace(unpack=unpack_bits))
 
 
 @pytest.fixture(scope="session")

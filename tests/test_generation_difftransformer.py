@@ -126,15 +126,15 @@ def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantiz
 
 
 def test_the_quantized_cache_tests_unpack_equals_quantos_compiled_kernel():
-    """The quantized-cache tests run quanto with conftest's torch unpack (``quanto_without_its_compiled_kernel``);
-    where quanto's C++ kernel is already built in this venv, both give the same bits (building it here would cost the
-    minutes the stand-in saves)."""
+    """The quantized-cache tests run quanto with a torch unpack (``utils_quanto.unpack_bits``, through conftest's
+    ``quanto_without_its_compiled_kernel``); where quanto's C++ kernel is already built in this venv, both give the
+    same bits (building it here would cost the minutes the stand-in saves)."""
     pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
     import os
 
     from optimum.quanto.library.extensions import get_extension
 
-    from conftest import _unpack_bits
+    from utils_quanto import unpack_bits
 
     ext = get_extension("quanto_cpp")
     if not os.path.exists(os.path.join(ext.build_directory, "pytorch_version.txt")):
@@ -143,7 +143,7 @@ def test_the_quantized_cache_tests_unpack_equals_quantos_compiled_kernel():
     for shape in [(64, 33), (7, 5, 3)]:
         packed = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
         for bits in (2, 4):
-            assert torch.equal(ext.lib.unpack(packed, bits), _unpack_bits(packed, bits)), (shape, bits)
+            assert torch.equal(ext.lib.unpack(packed, bits), unpack_bits(packed, bits)), (shape, bits)
 
 
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])

@@ -245,9 +245,55 @@ def run_engine_jobs(jobs_file: str, out_file: str) -> None:
     Path(out_file).write_text(json.dumps(results))
 
 
-def engine_jobs_in_child(jobs: list[dict], workdir: Path, env: dict | None = None, timeout: int = 1500) -> dict:
-    """:func:`run_engine_jobs` in a child process (``env`` added to this process's environment); returns its results.
-    Fails with the end of the child's log when it does not finish."""
+def run_weight_sync_jobs(jobs_file: str, out_file: str) -> None:
+    """The weight-sync jobs of ``jobs_file`` (tests_serving/test_vllm_weight_sync.py), in the child: for each, an
+    engine on its ``folder``; greedy tokens of ``prompt`` (``new_tokens`` of them) before any sync, then after each of
+    its ``updates`` (safetensors files) is pushed into the model one tensor at a time, in a shuffled order, inside
+    vLLM's layerwise reload (what its ``reload_weights`` does on CPU). Writes ``{name: {"before", "after"}}``, each a
+    greedy result (``ids``, ``logprobs``), to ``out_file``."""
+    import gc
+    import json
+    import random
+
+    import vllm
+    from safetensors.torch import load_file
+    from vllm.inputs import TokensPrompt
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    results = {}
+    for job in json.loads(Path(jobs_file).read_text()):
+        params = vllm.SamplingParams(temperature=0, max_tokens=job["new_tokens"], ignore_eos=True, logprobs=0,
+                                     detokenize=False)
+        llm = vllm.LLM(model=job["folder"], dtype="float32", seed=0, max_model_len=256, enforce_eager=True,
+                       skip_tokenizer_init=True)
+
+        def greedy(llm=llm, params=params, prompt=job["prompt"]):
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
+            return {"ids": list(out.token_ids), "logprobs": [s[t].logprob for s, t in zip(out.logprobs, out.token_ids)]}
+
+        record = {"before": greedy(), "after": []}
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model  # where TRL's colocate mode loads
+        for update in job["updates"]:
+            tensors = list(load_file(update).items())
+            random.Random(update).shuffle(tensors)
+            initialize_layerwise_reload(model)
+            for name, tensor in tensors:
+                model.load_weights([(name, tensor)])
+            finalize_layerwise_reload(model, llm.llm_engine.vllm_config.model_config)
+            llm.reset_prefix_cache()
+            record["after"].append(greedy())
+        results[job["name"]] = record
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    Path(out_file).write_text(json.dumps(results))
+
+
+def engine_jobs_in_child(jobs: list[dict], workdir: Path, env: dict | None = None, timeout: int = 1500,
+                         runner: str = "run_engine_jobs") -> dict:
+    """``runner`` (a function of this module: :func:`run_engine_jobs`, :func:`run_weight_sync_jobs`) on ``jobs`` in a
+    child process (``env`` added to this process's environment); returns its results. Fails with the end of the
+    child's log when it does not finish."""
     import json
     import os
     import subprocess
@@ -258,9 +304,9 @@ def engine_jobs_in_child(jobs: list[dict], workdir: Path, env: dict | None = Non
     jobs_file.write_text(json.dumps(jobs))
     script = (
         f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests_serving')!r}]\n"
-        "from serving_utils import run_engine_jobs\n"
+        f"from serving_utils import {runner}\n"
         "if __name__ == '__main__':  # vLLM may spawn processes (workers of a tensor-parallel engine)\n"
-        f"    run_engine_jobs({str(jobs_file)!r}, {str(out_file)!r})\n"
+        f"    {runner}({str(jobs_file)!r}, {str(out_file)!r})\n"
     )
     with open(log_file, "wb") as log:
         proc = subprocess.run([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, timeout=timeout,

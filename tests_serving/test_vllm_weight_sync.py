@@ -13,13 +13,6 @@ inside vLLM's layerwise reload (``initialize_layerwise_reload`` … ``finalize_l
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -28,8 +21,8 @@ peft = pytest.importorskip("peft", reason="the LoRA updates need peft")
 
 from serving_utils import (  # noqa: E402
     LOGPROB_TOL,
-    ROOT,
     assert_matches,
+    engine_jobs_in_child,
     greedy_reference,
     save_motif_folder,
     save_random_model,
@@ -63,59 +56,6 @@ def lora_merged(model, seed: int):
     return tuned.merge_and_unload().eval()
 
 
-def sync_in_child(jobs: list[dict], workdir: Path) -> dict:
-    """:func:`run_sync_jobs` in a child process (vLLM imported there once, each engine inside it)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    jobs_file, out_file, log_file = workdir / "jobs.json", workdir / "results.json", workdir / "child.log"
-    jobs_file.write_text(json.dumps(jobs))
-    script = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests_serving')!r}]\n"
-              "from test_vllm_weight_sync import run_sync_jobs\n"
-              f"if __name__ == '__main__':\n    run_sync_jobs({str(jobs_file)!r}, {str(out_file)!r})\n")
-    with open(log_file, "wb") as log:
-        proc = subprocess.run([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, timeout=1200,
-                              env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    if proc.returncode != 0 or not out_file.is_file():
-        raise AssertionError(f"vLLM child exited with {proc.returncode}:\n{log_file.read_text(errors='replace')[-6000:]}")
-    return json.loads(out_file.read_text())
-
-
-def run_sync_jobs(jobs_file: str, out_file: str) -> None:
-    """In the child: for each job, an engine on the folder; greedy tokens before any sync, then after each pushed
-    update (every tensor alone, shuffled)."""
-    import gc
-
-    from safetensors.torch import load_file
-    from vllm.inputs import TokensPrompt
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    results = {}
-    params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)
-    for job in json.loads(Path(jobs_file).read_text()):
-        llm = vllm.LLM(model=job["folder"], dtype="float32", seed=0, max_model_len=256, enforce_eager=True,
-                       skip_tokenizer_init=True)
-
-        def greedy(llm=llm):
-            out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
-            return {"ids": list(out.token_ids), "logprobs": [s[t].logprob for s, t in zip(out.logprobs, out.token_ids)]}
-
-        record = {"before": greedy(), "after": []}
-        model = llm.llm_engine.model_executor.driver_worker.model_runner.model  # where TRL's colocate mode loads
-        for update in job["updates"]:
-            tensors = list(load_file(update).items())
-            random.Random(update).shuffle(tensors)
-            initialize_layerwise_reload(model)
-            for name, tensor in tensors:
-                model.load_weights([(name, tensor)])
-            finalize_layerwise_reload(model, llm.llm_engine.vllm_config.model_config)
-            llm.reset_prefix_cache()
-            record["after"].append(greedy())
-        results[job["name"]] = record
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-    Path(out_file).write_text(json.dumps(results))
-
-
 def test_single_tensor_weight_sync_in_any_order_repeatedly(tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -141,9 +81,12 @@ def test_single_tensor_weight_sync_in_any_order_repeatedly(tmp_path):
             save_file({n: p.detach().contiguous() for n, p in merged.named_parameters()}, str(path))
             updates.append(str(path))
         assert references[name][1].ids != references[name][0].ids, name  # the update changes the output
-        jobs.append({"name": name, "folder": str(folder), "updates": updates})
+        jobs.append({"name": name, "folder": str(folder), "updates": updates, "prompt": PROMPT,
+                     "new_tokens": NEW_TOKENS})
 
-    results = sync_in_child(jobs, tmp_path / "child")
+    # vLLM imported once, in a child process, each engine inside it (serving_utils.run_weight_sync_jobs).
+    results = engine_jobs_in_child(jobs, tmp_path / "child", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                                   timeout=1200, runner="run_weight_sync_jobs")
     for name, record in results.items():
         before, *after = references[name]
         assert_matches(record["before"]["ids"], record["before"]["logprobs"], before, LOGPROB_TOL, f"{name} loaded")
