@@ -18,7 +18,8 @@ check never stops the others. The reference and the bounds are the CPU tests' ow
   tests (``RoundingModel``, 8 draws, 3 × the largest drawn error; fp16 with its own unit roundoff 2⁻¹¹);
 * ``generate {layout} {backend} dynamic``: greedy decoding with a dynamic cache equals uncached greedy decoding (fp32);
 * ``generate {layout} sdpa compiled-static``: the same with ``cache_implementation="static"`` and
-  ``CompileConfig(fullgraph=True, dynamic=False)``: the compiled decode step;
+  ``CompileConfig(fullgraph=True, dynamic=False)``: the compiled decode step (V1's: the one-pass Triton kernel, as
+  the custom op ``torch.ops.difftransformer.diff_attn_v1_inference`` in the compiled graph);
 * ``left-padding {layout} {backend}``: a left-padded batch generates what each prompt generates alone;
 * ``grads {layout} {backend} fp32``: one training step's parameter gradients against eager's (relative error);
 * ``grads {layout} {backend} bf16``: bf16 gradients against the float64 reference's, within the rounding model's bound
@@ -762,13 +763,12 @@ def v1_extra_flops(config, spec: dict, plan: bench.Plan, formulation: str) -> fl
 
 def v1_formulation(model, spec: dict) -> str:
     """Which formulation V1's sdpa path runs for ``spec`` on the model's device (modeling_difftransformer's dispatch):
-    the Triton kernel where it runs, except compiled (the decode kernel, or the padded call for prompts); the CPU kernels
-    on the CPU; elsewhere the padded call for prompts and training and the decode kernel for decoding."""
+    the Triton kernel where it runs, compiled or not (compiled decoding runs it as a custom op); the CPU kernels on the
+    CPU; elsewhere the padded call for prompts and training and the decode kernel for decoding."""
     from difftransformer import modeling_difftransformer as mdt
 
     device = model.device
-    compiled = spec["family"] == "decode" and spec["args"][2]
-    if device.type in mdt.TRITON_KERNEL_DEVICES and mdt.triton_runs_on(device) and not compiled:
+    if device.type in mdt.TRITON_KERNEL_DEVICES and mdt.triton_runs_on(device):
         return "one_pass"
     if device.type in mdt.BLOCKED_KERNEL_DEVICES or spec["family"] == "decode":
         return "combined"

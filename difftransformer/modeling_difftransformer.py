@@ -16,7 +16,8 @@ With that order the standard GQA rule (query head i reads KV head i // n) alread
 own key head, and the cache holds a Llama's tensors: ``(B, Hkv, S, d)``, exactly what transformers' caches (dynamic,
 static, quantized, paged, and those built from the config) allocate. Under ``attn_implementation="sdpa"`` V1 runs
 its own kernels on those tensors: on CUDA the one-pass Triton kernel (triton_difftransformer.py: both softmax maps
-of a head in one pass over each K/V block), on CPU ``differential_sdpa_attention`` (kernels_difftransformer.py).
+of a head in one pass over each K/V block; PyTorch custom ops, so eager and under ``torch.compile`` alike), on CPU
+``differential_sdpa_attention`` (kernels_difftransformer.py).
 Every other backend (eager, flex, flash, a user's AttentionInterface function) receives one standard call per layer
 with equal q/k/v head sizes: K and V viewed per group as one ``2d``-wide head, ``[K1 | K2]`` and ``[V_g,0 | V_g,1]``
 (a free view of the projections; a copy of a cache), and each query zero-padded to ``2d`` on the side of its own key
@@ -375,9 +376,9 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
     def own_kernel(self, query, key, value, attention_mask, lam, cache) -> Callable | None:
         """V1's own kernel for this call under ``"sdpa"``, or None where the padded call runs.
 
-        * Where Triton runs (CUDA with triton installed), outside ``torch.compile``: the one-pass kernel, for prefill,
-          training and decoding. (Compiled, decoding takes the decode kernel and prompts the padded call, which
-          inductor traces without graph breaks.)
+        * Where Triton runs (CUDA with triton installed): the one-pass kernel, for prefill, training and decoding,
+          eager or under ``torch.compile`` (the kernel is a set of PyTorch custom ops, ``torch.ops.difftransformer``,
+          which compiled graphs keep as opaque calls without graph breaks).
         * On CPU: :func:`differential_sdpa_attention` (block by block for prompts and training, the decode kernel for
           one token).
         * Elsewhere: the decode kernel for one token without autograd; prefill and training keep the padded call,
@@ -386,7 +387,7 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         if not self.uses_own_sdpa_kernel(query, attention_mask, cache):
             return None
         device = query.device.type
-        if device in TRITON_KERNEL_DEVICES and triton_runs_on(query.device) and not torch.compiler.is_compiling():
+        if device in TRITON_KERNEL_DEVICES and triton_runs_on(query.device):
             return triton_differential_attention
         if device in BLOCKED_KERNEL_DEVICES or self.is_decode_step(query, key, value, lam):
             return differential_sdpa_attention

@@ -54,6 +54,14 @@ both maps times the 2d-wide value are twice a Llama's ``PV``: 1.5× a Llama's at
 zero-padded single call. Under autograd the backward recomputes scores twice (once for key/value gradients, once for
 query gradients), as Triton's fused-attention tutorial does.
 
+The host code runs as three PyTorch custom ops (``torch.library.custom_op``, namespace ``difftransformer``), eager
+and compiled alike: ``diff_attn_v1_forward`` (output, ``O2`` and both log-sum-exps: what the backward needs; its
+autograd formula is ``diff_attn_v1_backward``, which returns the gradients of q, k, v and λ) and
+``diff_attn_v1_inference`` (no autograd: the decode path for one query token, else the forward without statistics).
+Their fake implementations give the outputs' shapes, dtypes and strides, so ``torch.compile(fullgraph=True)`` traces
+them without graph breaks and inductor (CUDA graphs included) calls them as opaque kernels. The backward op is not
+differentiable (a second-order gradient raises).
+
 Triton is optional: without it (or without a CUDA device, unless ``TRITON_INTERPRET=1``) :func:`is_available` is
 False, the module still imports and nothing here runs. The kernels are decorated with ``triton.jit`` on first use,
 so ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, which tests/test_triton_difftransformer.py uses) takes effect
@@ -680,7 +688,7 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask, is_causal):
-    """Check the inputs; return (B, T, S, G, n, m, d, the mask as a (B, 1, T, S) uint8 view or None)."""
+    """Check the inputs; return (B, T, S, G, n, m, d, the boolean mask as a (B, 1, T, S) view or None)."""
     if triton is None:
         raise RuntimeError("differential_attention_triton needs triton (`pip install triton`); it is not installed")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -743,7 +751,6 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
         except RuntimeError:
             raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not broadcast to "
                              f"(B, 1, T, S) = {(b, 1, t, s)}") from None
-        mask = mask.view(torch.uint8)
     return b, t, s, g, n, m, d, mask
 
 
@@ -879,7 +886,7 @@ def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, 
                  **_dtype_flags(query.dtype))
     qk_scale = scaling * _LOG2E
 
-    dkey, dvalue = torch.empty_like(key), torch.empty_like(value)
+    dkey, dvalue = key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous, as the ops' fake outputs
     cfg = _launch_config("dkdv", d_pad, query.dtype)
     block_t = _block_t(cfg["rows"], r_pad)
     k["_diff_attn_bwd_dkdv"][(triton.cdiv(s, cfg["block_n"]), b * g)](
@@ -888,7 +895,7 @@ def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, 
         dvalue.stride(0), dvalue.stride(1), dvalue.stride(2), t, s, g, n, m, qk_scale, scaling,
         BLOCK_T=block_t, BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
 
-    dquery = torch.empty_like(query)
+    dquery = query.new_empty(query.shape)
     cfg = _launch_config("dq", d_pad, query.dtype)
     units = cfg.get("units", 1)
     block_t = _block_t(cfg["rows"], r_pad, units)
@@ -900,26 +907,121 @@ def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, 
     return dquery, dkey, dvalue, dlam
 
 
-class DifferentialAttentionFunction(torch.autograd.Function):
-    """Autograd for the fused kernel: saves the inputs, the output, the noise map's un-differenced output ``O2`` and
-    the per-row log-sum-exp of both maps; the backward recomputes each map block by block."""
+# ----------------------------------------------------------------------------------------------------------------------
+# PyTorch custom ops (torch.library.custom_op), so that torch.compile (fullgraph, inductor, CUDA graphs) keeps the kernels
+# in its graph as opaque calls: the dispatcher runs the host code above on real tensors, the fake implementations give
+# the outputs' shapes, dtypes and strides to the tracer, and the autograd registration ties the backward op to the
+# forward one. Eager calls go through the same ops and the same kernels.
+# ----------------------------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, query, key, value, lam, scaling, n, r, mask, is_causal):
-        out, o2, lse1, lse2 = _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats=True)
-        ctx.save_for_backward(query, key, value, lam, out, o2, lse1, lse2, mask)
-        ctx.args = (scaling, n, r, is_causal)
-        return out
+_OP_NAMESPACE = "difftransformer"
+_ARGS = "Tensor query, Tensor key, Tensor value, Tensor lam, Tensor? mask, float scaling, int n, int r, bool is_causal"
+_OP_SCHEMAS = {  # explicit schemas: the same on every torch from 2.7.1 on, whatever its annotation parser accepts
+    "diff_attn_v1_forward": f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    "diff_attn_v1_backward": "(Tensor dout, Tensor query, Tensor key, Tensor value, Tensor lam, Tensor out, Tensor o2, "
+                             "Tensor lse1, Tensor lse2, Tensor? mask, float scaling, int n, int r, bool is_causal) "
+                             "-> (Tensor, Tensor, Tensor, Tensor)",
+    "diff_attn_v1_inference": f"({_ARGS}) -> Tensor",
+}
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels' backward is not itself differentiable: say so
-    def backward(ctx, dout):
-        query, key, value, lam, out, o2, lse1, lse2, mask = ctx.saved_tensors
-        scaling, n, r, is_causal = ctx.args
-        with _on_device(query.device):
-            dq, dk, dv, dlam = _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, mask,
-                                         is_causal)
-        return dq, dk, dv, (dlam.to(lam.dtype) if ctx.needs_input_grad[3] else None), None, None, None, None, None
+
+def _mask_bits(mask):
+    """The boolean mask (True = visible) as the uint8 view the kernels load."""
+    return None if mask is None else mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
+def _output_shapes(query, key, n, r):
+    b, t, _, d = query.shape
+    g = key.shape[1] // 2
+    return (b, t, g * n, 2 * d), (b, t, g * (n // r), 2 * d), (b, g * n, t), (b, g * (n // r), t)
+
+
+def _forward_impl(query, key, value, lam, mask, scaling, n, r, is_causal):
+    query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
+    with _on_device(query.device):
+        return _forward(query, key, value, lam, scaling, n, r, _mask_bits(mask), is_causal, save_stats=True)
+
+
+def _forward_fake(query, key, value, lam, mask, scaling, n, r, is_causal):
+    out, o2, lse1, lse2 = _output_shapes(query, key, n, r)
+    return (query.new_empty(out), query.new_empty(o2), query.new_empty(lse1, dtype=torch.float32),
+            query.new_empty(lse2, dtype=torch.float32))
+
+
+def _backward_impl(dout, query, key, value, lam, out, o2, lse1, lse2, mask, scaling, n, r, is_causal):
+    query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
+    out, o2 = _last_contiguous(out), _last_contiguous(o2)
+    with _on_device(query.device):
+        return _backward(dout, query, key, value, lam, out, o2, lse1.contiguous(), lse2.contiguous(), scaling, n, r,
+                         _mask_bits(mask), is_causal)
+
+
+def _backward_fake(dout, query, key, value, lam, out, o2, lse1, lse2, mask, scaling, n, r, is_causal):
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+            query.new_empty((), dtype=torch.float32))
+
+
+def _inference_impl(query, key, value, lam, mask, scaling, n, r, is_causal):
+    query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
+    with _on_device(query.device):
+        if query.shape[1] == 1:
+            return _decode(query, key, value, lam, scaling, n, r, _mask_bits(mask), is_causal)
+        return _forward(query, key, value, lam, scaling, n, r, _mask_bits(mask), is_causal, save_stats=False)[0]
+
+
+def _inference_fake(query, key, value, lam, mask, scaling, n, r, is_causal):
+    return query.new_empty(_output_shapes(query, key, n, r)[0])
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, lam, mask, scaling, n, r, is_causal = inputs
+    out, o2, lse1, lse2 = output
+    ctx.save_for_backward(query, key, value, lam, out, o2, lse1, lse2, mask)
+    ctx.args = (scaling, n, r, is_causal)
+    ctx.mark_non_differentiable(o2, lse1, lse2)  # what the backward needs, not results
+    ctx.set_materialize_grads(False)
+
+
+def _backward_formula(ctx, dout, *_unused):
+    """Gradients of query, key, value and λ from the saved statistics (the kernels recompute each map)."""
+    query, key, value, lam, out, o2, lse1, lse2, mask = ctx.saved_tensors
+    scaling, n, r, is_causal = ctx.args
+    if dout is None:  # the output did not reach the loss
+        return None, None, None, None, None, None, None, None, None
+    dq, dk, dv, dlam = _OP_BACKWARD(dout, query, key, value, lam, out, o2, lse1, lse2, mask, scaling, n, r, is_causal)
+    return dq, dk, dv, (dlam if ctx.needs_input_grad[3] else None), None, None, None, None, None
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(f"{_OP_NAMESPACE}::diff_attn_v1_backward is once_differentiable: the fused kernel's backward is "
+                       "not itself differentiable (no second-order gradients through differential_attention_triton)")
+
+
+def _define_ops():
+    """Define the three ops, or find them where another copy of this file (a saved folder's remote code, imported
+    beside the installed package) already defined them: an op name can be defined once per process."""
+    namespace = getattr(torch.ops, _OP_NAMESPACE)
+    if not all(hasattr(namespace, name) for name in _OP_SCHEMAS):
+        _register_ops()
+    return tuple(getattr(namespace, name).default for name in _OP_SCHEMAS)
+
+
+def _register_ops():
+    forward = torch.library.custom_op(f"{_OP_NAMESPACE}::diff_attn_v1_forward", _forward_impl, mutates_args=(),
+                                      schema=_OP_SCHEMAS["diff_attn_v1_forward"])
+    backward = torch.library.custom_op(f"{_OP_NAMESPACE}::diff_attn_v1_backward", _backward_impl, mutates_args=(),
+                                       schema=_OP_SCHEMAS["diff_attn_v1_backward"])
+    inference = torch.library.custom_op(f"{_OP_NAMESPACE}::diff_attn_v1_inference", _inference_impl,
+                                        mutates_args=(), schema=_OP_SCHEMAS["diff_attn_v1_inference"])
+    forward.register_fake(_forward_fake)
+    backward.register_fake(_backward_fake)
+    inference.register_fake(_inference_fake)
+    forward.register_autograd(_backward_formula, setup_context=_setup_context)
+    backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# torch.ops.difftransformer.diff_attn_v1_forward / _backward / _inference (OpOverloads).
+_OP_FORWARD, _OP_BACKWARD, _OP_INFERENCE = _define_ops()
 
 
 def differential_attention_triton(query, key, value, lam, scaling, pair_stride, noise_ratio=1, attention_mask=None,
@@ -943,13 +1045,9 @@ def differential_attention_triton(query, key, value, lam, scaling, pair_stride, 
     query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
     lam32 = lam.float()
     scaling = float(scaling)
-    with _on_device(query.device):
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam)):
-            return DifferentialAttentionFunction.apply(query, key, value, lam32, scaling, n, noise_ratio, mask,
-                                                       is_causal)
-        if t == 1:
-            return _decode(query, key, value, lam32, scaling, n, noise_ratio, mask, is_causal)
-        return _forward(query, key, value, lam32, scaling, n, noise_ratio, mask, is_causal, save_stats=False)[0]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam)):
+        return _OP_FORWARD(query, key, value, lam32, mask, scaling, n, noise_ratio, is_causal)[0]
+    return _OP_INFERENCE(query, key, value, lam32, mask, scaling, n, noise_ratio, is_causal)
 
 
-__all__ = ["DifferentialAttentionFunction", "differential_attention_triton", "is_available"]
+__all__ = ["differential_attention_triton", "is_available"]

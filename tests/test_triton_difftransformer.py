@@ -163,14 +163,15 @@ def f64(x):
     return None if x is None else x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()
 
 
-def check_forward_backward(query, key, value, lam, n, r, mask=None, is_causal=True):
+def check_forward_backward(query, key, value, lam, n, r, mask=None, is_causal=True,
+                           attention=tdt.differential_attention_triton):
     """Forward and every gradient (of query, key, value and λ; ``.grad`` must be retained) against the float64
-    reference, within the error model. Returns the kernel's and the reference's outputs."""
+    reference, within the error model. ``attention``: the function that runs the kernel (a compiled one, say). Returns
+    the kernel's and the reference's outputs."""
     b, t, _, d = query.shape
     g, s = key.shape[1] // 2, key.shape[2]
     scaling = d**-0.5
-    out = tdt.differential_attention_triton(query, key, value, lam, scaling, n, r, attention_mask=mask,
-                                            is_causal=is_causal)
+    out = attention(query, key, value, lam, scaling, n, r, attention_mask=mask, is_causal=is_causal)
     assert out.shape == (b, t, g * n, 2 * d) and out.dtype == query.dtype
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
     out.backward(dout)
@@ -433,6 +434,12 @@ def test_kernels_compile_for_h100(monkeypatch):
         pytest.skip("this triton build has no NVIDIA backend to compile for")
     if DEVICE.type == "cuda":
         pytest.skip("on a GPU the other tests compile and run every kernel")
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(tdt.tl.standard.cdiv, JITFunction):  # triton.language's own jit functions, made at its import
+        pytest.skip("triton was imported with TRITON_INTERPRET=1 set, so its language functions are the interpreter's "
+                    "and nothing compiles for a GPU in this process (run without TRITON_INTERPRET in the environment: "
+                    "this module sets it itself)")
 
     launches = []
 
@@ -488,3 +495,58 @@ def test_double_backward_is_refused():
     (grad_q,) = torch.autograd.grad(out.square().sum(), query, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad_q.sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The kernels as PyTorch custom ops (torch.ops.difftransformer): torch.library's checks and torch.compile(fullgraph=True)
+# ----------------------------------------------------------------------------------------------------------------------
+
+# GQA factor 2 without a mask; grouped noise heads (r = 2) with a left-padding mask.
+OP_CASES = [pytest.param(2, 1, False, id="gqa-n2"), pytest.param(2, 2, True, id="gda-r2-masked")]
+
+
+def _left_padding_mask(b, t, s):
+    """(B, 1, T, S): sequence i starts at key 3·i (a padding query sees no key)."""
+    keys_ok = torch.arange(s)[None, :] >= 3 * torch.arange(b)[:, None]
+    return keys_ok[:, None, None, :].expand(b, 1, t, s).to(DEVICE)
+
+
+@pytest.mark.parametrize("n, r, masked", OP_CASES)
+def test_opcheck(monkeypatch, n, r, masked):
+    """torch.library.opcheck on the three ops, tiny float32 problems (keys crossing two tiles): the schema (no
+    mutation, no output aliasing an input), the fake implementations against the real outputs, the autograd
+    registration and AOT autograd with dynamic shapes. The forward with statistics takes inputs that require grad;
+    the inference op runs a prompt and one decode token (split over two key ranges); the backward op gets the forward's
+    statistics."""
+    monkeypatch.setitem(tdt._TUNING, "decode", dict(block_n=16, splits=2))
+    b, t, s, g, d = 2, 8, 20, 1, 16
+    query, key, value, lam = make_inputs(b, t, s, g, n, r, d)
+    mask = _left_padding_mask(b, t, s) if masked else None
+    scalars = (d**-0.5, n, r, True)
+    grads = tuple(x.clone().requires_grad_() for x in (query, key, value, lam))
+    torch.library.opcheck(tdt._OP_FORWARD, (*grads, mask, *scalars))
+    torch.library.opcheck(tdt._OP_INFERENCE, (query, key, value, lam, mask, *scalars))
+    decode_mask = None if mask is None else mask[:, :, -1:]
+    torch.library.opcheck(tdt._OP_INFERENCE, (query[:, -1:], key, value, lam, decode_mask, *scalars))
+    out, o2, lse1, lse2 = tdt._OP_FORWARD(query, key, value, lam, mask, *scalars)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch.library.opcheck(tdt._OP_BACKWARD, (dout, query, key, value, lam, out, o2, lse1, lse2, mask, *scalars))
+
+
+@pytest.mark.parametrize("n, r, masked", OP_CASES)
+def test_compiled_forward_and_gradients(n, r, masked):
+    """differential_attention_triton under torch.compile(fullgraph=True) with inductor (the ops are opaque calls in
+    its graph; on a CPU they run the interpreter as eager does): output and gradients of q, k, v and λ within the error
+    model against float64, and equal to eager's (the same kernels on the same inputs)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(tdt.differential_attention_triton, fullgraph=True)
+    b, t, s, g, d = 2, 20, 20, 1, 16
+    mask = _left_padding_mask(b, t, s) if masked else None
+    results = {}
+    for name, attention in (("compiled", compiled), ("eager", tdt.differential_attention_triton)):
+        query, key, value, lam = leaf_inputs(b, t, s, g, n, r, d)
+        out, _ = check_forward_backward(query, key, value, lam, n, r, mask=mask, attention=attention)
+        results[name] = (out.detach(), query.grad, key.grad, value.grad, lam.grad)
+    torch._dynamo.reset()
+    for what, got, ref in zip(("output", "dquery", "dkey", "dvalue", "dlam"), results["compiled"], results["eager"]):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=what)

@@ -11,12 +11,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel runs: 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from transformers import CompileConfig  # noqa: E402
 
 from difftransformer import DiffTransformerForCausalLM, triton_difftransformer  # noqa: E402
 from difftransformer import modeling_difftransformer as mdt  # noqa: E402
 from difftransformer.testing_utils import (  # noqa: E402
     FP32_LOGITS_ATOL,
     GRAD_RTOL,
+    SCORES_ATOL,
     left_padded_batch,
     randomize_norms,
     reference_forward,
@@ -97,3 +99,63 @@ def test_training_gradients_equal_eagers(triton_on_cpu):
     for name, grad in grads["eager"].items():
         torch.testing.assert_close(grads["sdpa"][name], grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * grad.abs().max().item(),
                                    msg=name)
+
+
+def _recording_backend(graphs: list, backend: str):
+    """A torch.compile backend that keeps each graph dynamo traces, then compiles it with ``backend``. A function (not
+    a counter object): generate() deep-copies its CompileConfig, and functions are copied by reference."""
+
+    def compile_graph(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    return compile_graph
+
+
+def _kernel_ops(graphs: list) -> list[str]:
+    """The calls of this package's custom ops (torch.ops.difftransformer) in the traced graphs."""
+    return [str(node.target) for gm in graphs for node in gm.graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("difftransformer.")]
+
+
+def test_compiled_model_runs_the_kernel(monkeypatch):
+    """Under torch.compile(fullgraph=True) V1 takes the one-pass kernel, as a custom op in the compiled graph (one
+    ``difftransformer::diff_attn_v1_inference`` call per layer; the padded call, whose query padding would fail here,
+    never runs): a left-padded prompt's logits equal eager's, and generate()'s compiled static-cache decode steps
+    decode eager's sequence with its scores. Both compile with ``aot_eager`` (AOT autograd's graphs, run as eager runs
+    their ops) for CI time: inductor's C++ for a whole decode step takes ~45 s on two cold CPU cores (it passes the same
+    checks); tests/test_triton_difftransformer.py compiles the kernel's ops with inductor, gradients included."""
+    monkeypatch.setattr(mdt, "TRITON_KERNEL_DEVICES", ("cpu",))
+
+    def no_padded_call(*args, **kwargs):
+        raise AssertionError("V1 took the padded call instead of the Triton kernel")
+
+    monkeypatch.setattr(mdt, "query_padding", no_padded_call)
+    model = _model("v1_gqa")
+    layers = model.config.num_hidden_layers
+    ids, mask = left_padded_batch(model.config.vocab_size, [7, 4], seed=3)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(model, fullgraph=True, backend=_recording_backend(graphs, "aot_eager"))
+    with torch.no_grad():
+        logits = compiled(ids, attention_mask=mask).logits
+    assert _kernel_ops(graphs) == ["difftransformer.diff_attn_v1_inference.default"] * layers
+    rows = mask.bool()
+    torch.testing.assert_close(logits[rows], ref[rows], atol=FP32_LOGITS_ATOL, rtol=0)
+
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True)
+    ref = model.generate(ids, **kwargs)
+    torch._dynamo.reset()
+    graphs.clear()
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=_recording_backend(graphs, "aot_eager"))
+    compile_config._compile_all_devices = True  # generate() compiles only on accelerators unless this is set
+    out = model.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
+    torch._dynamo.reset()
+    assert hasattr(model, "_compiled_call"), "generate() did not take the compiled decode path"
+    ops = _kernel_ops(graphs)  # one call per layer in each compiled decode graph (one graph: static shapes)
+    assert ops and set(ops) == {"difftransformer.diff_attn_v1_inference.default"} and len(ops) % layers == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), atol=SCORES_ATOL, rtol=0)
