@@ -492,6 +492,189 @@ def markdown_tables(report: dict, metrics: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------------- docs
+
+# The report's tables and the README's row (scripts/doc_tables.py renders them from results.json: a table block
+# `<!-- table: benchmarks.retrieval_lowbit:doc_table_retrieval benchmarks/results/retrieval_lowbit/results.json -->`).
+
+
+def combined(datas: list[dict]) -> dict:
+    """One report of the runs of several results files of the same setting (e.g. seeds run in parallel processes,
+    each ``--out`` its own folder); the table lists every file, so each keeps its own provenance."""
+    ids = {d["meta"]["setting_id"] for d in datas}
+    if len(ids) != 1:
+        raise ValueError(f"results of different settings cannot be combined: setting ids {sorted(ids)}")
+    seen = [(r["model"], r["seed"]) for d in datas for r in d["runs"]]
+    if len(seen) != len(set(seen)):
+        raise ValueError("the files share a (model, seed) run: each run must come from one file")
+    return {"meta": datas[0]["meta"], "runs": [r for d in datas for r in d["runs"]]}
+
+
+def _seeds_of(report: dict, model: str, fn) -> dict:
+    return {r["seed"]: fn(r) for r in report["runs"] if r["model"] == model}
+
+
+def _mean_std(values) -> str:
+    values = list(values)
+    if not values:
+        return "–"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    digits = 0 if all(isinstance(v, int) for v in values) else 2  # step counts
+    return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
+
+
+def _paired(report: dict, model: str, fn) -> str:
+    """``model``'s value minus the Llama's of the same seed: mean ± sample std [min, max] over the seeds."""
+    mine, llama = _seeds_of(report, model, fn), _seeds_of(report, "llama", fn)
+    diffs = [mine[s] - llama[s] for s in sorted(mine) if s in llama]
+    if not diffs:
+        return "–"
+    digits = 0 if all(isinstance(v, int) for v in diffs) else 2
+    return f"{_mean_std(diffs)} [{min(diffs):+.{digits}f}, {max(diffs):+.{digits}f}]"
+
+
+def _mean_over(groups: dict, keys) -> float:
+    return statistics.mean(groups[k]["accuracy"] for k in keys)
+
+
+def retrieval_metrics(report: dict) -> dict:
+    """The report's retrieval rows: label → function of one run. Trained lengths are those up to the training length
+    (MQAR: pair counts whose sequence fits in it); the others are beyond training."""
+    train_length = report["meta"]["setting"]["train_length"]
+    first = report["runs"][0]["eval"]
+    inside = [k for k in first["needle"]["by_length"] if int(k) <= train_length]
+    beyond = [k for k in first["needle"]["by_length"] if int(k) > train_length]
+    pairs_in = [k for k in first["mqar"]["by_pairs"] if rt.mqar_length(int(k)) <= train_length]
+    pairs_out = [k for k in first["mqar"]["by_pairs"] if rt.mqar_length(int(k)) > train_length]
+    groups = {  # rows over an empty set of lengths or pair counts are left out
+        f"needle accuracy, trained lengths ({', '.join(inside)} tokens)": ("needle", "by_length", inside),
+        f"needle accuracy, longer contexts ({', '.join(beyond)} tokens)": ("needle", "by_length", beyond),
+        f"MQAR accuracy, trained pair counts ({', '.join(pairs_in)})": ("mqar", "by_pairs", pairs_in),
+        f"MQAR accuracy, more pairs ({', '.join(pairs_out)})": ("mqar", "by_pairs", pairs_out),
+    }
+    return {
+        **{label: (lambda r, t=task, g=group, k=keys: _mean_over(r["eval"][t][g], k))
+           for label, (task, group, keys) in groups.items() if keys},
+        "needle answer loss (nats, all lengths)": lambda r: r["eval"]["needle"]["overall"]["loss"],
+        "steps to 90% validation accuracy, needle (censored at the run's end)":
+            lambda r: steps_to(r["curves"], "needle", 0.9),
+        "steps to 90% validation accuracy, MQAR": lambda r: steps_to(r["curves"], "mqar", 0.9),
+    }
+
+
+def _model_table(report: dict, rows: dict, value_fmt=_mean_std) -> list[str]:
+    models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
+    head = ["quantity"] + [LABELS[m] for m in models] + [f"{LABELS[m]} − Llama (paired)" for m in models if m != "llama"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, fn in rows.items():
+        cells = [value_fmt(_seeds_of(report, m, fn).values()) for m in models]
+        cells += [_paired(report, m, fn) for m in models if m != "llama"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _seeds_line(report: dict) -> str:
+    seeds = sorted({r["seed"] for r in report["runs"]})
+    params = {LABELS[r["model"]]: r["params"] for r in report["runs"] if r["seed"] == seeds[0]}
+    return (f"Mean ± sample std over seeds {', '.join(map(str, seeds))}; paired: the model's value minus the Llama's of "
+            "the same seed, mean ± std [min, max]. Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items())
+            + ".")
+
+
+def doc_table_retrieval(datas: list[dict], opts: dict) -> list[str]:
+    """Retrieval accuracy per model (held-out sets), its paired difference to the Llama, and when it was learned."""
+    report = combined(datas)
+    return _model_table(report, retrieval_metrics(report)) + ["", _seeds_line(report)]
+
+
+def doc_table_per_seed(datas: list[dict], opts: dict) -> list[str]:
+    """Per seed and model: retrieval accuracy at the trained lengths and when validation accuracy reached 90%."""
+    report = combined(datas)
+    metrics = retrieval_metrics(report)
+    needle = next(k for k in metrics if k.startswith("needle accuracy, trained"))
+    mqar = next(k for k in metrics if k.startswith("MQAR accuracy, trained"))
+    steps = report["meta"]["setting"]["steps"]
+    lines = ["| seed | model | needle accuracy, trained lengths | MQAR accuracy, trained pair counts | "
+             "steps to 90% validation accuracy: needle / MQAR |", "|---|---|---|---|---|"]
+    for r in sorted(report["runs"], key=lambda r: (r["seed"], MODELS.index(r["model"]))):
+        reached = [steps_to(r["curves"], t, 0.9) for t in ("needle", "mqar")]
+        shown = " / ".join(str(n) if n <= steps else "not reached" for n in reached)
+        lines.append(f"| {r['seed']} | {LABELS[r['model']]} | {metrics[needle](r):.2f} | {metrics[mqar](r):.2f} | "
+                     f"{shown} |")
+    return lines
+
+
+def doc_table_lowbit(datas: list[dict], opts: dict) -> list[str]:
+    """Accuracy at the trained length with the attention logits or q and k quantized (``opts["task"]``: needle or
+    mqar), per model, and the paired difference of the accuracy lost to quantization against the Llama's loss."""
+    report, task = combined(datas), opts.get("task", "needle")
+    tags = list(report["runs"][0]["lowbit"]["accuracy"])
+    models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
+    head = (["quantized", *[LABELS[m] for m in models]]
+            + [f"{LABELS[m]} − Llama: accuracy lost (paired)" for m in models if m != "llama"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def acc(tag):
+        return lambda r: r["lowbit"]["accuracy"][tag][task]["accuracy"]
+
+    for tag in tags:
+        cells = [_mean_std(_seeds_of(report, m, acc(tag)).values()) for m in models]
+        if tag == "none":
+            cells += ["–" for m in models if m != "llama"]
+        else:
+            lost = lambda r, t=tag: acc("none")(r) - acc(t)(r)  # noqa: E731
+            cells += [_paired(report, m, lost) for m in models if m != "llama"]
+        label = "nothing" if tag == "none" else tag.replace("/", ", ").replace("qk", "q and k") + " bits"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines + ["", _seeds_line(report) + " Accuracy lost: unquantized minus quantized accuracy of the same model."]
+
+
+def doc_table_outliers(datas: list[dict], opts: dict) -> list[str]:
+    """Top activations: the largest attention logit and hidden-state magnitude over layers, and their kurtosis."""
+    report = combined(datas)
+    acts = lambda kind, key: lambda r: max(x[key] for x in r["lowbit"]["activations"][kind])  # noqa: E731
+    rows = {"largest attention logit (magnitude)": acts("logits", "max"),
+            "attention logits: 10th largest": acts("logits", "top10"),
+            "attention logits: kurtosis (largest over layers)": acts("logits", "kurtosis"),
+            "largest hidden-state magnitude": acts("hidden", "max"),
+            "hidden states: kurtosis (largest over layers)": acts("hidden", "kurtosis")}
+    return _model_table(report, rows) + ["", _seeds_line(report)]
+
+
+def doc_table_lens(datas: list[dict], opts: dict) -> list[str]:
+    """Attention of the last key token of the first query, on the queried needle (answer), the other needles
+    (distractors) and the rest (noise): mean over layers, heads and prompts, and the head with the largest answer share."""
+    report = combined(datas)
+    rows = {"answer share (mean over heads)": lambda r: r["lens"]["answer_mean"],
+            "distractor-needle share (mean over heads)": lambda r: r["lens"]["distractor_mean"],
+            "noise share (mean over heads)": lambda r: r["lens"]["noise_mean"],
+            "answer share of the best head": lambda r: r["lens"]["answer_best_head"],
+            "noise share of that head": lambda r: r["lens"]["noise_of_best_head"]}
+    return _model_table(report, rows) + ["", _seeds_line(report) + " DIFF models: the differential map's positive "
+                                         "mass; the Llama: its softmax map."]
+
+
+def headline(report: dict) -> tuple[str, str]:
+    """The README's results row (scripts/doc_tables.py finds it by this script's name)."""
+    metrics = retrieval_metrics(report)
+    inside = next(k for k in metrics if k.startswith("needle accuracy, trained"))
+    seeds = len({r["seed"] for r in report["runs"]})
+    params = report["runs"][0]["params"]
+
+    def mean(model, fn):
+        return statistics.mean(_seeds_of(report, model, fn).values())
+
+    def lost(tag):
+        acc = lambda t: lambda r: r["lowbit"]["accuracy"][t]["mqar"]["accuracy"]  # noqa: E731
+        return lambda r: acc("none")(r) - acc(tag)(r)
+
+    needle = ", ".join(f"{LABELS[m]} {mean(m, metrics[inside]):.2f}" for m in MODELS)
+    four = ", ".join(f"{LABELS[m]} {mean(m, lost('logits/tensor/4')):.2f}" for m in MODELS)
+    return (f"Retrieval with distractors and low-bit attention, trained from scratch ({params // 1000}k parameters, "
+            f"{seeds} paired seeds, CPU)",
+            f"needle accuracy at trained lengths: {needle}; MQAR accuracy lost with 4-bit attention logits: {four}")
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 
 

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import pathlib
 import random
+import statistics
 
 import pytest
 import torch
@@ -143,6 +144,28 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     assert saved["provenance"]["code"]["how"] == "traced"
     assert {"difftransformer/retrieval_tasks.py", "difftransformer/modeling_difftransformer.py",
             "difftransformer/lowbit.py", "difftransformer/analysis.py", "benchmarks/retrieval_lowbit.py"} <= ran
+    # The report's tables and the README row are rendered from the file: one row per quantity, the paired column is
+    # the per-seed difference; two files of the same setting combine, and a run found twice is refused.
+    lines = script.doc_table_retrieval([saved], {})
+    needle_row = next(line for line in lines if line.startswith("| needle accuracy, trained lengths"))
+    metric = script.retrieval_metrics(saved)[needle_row.split(" | ")[0][2:]]
+    by_seed = {m: {r["seed"]: metric(r) for r in saved["runs"] if r["model"] == m} for m in script.MODELS}
+    diffs = [by_seed["v1"][s] - by_seed["llama"][s] for s in (0, 1)]
+    assert needle_row.split(" | ")[4].startswith(f"{statistics.mean(diffs):.2f} ± {statistics.stdev(diffs):.2f}")
+    assert len(script.doc_table_lowbit([saved], {"task": "mqar"})) == 2 + len(saved["runs"][0]["lowbit"]["accuracy"]) + 2
+    assert len(script.doc_table_per_seed([saved], {})) == 2 + 6
+    for render in (script.doc_table_outliers, script.doc_table_lens):
+        assert all(line.count("|") == 7 for line in render([saved], {}) if line.startswith("|"))
+    label, value = script.headline(saved)
+    assert "2 paired seeds" in label and "DIFF V2" in value
+    half = {k: v for k, v in saved.items() if k != "runs"}
+    seed0, seed1 = ([r for r in saved["runs"] if r["seed"] == s] for s in (0, 1))
+    assert script.combined([half | {"runs": seed0}, half | {"runs": seed1}])["runs"] == seed0 + seed1
+    with pytest.raises(ValueError, match="share a"):
+        script.combined([saved, saved])
+    other = half | {"meta": saved["meta"] | {"setting_id": "x"}, "runs": seed1}
+    with pytest.raises(ValueError, match="different settings"):
+        script.combined([half | {"runs": seed0}, other])
     table = (out / "results.md").read_text()
     assert "| needle_accuracy | DIFF V1 |" in table and "paired diff vs Llama" in table
     for png in ("curves.png", "accuracy_vs_length.png", "accuracy_vs_bits.png", "attention_shares.png"):
