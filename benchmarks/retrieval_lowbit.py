@@ -654,6 +654,22 @@ def doc_table_lens(datas: list[dict], opts: dict) -> list[str]:
                                          "mass; the Llama: its softmax map."]
 
 
+def doc_table_calibration(datas: list[dict], opts: dict) -> list[str]:
+    """The calibration runs (the Llama alone, one seed each), in the order they ran: the setting each tried and the
+    Llama's held-out accuracy (each on the task definitions of its moment: compare neighbours, not distant rows)."""
+    lines = ["| run | width × layers | training length | steps | learning rate, schedule | needle / MQAR / copy share "
+             "of training rows | Llama needle accuracy | Llama MQAR accuracy |", "|---|---|---|---|---|---|---|---|"]
+    for path, data in sorted(zip(opts["files"], datas), key=lambda x: x[1]["provenance"]["utc"]):
+        st, sm = data["meta"]["setting"], data["summary"]
+        copy = st.get("copy_fraction") or 0
+        mqar = round(max(0.0, 1 - st["needle_fraction"] - copy), 3)
+        lines.append(f"| {os.path.basename(path).removesuffix('.json')} | {st['hidden_size']} × {st['num_hidden_layers']} | "
+                     f"{st['train_length']} | {st['steps']:,} | {st['lr']:g}, {st.get('schedule') or 'cosine'} | "
+                     f"{st['needle_fraction']:g} / {mqar:g} / {copy:g} | "
+                     f"{sm['needle_accuracy']['llama']['mean']:.2f} | {sm['mqar_accuracy']['llama']['mean']:.2f} |")
+    return lines
+
+
 def headline(report: dict) -> tuple[str, str]:
     """The README's results row (scripts/doc_tables.py finds it by this script's name)."""
     metrics = retrieval_metrics(report)
