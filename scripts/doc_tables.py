@@ -11,7 +11,8 @@ benchmark keeps beside its own formatting. Below the table, a line per file says
 (marked when it was reconstructed after the run), the commit, whether the code the run executed has changed since
 (``benchmarks/harness.py``: the run's record of the functions it executed, compared with the checkout's code; no git
 history needed), the machine and the versions. ``headline`` is the README's renderer: one row per result, with the
-page that holds the full table.
+page that holds the full table; a row may join the files of one result run in parallel processes with ``+``
+(``a.json+b.json``: the script's ``combined`` merges them for its ``headline``).
 
 Numbers live in the tables: prose cites a table instead of repeating its numbers, and
 :func:`unchecked_numbers` finds a result-like number (two or more decimals, or a percentage) in prose that no table
@@ -392,12 +393,22 @@ def render_headline(datas: list[dict], opts: dict) -> list[str]:
     """The README's results table: per file, the result, its value, when it ran, whether the code it ran has changed
     since, and the page with its full table (``link=PAGE,PAGE,...``, one per file)."""
     links = opts["link"].split(",")
+    by_path = dict(zip(opts["files"], datas))
     lines = ["| result | value | run | code since the run | details |", "|---|---|---|---|---|"]
-    for path, data, link in zip(opts["files"], datas, links, strict=True):
-        label, value = _headline(path, data)
-        prov = data["provenance"]
-        when = (prov.get("utc") or prov.get("committed_utc") or "")[:10] or "unknown"
-        status, _ = code_status(prov)
+    for row, link in zip(opts.get("rows", opts["files"]), links, strict=True):
+        paths = row.split("+")
+        parts = [by_path[p] for p in paths]
+        if len(parts) == 1:
+            label, value = _headline(paths[0], parts[0])
+        else:  # one result run in parallel processes: the script joins its files
+            import importlib
+
+            module = importlib.import_module("benchmarks." + parts[0]["provenance"]["script"].removesuffix(".py"))
+            label, value = module.headline(module.combined(parts))
+        provs = [d["provenance"] for d in parts]
+        when = max((p.get("utc") or p.get("committed_utc") or "")[:10] for p in provs) or "unknown"
+        statuses = {code_status(p)[0] for p in provs}  # the row is as stale as its stalest file
+        status = next(s for s in ("changed", "unknown", "current") if s in statuses)
         status = {"current": "unchanged", "changed": "changed", "unknown": "unknown"}[status]
         page = os.path.basename(link).removesuffix(".md")
         lines.append(f"| {label} | {value} | {when} | {status} | [{page}]({link}) |")
@@ -461,9 +472,11 @@ class Block:
     files: list[str]
     opts: dict = field(default_factory=dict)
 
+    rows: list[str] = field(default_factory=list)  # the FILE words as written: ``a.json+b.json`` joins a headline row
+
     def render(self, root: str = _ROOT) -> list[str]:
         datas = [load(f, root) for f in self.files]
-        lines = renderer(self.renderer)(datas, self.opts | {"files": self.files})
+        lines = renderer(self.renderer)(datas, self.opts | {"files": self.files, "rows": self.rows or self.files})
         if self.renderer == "headline" or not self.files:  # the README's rows link to their pages; constants have none
             return lines
         lines = lines + [""]
@@ -486,12 +499,13 @@ def parse_blocks(doc: str, lines: list[str]) -> list[Block]:
         if name not in RENDERERS and ":" not in name:
             raise ValueError(f"{doc}:{i + 1}: unknown renderer {name!r} (allowed: {', '.join(RENDERERS)}, or "
                              "module:function)")
-        files = [w for w in rest if "=" not in w]
+        rows = [w for w in rest if "=" not in w]
+        files = [f for w in rows for f in w.split("+")]
         opts = dict(w.split("=", 1) for w in rest if "=" in w)
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == END), None)
         if end is None:
             raise ValueError(f"{doc}:{i + 1}: table marker without '{END}'")
-        blocks.append(Block(doc, i, end, name, files, opts))
+        blocks.append(Block(doc, i, end, name, files, opts, rows))
     return blocks
 
 

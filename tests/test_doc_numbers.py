@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,27 @@ def test_the_checker_catches_an_edited_cell_and_a_number_no_table_shows(tmp_path
     lines = (written + f"\nThe first row reads {cell[1]}, the second 9.87.\n").split("\n")
     unchecked = doc_tables.unchecked_numbers(doc, lines)
     assert len(unchecked) == 1 and "9.87" in unchecked[0]  # the cited table value passes, the other does not
+
+
+def test_a_headline_row_joins_the_files_of_one_result_run_in_parallel(tmp_path, monkeypatch):
+    """``a.json+b.json`` in the README's headline block: one row, the script's ``combined`` of both files, the later
+    run's date; the block's files (what --changes and the command check read) are both files."""
+    joined = types.ModuleType("benchmarks.joined_demo")
+    joined.combined = lambda datas: {"n": sum(d["n"] for d in datas)}
+    joined.headline = lambda data: ("joined result", f"total {data['n']}")
+    monkeypatch.setitem(sys.modules, "benchmarks.joined_demo", joined)
+    for name, n, day in (("a.json", 1, "26"), ("b.json", 2, "27")):
+        prov = {"script": "joined_demo.py", "commit": "a" * 40, "command": "python benchmarks/joined_demo.py",
+                "code": {"how": "unknown", "digests": {}}, "utc": f"2026-11-{day}T00:00:00+00:00"}
+        (tmp_path / name).write_text(json.dumps({"n": n, "provenance": prov}))
+    doc, link = Path("docs", "y.md").as_posix(), "/".join(["docs", "r.md"])  # scratch names, built in parts
+    (tmp_path / "docs").mkdir()
+    (tmp_path / doc).write_text(f"<!-- table: headline a.json+b.json link={link} -->\n<!-- end table -->\n")
+    doc_tables.load.cache_clear()
+    report = doc_tables.check([doc], root=str(tmp_path), write=True)
+    assert report.errors == [] and report.blocks[0].files == ["a.json", "b.json"]
+    assert (tmp_path / doc).read_text().split("\n")[3] == f"| joined result | total 3 | 2026-11-27 | unknown | [r]({link}) |"
+    doc_tables.load.cache_clear()
 
 
 def _scratch_module(tmp_path: Path, body: str) -> Path:
