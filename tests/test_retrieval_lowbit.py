@@ -152,7 +152,11 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     by_seed = {m: {r["seed"]: metric(r) for r in saved["runs"] if r["model"] == m} for m in script.MODELS}
     diffs = [by_seed["v1"][s] - by_seed["llama"][s] for s in (0, 1)]
     assert needle_row.split(" | ")[4].startswith(f"{statistics.mean(diffs):.2f} ± {statistics.stdev(diffs):.2f}")
-    assert len(script.doc_table_lowbit([saved], {"task": "mqar"})) == 2 + len(saved["runs"][0]["lowbit"]["accuracy"]) + 2
+    plain = script.doc_table_lowbit([saved], {"task": "mqar"})
+    assert len(plain) == 2 + len(saved["runs"][0]["lowbit"]["accuracy"]) + 2
+    everyone = script.doc_table_lowbit([saved], {"task": "mqar", "learned": "0"})  # every run qualifies: counts added
+    assert everyone[3].split(" | ")[1] == plain[3].split(" | ")[1] + " (2)"
+    assert script.doc_table_lowbit([saved], {"task": "mqar", "learned": "2"})[0] == "| quantized |"  # none qualifies
     assert len(script.doc_table_per_seed([saved], {})) == 2 + 6
     for render in (script.doc_table_outliers, script.doc_table_lens):
         assert all(line.count("|") == 7 for line in render([saved], {}) if line.startswith("|"))
