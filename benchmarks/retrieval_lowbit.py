@@ -757,6 +757,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="Retrain every (seed, model) even if results.json holds it under the same setting.")
     p.add_argument("--progress", action="store_true", help="Print the validation curve while training.")
+    p.add_argument("--plot-with", nargs="+", default=[], metavar="RESULTS_JSON",
+                   help="Other results files of the same setting (seeds run in parallel with another --out): the plots "
+                        "show their runs too (results.json keeps this folder's own runs).")
     return p
 
 
@@ -869,7 +872,14 @@ def run(args, argv) -> dict:
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write(markdown_tables(report))
     plots = ["curves.png", "accuracy_vs_length.png"] + (["accuracy_vs_bits.png", "attention_shares.png"] if args.analysis else [])
-    if runs and (trained or not all(os.path.exists(os.path.join(args.out, p)) for p in plots)):
+    if args.plot_with:
+        others = []
+        for path in args.plot_with:
+            with open(path) as f:
+                others.append(json.load(f))
+        joined = combined([report, *others])  # the same setting, no run twice (else a named error)
+        runs = {(r["model"], r["seed"]): r for r in joined["runs"]}
+    if runs and (trained or args.plot_with or not all(os.path.exists(os.path.join(args.out, p)) for p in plots)):
         plot_curves(runs, os.path.join(args.out, "curves.png"))
         plot_accuracy_vs_length(runs, args, os.path.join(args.out, "accuracy_vs_length.png"))
         if args.analysis:

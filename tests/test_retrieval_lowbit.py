@@ -191,6 +191,17 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     again = script.main(argv)
     assert len(trained) == 1 and len(again["runs"]) == 6
     assert again["provenance"]["resumed_from"] == saved["provenance"]  # the kept runs' own record
+    # Seeds run in parallel into another folder: --plot-with draws their runs too, and trains and rewrites nothing.
+    full = json.loads((out / "results.json").read_text())
+    mine = full | {"runs": [r for r in full["runs"] if r["seed"] == 0]}
+    (out / "results.json").write_text(json.dumps(mine))
+    (tmp_path / "other.json").write_text(json.dumps(full | {"runs": [r for r in full["runs"] if r["seed"] == 1]}))
+    (out / "curves.png").unlink()
+    script.main(argv + ["--seeds", "0", "--plot-with", str(tmp_path / "other.json")])
+    assert len(trained) == 1 and (out / "curves.png").stat().st_size > 0
+    assert json.loads((out / "results.json").read_text()) == mine
+    with pytest.raises(ValueError, match="share a"):  # a run in both files
+        script.main(argv + ["--seeds", "0", "--plot-with", str(out / "results.json")])
     script.main(argv + ["--models", "llama", "--seeds", "0", "--no-analysis", "--steps", "2"])
     assert len(trained) == 2
 
