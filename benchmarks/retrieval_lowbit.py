@@ -563,15 +563,36 @@ def retrieval_metrics(report: dict) -> dict:
     }
 
 
-def _model_table(report: dict, rows: dict, value_fmt=_mean_std) -> list[str]:
+def _model_table(report: dict, rows: dict, value_fmt=_mean_std, counted: bool = False) -> list[str]:
+    """One row per quantity: per model mean ± std over its runs, and the paired difference to the Llama. ``counted``:
+    each cell names its number of runs (paired cells: the seeds where both models have one)."""
     models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
     head = ["quantity"] + [LABELS[m] for m in models] + [f"{LABELS[m]} − Llama (paired)" for m in models if m != "llama"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def count(text, n):
+        return f"{text} ({n})" if counted and text != "–" else text
+
     for label, fn in rows.items():
-        cells = [value_fmt(_seeds_of(report, m, fn).values()) for m in models]
-        cells += [_paired(report, m, fn) for m in models if m != "llama"]
+        cells = [count(value_fmt(v := _seeds_of(report, m, fn).values()), len(v)) for m in models]
+        llama = set(_seeds_of(report, "llama", fn))
+        cells += [count(_paired(report, m, fn), len(set(_seeds_of(report, m, fn)) & llama))
+                  for m in models if m != "llama"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _learned_only(report: dict, opts: dict) -> tuple[dict, str]:
+    """``opts["learned"]``: the report with only the runs whose needle accuracy at the trained lengths reaches it
+    (the attention of a model that never retrieves says nothing about how retrieval attends), and the note saying so."""
+    if "learned" not in opts:
+        return report, ""
+    level = float(opts["learned"])
+    metrics = retrieval_metrics(report)
+    needle = metrics[next(k for k in metrics if k.startswith("needle accuracy, trained"))]
+    kept = [r for r in report["runs"] if needle(r) >= level]
+    return report | {"runs": kept}, (f" Only the runs that learned needle retrieval (accuracy at the trained lengths "
+                                      f"{level:g} or more; in parentheses: runs, or seeds where both models did).")
 
 
 def _seeds_line(report: dict) -> str:
@@ -647,27 +668,29 @@ def doc_table_lowbit(datas: list[dict], opts: dict) -> list[str]:
 
 def doc_table_outliers(datas: list[dict], opts: dict) -> list[str]:
     """Top activations: the largest attention logit and hidden-state magnitude over layers, and their kurtosis."""
-    report = combined(datas)
+    everyone = combined(datas)
+    report, note = _learned_only(everyone, opts)
     acts = lambda kind, key: lambda r: max(x[key] for x in r["lowbit"]["activations"][kind])  # noqa: E731
     rows = {"largest attention logit (magnitude)": acts("logits", "max"),
             "attention logits: 10th largest": acts("logits", "top10"),
             "attention logits: kurtosis (largest over layers)": acts("logits", "kurtosis"),
             "largest hidden-state magnitude": acts("hidden", "max"),
             "hidden states: kurtosis (largest over layers)": acts("hidden", "kurtosis")}
-    return _model_table(report, rows) + ["", _seeds_line(report)]
+    return _model_table(report, rows, counted=bool(note)) + ["", _seeds_line(everyone) + note]
 
 
 def doc_table_lens(datas: list[dict], opts: dict) -> list[str]:
     """Attention of the last key token of the first query, on the queried needle (answer), the other needles
     (distractors) and the rest (noise): mean over layers, heads and prompts, and the head with the largest answer share."""
-    report = combined(datas)
+    everyone = combined(datas)
+    report, note = _learned_only(everyone, opts)
     rows = {"answer share (mean over heads)": lambda r: r["lens"]["answer_mean"],
             "distractor-needle share (mean over heads)": lambda r: r["lens"]["distractor_mean"],
             "noise share (mean over heads)": lambda r: r["lens"]["noise_mean"],
             "answer share of the best head": lambda r: r["lens"]["answer_best_head"],
             "noise share of that head": lambda r: r["lens"]["noise_of_best_head"]}
-    return _model_table(report, rows) + ["", _seeds_line(report) + " DIFF models: the differential map's positive "
-                                         "mass; the Llama: its softmax map."]
+    return _model_table(report, rows, counted=bool(note)) + ["", _seeds_line(everyone) + " DIFF models: the differential "
+                                                            "map's positive mass; the Llama: its softmax map." + note]
 
 
 def doc_table_calibration(datas: list[dict], opts: dict) -> list[str]:

@@ -160,6 +160,9 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     assert len(script.doc_table_per_seed([saved], {})) == 2 + 6
     for render in (script.doc_table_outliers, script.doc_table_lens):
         assert all(line.count("|") == 7 for line in render([saved], {}) if line.startswith("|"))
+        kept = render([saved], {"learned": "0"})  # every run qualifies: the same values, each cell counting its runs
+        assert kept[2].split(" | ")[1] == render([saved], {})[2].split(" | ")[1] + " (2)"
+        assert render([saved], {"learned": "2"})[0] == "| quantity |"  # no run learned: no model column
     label, value = script.headline(saved)
     assert "2 paired seeds" in label and "DIFF V2" in value
     half = {k: v for k, v in saved.items() if k != "runs"}
