@@ -164,7 +164,7 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
         assert kept[2].split(" | ")[1] == render([saved], {})[2].split(" | ")[1] + " (2)"
         assert render([saved], {"learned": "2"})[0] == "| quantity |"  # no run learned: no model column
     label, value = script.headline(saved)
-    assert "2 paired seeds" in label and "DIFF V2" in value
+    assert "2 paired seeds" in label and "sooner than the Llama in DIFF V1" in value
     half = {k: v for k, v in saved.items() if k != "runs"}
     seed0, seed1 = ([r for r in saved["runs"] if r["seed"] == s] for s in (0, 1))
     assert script.combined([half | {"runs": seed0}, half | {"runs": seed1}])["runs"] == seed0 + seed1
