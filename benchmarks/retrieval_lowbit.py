@@ -114,7 +114,7 @@ def make_data(args, seed: int) -> dict:
     val = rt.needle_grid(vocab, [args.train_length], _ints(args.train_needles)[-2:], depths, 2, val_seed, num_queries=4)
     val += rt.mqar_grid(vocab, [n for n in _ints(args.train_pairs) if rt.mqar_length(n) <= args.train_length][-2:], 4, val_seed)
     if args.copy_fraction > 0:  # the induction data: its accuracy shows when induction heads form
-        val += [rt.repeated_copy(vocab, 24, rt._rng(val_seed, "copy", i)) for i in range(8)]
+        val += [rt.repeated_copy(vocab, 24, rt.seeded_rng(val_seed, "copy", i)) for i in range(8)]
     lengths, needles = _ints(args.eval_lengths), _ints(args.eval_needles)
     evals = {
         "needle": rt.needle_grid(vocab, lengths, needles, depths, args.eval_samples, eval_seed),

@@ -63,7 +63,7 @@ def is_differential(model) -> bool:
     return getattr(model.config, "model_type", None) == "difftransformer"
 
 
-def _diff_attention_modules(model) -> list[torch.nn.Module]:
+def diff_attention_modules(model) -> list[torch.nn.Module]:
     # By class name, not isinstance: under trust_remote_code the class is a second copy (docs/ecosystem.md, "Hub").
     mods = [m for m in model.modules() if any(c.__name__ == "DiffTransformerAttention" for c in type(m).__mro__)]
     return sorted(mods, key=lambda m: m.layer_idx)
@@ -167,7 +167,7 @@ def attention_maps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         return [LayerMaps(i, {"softmax": a.float()}) for i, a in enumerate(out.attentions)]
 
     captured: dict[int, dict] = {}
-    modules = _diff_attention_modules(model)
+    modules = diff_attention_modules(model)
 
     def hook(module, args, kwargs):
         captured[module.layer_idx] = {

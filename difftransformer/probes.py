@@ -99,7 +99,9 @@ class ProbeExample:
         return self.prompt + self.answer
 
 
-def _rng(seed: int, *parts) -> random.Random:
+def seeded_rng(seed: int, *parts) -> random.Random:
+    """A generator seeded by a string of ``seed`` and the cell's ``parts``: the same stream on every run and machine, and
+    a cell's stream does not depend on which other cells are drawn."""
     return random.Random("-".join(str(p) for p in (seed, *parts)))
 
 
@@ -190,7 +192,7 @@ def needle_in_haystack(
     for length in context_lengths:
         for depth in depths:
             for s in range(samples):
-                rng = _rng(seed, "niah", length, depth, s)
+                rng = seeded_rng(seed, "niah", length, depth, s)
                 keys = ["_".join(rng.sample(WORDS, 2)) for _ in range(num_needles)]
                 while len(set(keys)) < num_needles:  # vanishingly rare; keep keys distinct
                     keys = ["_".join(rng.sample(WORDS, 2)) for _ in range(num_needles)]
@@ -269,7 +271,7 @@ def associative_recall(
     examples = []
     for n in num_pairs:
         for s in range(samples):
-            rng = _rng(seed, "mqar", n, s)
+            rng = seeded_rng(seed, "mqar", n, s)
             keys = set()
             while len(keys) < n:
                 keys.add("_".join(rng.sample(WORDS, 2)))
@@ -352,7 +354,7 @@ def icl_shuffled(
     examples = []
     for k in num_demos:
         for s in range(samples):
-            rng = _rng(seed, "icl", k, s)
+            rng = seeded_rng(seed, "icl", k, s)
             words = rng.sample(WORDS, 2 * num_classes)
             prefixes, labels = words[:num_classes], words[num_classes:]
             classes = list(range(num_classes)) + [rng.randrange(num_classes) for _ in range(k - num_classes)]

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .probes import seeded_rng
+
 TASKS = ("needle", "mqar", "copy")
 
 
@@ -96,10 +98,6 @@ class TaskExample:
     @property
     def context_length(self) -> int:
         return len(self.input_ids)
-
-
-def _rng(seed, *parts) -> random.Random:
-    return random.Random("-".join(str(p) for p in (seed, *parts)))
 
 
 def multi_needle(vocab: TaskVocab, length: int, num_needles: int, num_queries: int, rng: random.Random,
@@ -210,13 +208,13 @@ def needle_grid(vocab: TaskVocab, lengths: Sequence[int], needle_counts: Sequenc
                 samples: int, seed: int, num_queries: int = 1) -> list[TaskExample]:
     """Held-out multi-needle examples: ``samples`` per (length, needle count, depth) cell, ``min(num_queries, N)``
     queries each (the first one's needle at the cell's depth)."""
-    return [multi_needle(vocab, L, n, min(num_queries, n), _rng(seed, "needle", L, n, d, s), d)
+    return [multi_needle(vocab, L, n, min(num_queries, n), seeded_rng(seed, "needle", L, n, d, s), d)
             for L in lengths for n in needle_counts for d in depths for s in range(samples)]
 
 
 def mqar_grid(vocab: TaskVocab, pair_counts: Sequence[int], samples: int, seed: int) -> list[TaskExample]:
     """Held-out MQAR examples: ``samples`` sequences per number of pairs (every key queried)."""
-    return [mqar(vocab, n, _rng(seed, "mqar", n, s)) for n in pair_counts for s in range(samples)]
+    return [mqar(vocab, n, seeded_rng(seed, "mqar", n, s)) for n in pair_counts for s in range(samples)]
 
 
 def training_examples(vocab: TaskVocab, count: int, seed: int, max_length: int, needle_counts: Sequence[int],
@@ -235,7 +233,7 @@ def training_examples(vocab: TaskVocab, count: int, seed: int, max_length: int, 
         raise ValueError(f"no pair count of {list(pair_counts)} fits in max_length={max_length} (2 + 2n + 2(n // 2) tokens).")
     out = []
     for i in range(count):
-        rng = _rng(seed, "train", i)
+        rng = seeded_rng(seed, "train", i)
         kind = rng.random()
         if kind < copy_fraction:
             lo, hi = min(copy_lengths[0], max_length), min(copy_lengths[1], max_length)

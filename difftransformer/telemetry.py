@@ -70,10 +70,10 @@ def probe_metrics(model, probe_input_ids: torch.Tensor) -> dict[str, list[float]
     """The per-layer telemetry of a difftransformer model (plain or PEFT-wrapped) on ``probe_input_ids``
     ``(B, T)`` (unpadded, no cache): ``{"lambda": [...]}`` (V1) or ``{"lambda_mean": [...], "lambda_std": [...]}``
     (V2), and ``negative_share``, ``first_token_mass``, ``map_separation`` (module docstring), one float per layer."""
-    from .analysis import _diff_attention_modules, attention_maps, split_pairs
+    from .analysis import attention_maps, diff_attention_modules, split_pairs
 
     base = unwrap_model(model)
-    modules = _diff_attention_modules(base)
+    modules = diff_attention_modules(base)
     inputs: dict[int, tuple] = {}
 
     def keep_inputs(module, args, kwargs):  # what attention_maps' forward hands each attention layer

@@ -61,7 +61,7 @@ def test_a_wrong_pairing_would_be_detected():
     """The equality above is informative: splitting V1 GQA maps with V2's (adjacent) pairing does not match."""
     model = diff_model("v1_gqa")
     ids = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(2))
-    module = analysis._diff_attention_modules(model)[0]
+    module = analysis.diff_attention_modules(model)[0]
     captured = {}
     handle = module.register_forward_pre_hook(lambda m, a, k: captured.update(k), with_kwargs=True)
     layers = attention_maps(model, ids)
