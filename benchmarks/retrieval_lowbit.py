@@ -633,33 +633,42 @@ def doc_table_lowbit(datas: list[dict], opts: dict) -> list[str]:
     never learned the task has nothing to lose); each cell then names its number of runs, and a paired cell the seeds
     where both models learned."""
     report, task = combined(datas), opts.get("task", "needle")
+    measure = opts.get("measure", "accuracy")  # or "loss": the answer loss (nats), and the loss added
+    if measure not in ("accuracy", "loss"):
+        raise ValueError(f"measure={measure!r}: allowed values are 'accuracy' and 'loss'")
     tags = list(report["runs"][0]["lowbit"]["accuracy"])
 
     def acc(tag):
         return lambda r: r["lowbit"]["accuracy"][tag][task]["accuracy"]
 
+    def value(tag):
+        return lambda r: r["lowbit"]["accuracy"][tag][task][measure]
+
     level = float(opts["learned"]) if "learned" in opts else None
     if level is not None:
         report = report | {"runs": [r for r in report["runs"] if acc("none")(r) >= level]}
     models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
+    change = "accuracy lost" if measure == "accuracy" else "loss added"
     head = (["quantized", *[LABELS[m] for m in models]]
-            + [f"{LABELS[m]} − Llama: accuracy lost (paired)" for m in models if m != "llama"])
+            + [f"{LABELS[m]} − Llama: {change} (paired)" for m in models if m != "llama"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def counted(text, n):
         return text if level is None or text == "–" else f"{text} ({n})"
 
+    sign = 1 if measure == "accuracy" else -1  # accuracy lost: before − after; loss added: after − before
     for tag in tags:
-        cells = [counted(_mean_std(v := _seeds_of(report, m, acc(tag)).values()), len(v)) for m in models]
+        cells = [counted(_mean_std(v := _seeds_of(report, m, value(tag)).values()), len(v)) for m in models]
         if tag == "none":
             cells += ["–" for m in models if m != "llama"]
         else:
-            lost = lambda r, t=tag: acc("none")(r) - acc(t)(r)  # noqa: E731
+            lost = lambda r, t=tag: sign * (value("none")(r) - value(t)(r))  # noqa: E731
             both = {m: len(set(_seeds_of(report, m, lost)) & set(_seeds_of(report, "llama", lost))) for m in models}
             cells += [counted(_paired(report, m, lost), both[m]) for m in models if m != "llama"]
         label = "nothing" if tag == "none" else tag.replace("/", ", ").replace("qk", "q and k") + " bits"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    note = " Accuracy lost: unquantized minus quantized accuracy of the same model."
+    note = (" Accuracy lost: unquantized minus quantized accuracy of the same model." if measure == "accuracy" else
+            " Answer loss in nats; loss added: quantized minus unquantized loss of the same model.")
     if level is not None:
         note += (f" Only runs whose unquantized accuracy reaches {level:g} (in parentheses: runs, or seeds where both "
                  "models did).")

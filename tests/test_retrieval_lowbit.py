@@ -157,6 +157,13 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     everyone = script.doc_table_lowbit([saved], {"task": "mqar", "learned": "0"})  # every run qualifies: counts added
     assert everyone[3].split(" | ")[1] == plain[3].split(" | ")[1] + " (2)"
     assert script.doc_table_lowbit([saved], {"task": "mqar", "learned": "2"})[0] == "| quantized |"  # none qualifies
+    losses = script.doc_table_lowbit([saved], {"task": "needle", "measure": "loss"})
+    r = saved["runs"][0]["lowbit"]["accuracy"]
+    llama = [x for x in saved["runs"] if x["model"] == "llama"]
+    assert losses[2].split(" | ")[1].startswith(f"{statistics.mean(x['lowbit']['accuracy']['none']['needle']['loss'] for x in llama):.2f}")
+    assert "loss added" in losses[0] and set(r) == {"none"} | {f"{t}/{g}/4" for t in script.TARGETS for g in script.GRANULARITIES}
+    with pytest.raises(ValueError, match="measure='nats'"):
+        script.doc_table_lowbit([saved], {"measure": "nats"})
     assert len(script.doc_table_per_seed([saved], {})) == 2 + 6
     for render in (script.doc_table_outliers, script.doc_table_lens):
         assert all(line.count("|") == 7 for line in render([saved], {}) if line.startswith("|"))
