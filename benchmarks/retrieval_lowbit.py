@@ -52,24 +52,23 @@ SCRIPT = "retrieval_lowbit.py"
 MODELS = ("llama", "v1", "v2")
 LABELS = {"v1": "DIFF V1", "v2": "DIFF V2", "llama": "Llama"}
 
+_DEFAULT = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=192, train_length=64, batch_size=32, steps=10000, warmup=200, lr=1e-3, schedule="constant",
+    needle_fraction=0.45, copy_fraction=0.25, train_needles="1,2,4,6", train_queries=8, train_pairs="2,4,6,8,12",
+    eval_lengths="48,64,80,96,128,256", eval_needles="2,4,6,8", eval_depths="0,0.25,0.5,0.75,1", eval_samples=8,
+    eval_pairs="4,8,12,16,24,32,48", mqar_samples=16, lowbit_samples=6, lowbit_bits="8,6,4", lens_examples=20,
+    eval_every=500, seeds="0,1,2", threads=1, device="cpu")
 PRESETS = {
     # Frozen after calibrating the Llama alone (docs/reports/2026-11-27-retrieval-lowbit.md, "Calibration"): at this size
     # and budget a Llama's validation accuracy on both tasks jumps from chance to ~1 between 4,000 and 5,000 steps.
-    "default": dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=192, train_length=64, batch_size=32, steps=10000, warmup=200, lr=1e-3, schedule="constant",
-        needle_fraction=0.45, copy_fraction=0.25, train_needles="1,2,4,6", train_queries=8, train_pairs="2,4,6,8,12",
-        eval_lengths="48,64,80,96,128,256", eval_needles="2,4,6,8", eval_depths="0,0.25,0.5,0.75,1", eval_samples=8,
-        eval_pairs="4,8,12,16,24,32,48", mqar_samples=16, lowbit_samples=6, lowbit_bits="8,6,4", lens_examples=20,
-        eval_every=500, seeds="0,1,2", threads=1, device="cpu"),
+    "default": _DEFAULT,
     # The same recipe, wider, twice the context and steps, ten seeds (not run here: no GPU was available).
-    "gpu": dict(
-        hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-        intermediate_size=384, train_length=128, batch_size=64, steps=20000, warmup=200, lr=1e-3, schedule="constant",
-        needle_fraction=0.45, copy_fraction=0.25, train_needles="1,2,4,6,8,12", train_queries=8,
-        train_pairs="2,4,8,12,16,24", eval_lengths="64,128,160,192,256,512", eval_needles="2,4,8,12,16",
-        eval_depths="0,0.25,0.5,0.75,1", eval_samples=16, eval_pairs="8,16,24,32,48", mqar_samples=32, lowbit_samples=12,
-        lowbit_bits="8,6,4", lens_examples=25, eval_every=500, seeds="0,1,2,3,4,5,6,7,8,9", threads=4, device="cuda"),
+    "gpu": _DEFAULT | dict(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=4, intermediate_size=384, train_length=128,
+        batch_size=64, steps=20000, train_needles="1,2,4,6,8,12", train_pairs="2,4,8,12,16,24",
+        eval_lengths="64,128,160,192,256,512", eval_needles="2,4,8,12,16", eval_samples=16, eval_pairs="8,16,24,32,48",
+        mqar_samples=32, lowbit_samples=12, lens_examples=25, seeds="0,1,2,3,4,5,6,7,8,9", threads=4, device="cuda"),
     "smoke": dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         intermediate_size=64, train_length=48, batch_size=4, steps=3, warmup=1, lr=1e-3, schedule="constant",
