@@ -69,6 +69,10 @@ PRESETS = {
         batch_size=64, steps=20000, train_needles="1,2,4,6,8,12", train_pairs="2,4,8,12,16,24",
         eval_lengths="64,128,160,192,256,512", eval_needles="2,4,8,12,16", eval_samples=16, eval_pairs="8,16,24,32,48",
         mqar_samples=32, lowbit_samples=12, lens_examples=25, seeds="0,1,2,3,4,5,6,7,8,9", threads=4, device="cuda"),
+    # Issue 42's learning-rate grid: the default recipe at 20,000 steps on seeds never used for calibration (nor by the
+    # default's runs, 0-4), one --lr per call; a run stops once both tasks' validation accuracy has been at 90% or more at
+    # three validations in a row (1,000 steps at eval_every 500). scripts/retrieval_lr_grid.sh runs the grid.
+    "lr_grid": _DEFAULT | dict(steps=20000, seeds="5,6,7,8", stop_held=3),
     "smoke": dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         intermediate_size=64, train_length=48, batch_size=4, steps=3, warmup=1, lr=1e-3, schedule="constant",
@@ -78,6 +82,8 @@ PRESETS = {
         eval_every=2, seeds="0,1", threads=1, device="cpu"),
 }
 # The preset values that define a run's setting (a result is reused by --resume only under the same setting).
+# Keys that join the setting only where set (so that the settings of results run before they existed keep their ids).
+OPTIONAL_SETTING_KEYS = ("stop_held",)
 SETTING_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "train_length", "batch_size", "steps", "warmup", "lr", "schedule", "needle_fraction",
                 "copy_fraction",
@@ -142,10 +148,15 @@ def summarize_scores(examples, scores) -> dict:
             "loss": sum(loss) / len(loss), "n": len(correct)}
 
 
+STOP_TASKS, STOP_LEVEL = ("needle", "mqar"), 0.9
+
+
 def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: str, progress: bool = False,
-          schedule: str = "cosine") -> dict:
+          schedule: str = "cosine", stop_held: int = 0) -> dict:
     """AdamW (betas 0.9/0.95, weight decay 0.1, as the paper), linear warm-up then a cosine decay to zero or a
     constant rate (``schedule``), gradient clipping at 1.0 (compare_small's recipe); loss on the answer tokens only.
+    ``stop_held`` > 0: stop once the validation accuracy of every task in ``STOP_TASKS`` has been ``STOP_LEVEL`` or
+    more at that many validations in a row (``curves["stopped_at"]``: the step; None where the run went to the end).
     Returns the curves and the times."""
     from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
@@ -154,7 +165,8 @@ def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: 
         sched = get_cosine_schedule_with_warmup(opt, warmup, len(batches))
     else:
         sched = get_constant_schedule_with_warmup(opt, warmup)
-    curves = {"step": [], "train_loss": [], "eval_step": [], "val_loss": [], "val_accuracy": [], "val_accuracy_by_task": {}}
+    curves = {"step": [], "train_loss": [], "eval_step": [], "val_loss": [], "val_accuracy": [], "val_accuracy_by_task": {},
+              "stopped_at": None}
 
     def evaluate_now(step):
         model.eval()
@@ -191,10 +203,22 @@ def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: 
             window = []
         if step % eval_every == 0 or step == len(batches):
             evaluate_now(step)
+            if stop_held and _held(curves, stop_held):
+                if window:
+                    curves["step"].append(step)
+                    curves["train_loss"].append(sum(window) / len(window))
+                curves["stopped_at"] = step
+                break
     curves["train_cpu_s"] = time.process_time() - cpu0
     curves["train_wall_s"] = time.time() - wall0
     model.eval()
     return curves
+
+
+def _held(curves: dict, n: int) -> bool:
+    """Whether every task of ``STOP_TASKS`` was at ``STOP_LEVEL`` or more at the last ``n`` validations."""
+    by_task = curves["val_accuracy_by_task"]
+    return all(len(by_task.get(t, [])) >= n and min(by_task[t][-n:]) >= STOP_LEVEL for t in STOP_TASKS)
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -782,6 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("lowbit-bits", str, "Bit widths of the low-bit evaluation."),
         ("lens-examples", int, "Needle prompts the attention lens averages over."),
         ("eval-every", int, "Validate every N steps (curves)."), ("threads", int, "torch.set_num_threads."),
+        ("stop-held", int, "Stop a run once needle and MQAR validation accuracy have been 0.9 or more at this many "
+                           "validations in a row (0: train every step)."),
         ("device", str, "torch device (cpu, cuda)."),
     ):
         p.add_argument(f"--{name}", type=kind, help=text)
@@ -789,6 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Accuracy only: no low-bit evaluation, activation statistics or lens (calibration runs).")
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="Retrain every (seed, model) even if results.json holds it under the same setting.")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="Write results.json and results.md only (grids of many folders).")
     p.add_argument("--progress", action="store_true", help="Print the validation curve while training.")
     p.add_argument("--plot-with", nargs="+", default=[], metavar="RESULTS_JSON",
                    help="Other results files of the same setting (seeds run in parallel with another --out): the plots "
@@ -801,6 +829,9 @@ def resolve_args(argv=None) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    for key in OPTIONAL_SETTING_KEYS:
+        if getattr(args, key, None) is None:
+            setattr(args, key, 0)
     if args.out is None:
         args.out = "benchmarks/results/retrieval_lowbit" + ("_smoke" if args.preset == "smoke" else "")
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -812,6 +843,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
                 "lens_examples", "threads"):
         if getattr(args, key) <= 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be a positive integer, got {getattr(args, key)}.")
+    if args.stop_held < 0:
+        raise SystemExit(f"--stop-held must be 0 (train every step) or a positive integer, got {args.stop_held}.")
     if args.schedule not in ("cosine", "constant"):
         raise SystemExit(f"--schedule must be cosine or constant, got {args.schedule!r}.")
     if any(b < 2 or b > 16 for b in _ints(args.lowbit_bits)):
@@ -820,7 +853,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
 
 
 def setting_of(args) -> dict:
-    return {k: getattr(args, k) for k in SETTING_KEYS}
+    return {k: getattr(args, k) for k in SETTING_KEYS} | {k: getattr(args, k) for k in OPTIONAL_SETTING_KEYS
+                                                          if getattr(args, k)}
 
 
 def setting_id(setting: dict) -> str:
@@ -879,7 +913,7 @@ def run(args, argv) -> dict:
             with harness.trace_code():
                 model = build_model(name, configs[name], seed).to(args.device)
             curves = train(model, data["batches"], data["val"], args.lr, args.warmup, args.eval_every, args.device,
-                           args.progress, args.schedule)
+                           args.progress, args.schedule, args.stop_held)
             with harness.trace_code():  # evaluation is short beside training: traced whole
                 result = {"model": name, "seed": seed, "params": sum(p.numel() for p in model.parameters()),
                           "curves": curves, "eval": evaluate_retrieval(model, data["evals"])}
@@ -912,7 +946,7 @@ def run(args, argv) -> dict:
                 others.append(json.load(f))
         joined = combined([report, *others])  # the same setting, no run twice (else a named error)
         runs = {(r["model"], r["seed"]): r for r in joined["runs"]}
-    if runs and (trained or args.plot_with or not all(os.path.exists(os.path.join(args.out, p)) for p in plots)):
+    if args.plots and runs and (trained or args.plot_with or not all(os.path.exists(os.path.join(args.out, p)) for p in plots)):
         plot_curves(runs, os.path.join(args.out, "curves.png"))
         plot_accuracy_vs_length(runs, args, os.path.join(args.out, "accuracy_vs_length.png"))
         if args.analysis:

@@ -220,3 +220,35 @@ def test_bad_flags_are_named(script):
     for argv, match in ((["--models", "gpt2"], "--models"), (["--steps", "0"], "--steps"), (["--lowbit-bits", "1"], "--lowbit-bits")):
         with pytest.raises(SystemExit, match=match):
             script.resolve_args(["--preset", "smoke", *argv])
+    with pytest.raises(SystemExit, match="--stop-held"):
+        script.resolve_args(["--preset", "smoke", "--stop-held", "-1"])
+
+
+def test_a_run_stops_once_both_tasks_hold_90_percent(script, monkeypatch):
+    """--stop-held n: training ends at the validation where needle and MQAR accuracy have been >= 0.9 n times in a row
+    (the learning-rate grid's runs); a run that gets there only for one task goes to the end."""
+    args = script.resolve_args(["--preset", "smoke", "--steps", "12", "--eval-every", "2"])
+    data = script.make_data(args, 0)
+    model = script.build_model("llama", script.build_configs(rt.TaskVocab().size, 32, 2, 4, 2, 8, 64, 64)["llama"], 0)
+    schedules = {  # validation accuracy per task at validations 0, 2, 4, ... (the stub's answers)
+        "stops": {"needle": [0.1, 0.95, 0.5, 0.92, 0.93, 0.99, 1.0], "mqar": [0.0, 0.9, 0.91, 0.95, 0.97, 0.99, 1.0]},
+        "never": {"needle": [1.0] * 7, "mqar": [0.5] * 7},
+    }
+    for name, accs in schedules.items():
+        calls = iter(range(7))
+
+        def fake_grouped(examples, scores, key, accs=accs, calls=calls):
+            i = next(calls)
+            return {t: {"accuracy": a[i], "loss": 0.0, "choice_accuracy": 0.0, "n": 1} for t, a in accs.items()}
+
+        monkeypatch.setattr(script, "grouped", fake_grouped)
+        curves = script.train(model, data["batches"], data["val"], 1e-3, 1, 2, "cpu", schedule="constant", stop_held=3)
+        if name == "stops":  # >= 0.9 on both at steps 6, 8, 10: stops at step 10 (needle fell to 0.5 at step 4)
+            assert curves["stopped_at"] == 10 and curves["eval_step"][-1] == 10 and curves["step"][-1] == 10
+            assert script.steps_to(curves, "needle", 0.9) == 2 and script.steps_to(curves, "mqar", 0.9) == 2
+        else:
+            assert curves["stopped_at"] is None and curves["eval_step"][-1] == 12
+    stopped = script.resolve_args(["--preset", "smoke", "--stop-held", "3"])
+    assert script.setting_of(stopped)["stop_held"] == 3
+    assert "stop_held" not in script.setting_of(script.resolve_args(["--preset", "smoke"]))  # older settings keep ids
+    assert script.resolve_args(["--preset", "lr_grid"]).stop_held == 3
