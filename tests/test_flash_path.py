@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from difftransformer import DiffTransformerForCausalLM
-from utils_difftransformer import left_padded_batch, randomize_norms, tiny_config
+from difftransformer.testing_utils import left_padded_batch, randomize_norms, tiny_config
 
 CALLS: list[str] = []
 

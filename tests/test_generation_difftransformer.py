@@ -6,7 +6,8 @@ import torch
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from difftransformer import CACHE_NAME, DiffTransformerForCausalLM
-from utils_difftransformer import CONTRACT_CALLS, left_padded_batch, tiny_config
+from difftransformer.testing_utils import left_padded_batch, tiny_config
+from utils_difftransformer import CONTRACT_CALLS
 
 LAYOUTS = ["v1_gqa", "v1_mha", "v2_gqa", "v2_mha"]
 

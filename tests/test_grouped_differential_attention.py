@@ -1,6 +1,6 @@
 """Grouped differential attention (GDA, arXiv 2510.06949; ``num_noise_heads``): r signal maps share one noise map.
 
-Every backend, cache and training path against the explicit float64 reference of tests/utils_difftransformer.py (a
+Every backend, cache and training path against the explicit float64 reference of difftransformer/testing_utils.py (a
 loop over heads that recomputes each head's noise map from the row order of docs/model.md), the kernels against their
 formulas, bf16 within the rounding model, and the exact rewrite as a plain model with duplicated noise heads
 (difftransformer/convert/gda.py). The layouts (GDA_LAYOUTS) cover V1 and V2, one and two noise heads per KV group.
@@ -17,8 +17,7 @@ from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer import kernels_difftransformer as kernels
 from difftransformer import modeling_difftransformer as mdt
 from difftransformer.convert import ConversionError, convert, duplicated_to_gda, gda_to_duplicated
-from utils_difftransformer import (
-    CONTRACT_CALLS,
+from difftransformer.testing_utils import (
     GDA_LAYOUTS,
     RoundingModel,
     bf16_error_bound,
@@ -28,6 +27,7 @@ from utils_difftransformer import (
     reference_forward,
     tiny_config,
 )
+from utils_difftransformer import CONTRACT_CALLS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYOUTS = list(GDA_LAYOUTS)
@@ -265,7 +265,7 @@ def test_gradients_match_float64_reference(layout, backend, monkeypatch):
 @pytest.fixture(scope="module", params=["v1_gda4", "v2_gda4"])
 def bf16_case(request):
     """A bf16 model whose attention matters (initializer_range 0.1), a left-padded batch, its exact float64 logits and
-    the bound of the rounding model: 3 × the largest error of 8 draws (utils_difftransformer.RoundingModel)."""
+    the bound of the rounding model: 3 × the largest error of 8 draws (testing_utils.RoundingModel)."""
     model = _model(request.param, "eager", initializer_range=0.1, head_dim=32).to(torch.bfloat16)
     ids, mask = left_padded_batch(model.config.vocab_size, [8, 5], seed=2)
     valid = mask.bool()

@@ -1,6 +1,6 @@
 """V1's CPU kernels under ``attn_implementation="sdpa"`` (blocked materialisation, decode) against eager.
 
-The forward of every backend is already compared with the float64 reference (tests/utils_difftransformer.py) in test_modeling; here: the
+The forward of every backend is already compared with the float64 reference (difftransformer/testing_utils.py) in test_modeling; here: the
 kernel's own gradients (float64 gradcheck), its masking conventions, several blocks per call, and, inside a model,
 eager's logits, generations and parameter gradients in float32 and bfloat16.
 """
@@ -13,7 +13,7 @@ import torch
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer import kernels_difftransformer as kernels
 from difftransformer import modeling_difftransformer as mdt
-from utils_difftransformer import bf16_gradient_bounds, left_padded_batch, randomize_norms, tiny_config
+from difftransformer.testing_utils import bf16_gradient_bounds, left_padded_batch, randomize_norms, tiny_config
 
 
 def _inputs(b, g, n, t, s, d, dtype=torch.float64, seed=0):
@@ -147,7 +147,7 @@ def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, dispatch, padded, monkeyp
 
 
 # ------------------------------------------------------------------------------------------------- bfloat16 training
-# Every bound below comes from the rounding model of tests/utils_difftransformer.py (RoundingModel): the float64
+# Every bound below comes from the rounding model of difftransformer/testing_utils.py (RoundingModel): the float64
 # reference, with every intermediate and every gradient perturbed by a relative error drawn from [−2⁻⁸, 2⁻⁸], drawn 8
 # times; a bf16 gradient must lie within BF16_FACTOR × the largest drawn error. Nothing in it depends on the CPU.
 BF16_FACTOR = 3.0

@@ -17,7 +17,7 @@ from difftransformer import (
     DiffTransformerModel,
 )
 from difftransformer.data import get_tokenizer
-from utils_difftransformer import left_padded_batch, randomize_norms, reference_forward, tiny_config
+from difftransformer.testing_utils import left_padded_batch, randomize_norms, reference_forward, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -152,7 +152,7 @@ def test_token_classification_scores_every_token(layout):
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 def test_question_answering_start_and_end_logits_and_loss(layout):
     """Start and end logits are the float64 reference model's final hidden states times the head's two rows, plus
-    its bias: the reference (tests/utils_difftransformer.py) computes the backbone from the state dict alone, with
+    its bias: the reference (difftransformer/testing_utils.py) computes the backbone from the state dict alone, with
     neither our modules nor transformers' head, so a head that reads the wrong states (unnormalised, another
     layer's, shifted) or swaps start and end fails. The loss is the mean of the two cross-entropies."""
     model = _head(DiffTransformerForQuestionAnswering, layout)

@@ -25,7 +25,7 @@ from difftransformer import DiffTransformerForCausalLM
 from difftransformer.compat_difftransformer import CACHE_RENAMED
 from difftransformer.convert import convert
 from difftransformer.hub import SOURCE_FILES, main_update_code, update_remote_code
-from utils_difftransformer import tiny_config
+from difftransformer.testing_utils import tiny_config
 from utils_remote_code import NEW_TOKENS, remote_generate, remote_generate_all
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

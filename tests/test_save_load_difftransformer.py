@@ -18,7 +18,7 @@ from transformers import (
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.modeling_difftransformer import DiffTransformerAttention
-from utils_difftransformer import randomize_norms, tiny_config
+from difftransformer.testing_utils import randomize_norms, tiny_config
 from utils_stats import normal_std_interval
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from difftransformer import DiffTransformerForCausalLM
-from utils_difftransformer import left_padded_batch, tiny_config
+from difftransformer.testing_utils import left_padded_batch, tiny_config
 
 
 def _model(layout, attn="sdpa", seed=0):

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.compat_difftransformer import CACHE_NAME, CACHE_RENAMED
-from utils_difftransformer import left_padded_batch, tiny_config
+from difftransformer.testing_utils import left_padded_batch, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYOUTS = ["v1_gqa", "v2_gqa", "v1_mha", "v2_mha"]
