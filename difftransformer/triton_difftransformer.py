@@ -69,10 +69,15 @@ whenever it is set before the first call, even after triton itself was imported.
 """
 
 import contextlib
+import json
 import math
 import os
+import time
+from functools import partial
+from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 try:  # optional dependency: the package imports and runs without it
     import triton
@@ -84,35 +89,75 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Launch parameters by kernel for H100/H200 (bf16/fp16 at head_dim 64 and 128). Chosen without a GPU: each kernel was
-# compiled for sm_90 with Triton 3.9's own ptxas over a small grid of tile sizes and warps, and these are the largest
-# tiles that fit in registers without spilling at r = 1 and no mask (about 210–255 registers per thread). float32
-# tiles take twice the registers of 16-bit ones, so float32 inputs get the tiles of a head twice as wide. Not yet
-# timed: the first thing to tune on a GPU. ``rows``: signal rows of a tile (query positions × r; at least 16
-# positions, as tl.dot needs 16 rows on the GPU); ``block_n``: keys of a tile; ``units`` (forward, dq; default 1):
-# noise rows of a group per program, with their signal rows, sharing each K/V tile (GQA reads K/V once per ``units``
-# noise rows instead of once per noise row; the decode path always takes all of a group's rows). ``_TUNING`` overrides
-# them per kernel (the tests shrink the tiles so that tiny problems cross several; a decode entry may fix ``splits``).
+_MIN_DOT = 16  # the smallest tile side tl.dot accepts on NVIDIA GPUs (the interpreter accepts any)
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launch configurations. Each kernel's list is what triton.autotune times on a GPU (after _prune drops the entries that
+# cannot suit the launch), in order of preference: the first entry _prune keeps is the kernel's default, used where
+# nothing is timed (the interpreter, a CUDA graph being captured, set_configs(..., autotune=False), tiny problems).
+# None of these has been timed on a GPU yet: the lists were checked only by compiling each entry for an H100 (sm_90,
+# Triton's bundled ptxas: registers, spills, shared memory, whether the dots use Hopper's wgmma); tuning_sweep() times
+# them on the GPU and set_configs() pins what it measured.
+#
+# Keys: BLOCK_T query positions of a tile (forward, dq: a tile holds UNITS noise rows × BLOCK_T positions and r times
+# as many signal rows; dkdv: one noise row and its r signal rows per step); BLOCK_N keys of a tile; UNITS noise rows of
+# a KV group per program, sharing each K/V tile (GQA reads K/V once per UNITS noise rows); num_warps, num_stages as in
+# triton.Config. decode: BLOCK_N, warps and stages of the decode launch and when it splits the keys (min_split_blocks:
+# the fewest K/V blocks a split gets); it always takes all of a group's rows (max_units bounds them).
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _cfg(warps, stages, **blocks) -> dict:
+    return {**blocks, "num_warps": warps, "num_stages": stages}
+
+
+LAUNCH_CONFIGS: dict[str, tuple[dict, ...]] = {
+    "forward": (
+        _cfg(4, 3, BLOCK_T=64, BLOCK_N=64, UNITS=1),
+        _cfg(4, 4, BLOCK_T=64, BLOCK_N=64, UNITS=1),
+        _cfg(4, 3, BLOCK_T=64, BLOCK_N=32, UNITS=1),
+        _cfg(8, 3, BLOCK_T=128, BLOCK_N=64, UNITS=1),
+        _cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1),
+        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=2),
+        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=1),
+        _cfg(4, 2, BLOCK_T=16, BLOCK_N=32, UNITS=1),
+    ),
+    "dkdv": (
+        _cfg(4, 2, BLOCK_T=32, BLOCK_N=64),
+        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64),
+        _cfg(4, 2, BLOCK_T=64, BLOCK_N=64),
+        _cfg(8, 2, BLOCK_T=32, BLOCK_N=128),
+        _cfg(4, 2, BLOCK_T=16, BLOCK_N=64),
+        _cfg(4, 2, BLOCK_T=16, BLOCK_N=32),
+    ),
+    "dq": (
+        _cfg(4, 3, BLOCK_T=64, BLOCK_N=64, UNITS=1),
+        _cfg(4, 3, BLOCK_T=64, BLOCK_N=32, UNITS=1),
+        _cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1),
+        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=2),
+        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=1),
+        _cfg(4, 2, BLOCK_T=16, BLOCK_N=32, UNITS=1),
+    ),
+    "decode": (
+        dict(BLOCK_N=64, num_warps=4, num_stages=3, min_split_blocks=2, max_units=32),
+        dict(BLOCK_N=128, num_warps=4, num_stages=3, min_split_blocks=2, max_units=32),
+        dict(BLOCK_N=64, num_warps=8, num_stages=3, min_split_blocks=2, max_units=32),
+        dict(BLOCK_N=64, num_warps=4, num_stages=3, min_split_blocks=8, max_units=32),
+        dict(BLOCK_N=32, num_warps=4, num_stages=4, min_split_blocks=4, max_units=32),
+    ),
+}
+# The one kernel not tuned: the backward's row reductions (memory-bound, a few µs).
+_PREPROCESS_CONFIG = dict(BLOCK_T=32, num_warps=4)
+_TUNED_KINDS = ("forward", "dkdv", "dq")
+_CONFIG_KEYS = {"forward": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
+                "dq": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
+                "dkdv": ("BLOCK_T", "BLOCK_N", "num_warps", "num_stages"),
+                "decode": ("BLOCK_N", "num_warps", "num_stages", "min_split_blocks", "max_units", "splits"),
+                "preprocess": ("BLOCK_T", "num_warps")}
+
+# Test hook: kind -> entries that override the picked configuration (tests shrink the tiles so that tiny problems cross
+# several; a decode entry may fix ``splits``). Nothing is autotuned or cached while it is non-empty.
 _TUNING: dict[str, dict] = {}
-_MIN_DOT = 16  # the smallest tile side tl.dot accepts on NVIDIA GPUs
-
-
-def _launch_config(kind: str, d_pad: int, dtype: torch.dtype) -> dict:
-    small = d_pad * (2 if dtype == torch.float32 else 1) <= 64
-    defaults = {
-        "forward": dict(rows=64 if small else 32, block_n=32, num_warps=8, num_stages=2),
-        "decode": dict(block_n=64 if dtype != torch.float32 else 32, num_warps=8, num_stages=2, max_units=32,
-                       min_split_blocks=2),
-        "preprocess": dict(rows=32 if small else 16, num_warps=4),
-        "dkdv": dict(rows=16, block_n=32, num_warps=8, num_stages=2),
-        "dq": dict(rows=64 if small else 32, block_n=32, num_warps=8, num_stages=2),
-    }[kind]
-    return {**defaults, **_TUNING.get(kind, {})}
-
-
-def _block_t(rows: int, r_pad: int, units: int = 1) -> int:
-    """Query positions per tile: ``rows`` signal rows shared by r_pad × units rows per position, at least 16."""
-    return max(_MIN_DOT, rows // (r_pad * units))
 
 
 def _interpreting() -> bool:
@@ -135,13 +180,19 @@ def is_available(device) -> bool:
 _JIT_NAMES: list[str] = []
 _RAW_FUNCTIONS: dict = {}
 _INTERPRETED_FUNCTIONS: dict = {}  # the interpreter's versions of some device functions (see _sum)
-_JIT_STATE: dict = {"interpret": None}
+_JIT_STATE: dict = {"interpret": None, "tuners": {}}
 
 
 def _jit(fn):
     _JIT_NAMES.append(fn.__name__)
     _RAW_FUNCTIONS[fn.__name__] = fn
     return fn
+
+
+# The autotuning buckets are kernel arguments only so that triton.autotune can key on them: never specialised on (a
+# bucket or batch of 1 would otherwise compile a second variant).
+_NOT_SPECIALISED = {name: ("t_bucket", "s_bucket", "b_bucket")
+                    for name in ("_diff_attn_fwd", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dq")}
 
 
 def _jitted():
@@ -151,8 +202,10 @@ def _jitted():
     if _JIT_STATE["interpret"] is not interpret:
         for name in _JIT_NAMES:
             fn = _INTERPRETED_FUNCTIONS.get(name, _RAW_FUNCTIONS[name]) if interpret else _RAW_FUNCTIONS[name]
-            globals()[name] = triton.jit(fn)
+            globals()[name] = triton.jit(fn, do_not_specialize=_NOT_SPECIALISED.get(name, ()))
         _JIT_STATE["interpret"] = interpret
+        _JIT_STATE["tuners"] = {}  # autotuners wrap the decorated kernels: rebuilt on demand
+        _PLANS.clear()
     return globals()
 
 
@@ -243,8 +296,9 @@ if triton is not None:
     @_jit
     def _fwd_inner(acc1, l1, m1, acc2, l2, m2, q1, q2, K1_B, K2_B, V_ROW, MASK_B, t_s, ok_s, t_n, ok_n, d_ok, c_ok,
                    stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale, start, end,
-                   D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                   HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                   D_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
         # One sweep over K/V blocks [start, end) for both maps: each block's K1, K2 and 2d-wide value loaded once.
         # MASKED=False only for blocks that every row sees in full.
         offs_d = tl.arange(0, D_PAD)
@@ -260,7 +314,10 @@ if triton is not None:
             s2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
             if MASKED:
                 vis1 = _visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, False)
-                vis2 = _visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, False)
+                if R_PAD == 1:  # both tiles hold the same positions: one visibility (one mask load)
+                    vis2 = vis1
+                else:
+                    vis2 = _visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, False)
                 s1 = tl.where(vis1, s1, float("-inf"))
                 s2 = tl.where(vis2, s2, float("-inf"))
             # Online softmax. A row that has seen no key yet keeps max −inf and sum 0; its exponents are taken
@@ -287,6 +344,7 @@ if triton is not None:
                        stride_vb, stride_vh, stride_vs, stride_mb, stride_mt, stride_ms,
                        stride_os, stride_ob, stride_ot, stride_oh, stride_ps, stride_pb, stride_pt, stride_ph,
                        stride_l1s, stride_l2s, T, S, G, N_SIG, M_NOISE, split_len, qk_scale,
+                       t_bucket, s_bucket, b_bucket,
                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
                        UNITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
                        HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, SAVE_STATS: tl.constexpr,
@@ -335,11 +393,11 @@ if triton is not None:
         acc1, l1, m1, acc2, l2, m2 = _fwd_inner(
             acc1, l1, m1, acc2, l2, m2, q1, q2, K1_B, K2_B, V_ROW, MASK_B, t_s, ok_s, t_n, ok_n, d_ok, c_ok,
             stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale, lo, full,
-            D_PAD, BLOCK_N, False, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE, DOT_PREC)
+            D_PAD, R_PAD, BLOCK_N, False, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE, DOT_PREC)
         acc1, l1, m1, acc2, l2, m2 = _fwd_inner(
             acc1, l1, m1, acc2, l2, m2, q1, q2, K1_B, K2_B, V_ROW, MASK_B, t_s, ok_s, t_n, ok_n, d_ok, c_ok,
             stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale, full, hi,
-            D_PAD, BLOCK_N, True, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE, DOT_PREC)
+            D_PAD, R_PAD, BLOCK_N, True, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE, DOT_PREC)
 
         # A row that saw no key has l = 0 and acc = 0: its outputs are 0.
         l1_div = tl.where(l1 == 0.0, 1.0, l1)
@@ -449,7 +507,8 @@ if triton is not None:
                       BLOCK_T: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                       IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
         # Query blocks [start, end) of one noise row and its r signal rows against one K/V block, in transposed
-        # tiles (keys × rows). Map 1 back-propagates dO, map 2 −λ·dO' (dO' summed over the r signal rows).
+        # tiles (keys × rows). Map 1 back-propagates dO, map 2 −λ·dO' (dO' summed over the r signal rows); dk2 is
+        # accumulated without its factor −λ (applied once at the store).
         i_s = tl.arange(0, R_PAD * BLOCK_T)
         sig = i_s // BLOCK_T
         offs_d = tl.arange(0, D_PAD)
@@ -465,34 +524,42 @@ if triton is not None:
             ok_n = t_n < T
             q1 = tl.load(Q1_B + t_s[:, None] * stride_qt + sig[:, None] * stride_qh + offs_d[None, :],
                          mask=ok_s[:, None] & d_ok[None, :], other=0.0).to(OP_DTYPE)
+            q2 = tl.load(Q2_B + t_n[:, None] * stride_qt + offs_d[None, :], mask=ok_n[:, None] & d_ok[None, :],
+                         other=0.0).to(OP_DTYPE)
             do = tl.load(DO_B + t_s[:, None] * stride_dt + sig[:, None] * stride_dh + out_cols[None, :],
                          mask=ok_s[:, None] & c_ok[None, :], other=0.0)
             lse1 = tl.load(L1_B + sig * T + t_s, mask=ok_s, other=float("inf"))
             delta1 = tl.load(D1_B + sig * T + t_s, mask=ok_s, other=0.0)
-            p1 = tl.math.exp2(tl.dot(k1, tl.trans(q1), input_precision=DOT_PREC) * qk_scale - lse1[None, :])
-            if MASKED:
-                p1 = tl.where(_visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, True),
-                              p1, 0.0)
-            if R_PAD == 1:
-                dsum = do
-            else:  # dO' of the noise row: the sum over its r signal rows, rounded to the inputs' type
-                dsum = _sum(tl.reshape(do.to(tl.float32), (R_PAD, BLOCK_T, 2 * D_PAD)), 0).to(IN_DTYPE)
-            do = do.to(OP_DTYPE)
-            dsum = dsum.to(OP_DTYPE)
-            dv = tl.dot(p1.to(IN_DTYPE).to(OP_DTYPE), do, dv, input_precision=DOT_PREC)
-            ds1 = p1 * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta1[None, :])
-            dk1 = tl.dot(ds1.to(IN_DTYPE).to(OP_DTYPE), q1, dk1, input_precision=DOT_PREC)
-
-            q2 = tl.load(Q2_B + t_n[:, None] * stride_qt + offs_d[None, :], mask=ok_n[:, None] & d_ok[None, :],
-                         other=0.0).to(OP_DTYPE)
             lse2 = tl.load(L2_B + t_n, mask=ok_n, other=float("inf"))
             delta2 = tl.load(D2_B + t_n, mask=ok_n, other=0.0)
+            p1 = tl.math.exp2(tl.dot(k1, tl.trans(q1), input_precision=DOT_PREC) * qk_scale - lse1[None, :])
             p2 = tl.math.exp2(tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) * qk_scale - lse2[None, :])
-            if MASKED:
-                p2 = tl.where(_visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, True),
-                              p2, 0.0)
-            dv = tl.dot((p2 * -lam).to(IN_DTYPE).to(OP_DTYPE), dsum, dv, input_precision=DOT_PREC)
-            ds2 = p2 * (tl.dot(v, tl.trans(dsum), input_precision=DOT_PREC) - delta2[None, :]) * -lam
+            if R == 1:
+                # One noise row per signal row (same positions, dO' = dO): the combined form. D = P1 − λ·P2 gives
+                # dV = Dᵀ·dO in one product, and the 2d-wide V·dOᵀ serves both maps' dS.
+                if MASKED:
+                    vis = _visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, True)
+                    p1 = tl.where(vis, p1, 0.0)
+                    p2 = tl.where(vis, p2, 0.0)
+                do = do.to(OP_DTYPE)
+                dv = tl.dot((p1 - lam * p2).to(IN_DTYPE).to(OP_DTYPE), do, dv, input_precision=DOT_PREC)
+                dp = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+                ds1 = p1 * (dp - delta1[None, :])
+                ds2 = p2 * (dp - delta2[None, :])
+            else:
+                if MASKED:
+                    p1 = tl.where(_visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK,
+                                           True), p1, 0.0)
+                    p2 = tl.where(_visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK,
+                                           True), p2, 0.0)
+                # dO' of the noise row: the sum over its r signal rows, rounded to the inputs' type
+                dsum = _sum(tl.reshape(do.to(tl.float32), (R_PAD, BLOCK_T, 2 * D_PAD)), 0).to(IN_DTYPE).to(OP_DTYPE)
+                do = do.to(OP_DTYPE)
+                dv = tl.dot(p1.to(IN_DTYPE).to(OP_DTYPE), do, dv, input_precision=DOT_PREC)
+                dv = tl.dot((p2 * -lam).to(IN_DTYPE).to(OP_DTYPE), dsum, dv, input_precision=DOT_PREC)
+                ds1 = p1 * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta1[None, :])
+                ds2 = p2 * (tl.dot(v, tl.trans(dsum), input_precision=DOT_PREC) - delta2[None, :])
+            dk1 = tl.dot(ds1.to(IN_DTYPE).to(OP_DTYPE), q1, dk1, input_precision=DOT_PREC)
             dk2 = tl.dot(ds2.to(IN_DTYPE).to(OP_DTYPE), q2, dk2, input_precision=DOT_PREC)
         return dk1, dk2, dv
 
@@ -502,6 +569,7 @@ if triton is not None:
                             stride_vb, stride_vh, stride_vs, stride_db, stride_dt, stride_dh,
                             stride_mb, stride_mt, stride_ms, stride_dkb, stride_dkh, stride_dks,
                             stride_dvb, stride_dvh, stride_dvs, T, S, G, N_SIG, M_NOISE, qk_scale, sm_scale,
+                            t_bucket, s_bucket, b_bucket,
                             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
                             HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr,
@@ -565,14 +633,14 @@ if triton is not None:
 
         DK1_B = DK + b * stride_dkb + (2 * g) * stride_dkh + keys[:, None] * stride_dks + offs_d[None, :]
         tl.store(DK1_B, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-        tl.store(DK1_B + stride_dkh, (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+        tl.store(DK1_B + stride_dkh, (dk2 * (-lam * sm_scale)).to(DK.dtype.element_ty), mask=k_mask)
         tl.store(DV + b * stride_dvb + (2 * g + half)[None, :] * stride_dvh + c_d[None, :] + keys[:, None] * stride_dvs,
                  dv.to(DV.dtype.element_ty), mask=v_mask)
 
     @_jit
     def _bwd_q_inner(dq1, dq2, q1, q2, do, dsum, lse1, lse2, delta1, delta2, K1_B, K2_B, V_ROW, MASK_B,
                      t_s, ok_s, t_n, ok_n, d_ok, c_ok, stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale,
-                     start, end, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                     start, end, D_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                      IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr,
                      OP_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
         offs_d = tl.arange(0, D_PAD)
@@ -587,13 +655,21 @@ if triton is not None:
             p1 = tl.math.exp2(tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale - lse1[:, None])
             p2 = tl.math.exp2(tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale - lse2[:, None])
             if MASKED:
-                p1 = tl.where(_visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, False),
-                              p1, 0.0)
-                p2 = tl.where(_visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, False),
-                              p2, 0.0)
-            ds1 = p1 * (tl.dot(do, tl.trans(v), input_precision=DOT_PREC) - delta1[:, None])
+                vis1 = _visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, False)
+                if R_PAD == 1:  # both tiles hold the same positions: one visibility
+                    vis2 = vis1
+                else:
+                    vis2 = _visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, False)
+                p1 = tl.where(vis1, p1, 0.0)
+                p2 = tl.where(vis2, p2, 0.0)
+            dp1 = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+            if R_PAD == 1:  # dO' = dO: the 2d-wide dO·Vᵀ serves both maps
+                dp2 = dp1
+            else:
+                dp2 = tl.dot(dsum, tl.trans(v), input_precision=DOT_PREC)
+            ds1 = p1 * (dp1 - delta1[:, None])
             dq1 = tl.dot(ds1.to(IN_DTYPE).to(OP_DTYPE), k1, dq1, input_precision=DOT_PREC)
-            ds2 = p2 * (tl.dot(dsum, tl.trans(v), input_precision=DOT_PREC) - delta2[:, None])
+            ds2 = p2 * (dp2 - delta2[:, None])
             dq2 = tl.dot(ds2.to(IN_DTYPE).to(OP_DTYPE), k2, dq2, input_precision=DOT_PREC)
         return dq1, dq2
 
@@ -602,7 +678,7 @@ if triton is not None:
                           stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_ks,
                           stride_vb, stride_vh, stride_vs, stride_db, stride_dt, stride_dh,
                           stride_mb, stride_mt, stride_ms, stride_dqb, stride_dqt, stride_dqh,
-                          T, S, G, N_SIG, M_NOISE, qk_scale, sm_scale,
+                          T, S, G, N_SIG, M_NOISE, qk_scale, sm_scale, t_bucket, s_bucket, b_bucket,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
                           UNITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
                           HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr,
@@ -656,12 +732,12 @@ if triton is not None:
         hi, full = _key_ranges(0, S, t0, S, T, BLOCK_T, BLOCK_N, IS_CAUSAL, HAS_MASK)
         dq1, dq2 = _bwd_q_inner(dq1, dq2, q1, q2, do, dsum, lse1, lse2, delta1, delta2, K1_B, K2_B, V_ROW, MASK_B,
                                 t_s, ok_s, t_n, ok_n, d_ok, c_ok, stride_ks, stride_vs, stride_mt, stride_ms, S, T,
-                                qk_scale, 0, full, D_PAD, BLOCK_N, False, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE,
-                                DOT_PREC)
+                                qk_scale, 0, full, D_PAD, R_PAD, BLOCK_N, False, IS_CAUSAL, HAS_MASK, IN_DTYPE,
+                                OP_DTYPE, DOT_PREC)
         dq1, dq2 = _bwd_q_inner(dq1, dq2, q1, q2, do, dsum, lse1, lse2, delta1, delta2, K1_B, K2_B, V_ROW, MASK_B,
                                 t_s, ok_s, t_n, ok_n, d_ok, c_ok, stride_ks, stride_vs, stride_mt, stride_ms, S, T,
-                                qk_scale, full, hi, D_PAD, BLOCK_N, True, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE,
-                                DOT_PREC)
+                                qk_scale, full, hi, D_PAD, R_PAD, BLOCK_N, True, IS_CAUSAL, HAS_MASK, IN_DTYPE,
+                                OP_DTYPE, DOT_PREC)
         lam = tl.load(LAM)
         tl.store(DQ + b * stride_dqb + t_s[:, None] * stride_dqt + (group_q + head_s)[:, None] * stride_dqh
                  + offs_d[None, :], (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask_s)
@@ -683,12 +759,18 @@ def _head_pad(d: int) -> int:
     return max(_MIN_DOT, _next_pow2(d))
 
 
+def _bucket(x: int) -> int:
+    """A length's autotuning bucket: the next power of two, at least 16."""
+    return max(_MIN_DOT, _next_pow2(x))
+
+
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask, is_causal):
-    """Check the inputs; return (B, T, S, G, n, m, d, the boolean mask as a (B, 1, T, S) view or None)."""
+    """Check the inputs; return (B, T, S, G, n, m, d, the boolean mask as a (B, 1, T, S) view or None). Every check
+    reads only shapes, strides, dtypes, devices and the scalars (what _validated keys its cache on)."""
     if triton is None:
         raise RuntimeError("differential_attention_triton needs triton (`pip install triton`); it is not installed")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -753,10 +835,40 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
                              f"(B, 1, T, S) = {(b, 1, t, s)}") from None
     return b, t, s, g, n, m, d, mask
 
+_VALIDATED: dict = {}  # input signature -> (B, T, S, G, n, m, d): what _validate found, for inputs that passed it
+_VALIDATED_MAX = 256  # signatures kept (oldest dropped first): a model has a few per layer shape
+
+
+def _validated(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask, is_causal):
+    """_validate, run once per input signature (every shape, stride, dtype and device it reads, and the scalars): a
+    signature that passed once passes again, so later calls skip the checks. Returns what _validate returns."""
+    try:
+        signature = (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype,
+                     key.device, value.shape, value.stride(), value.dtype, value.device, lam.shape, lam.dtype,
+                     lam.device, scaling, pair_stride, noise_ratio, is_causal, type(scaling), type(pair_stride),
+                     type(noise_ratio), type(is_causal),
+                     None if attention_mask is None else (attention_mask.shape, attention_mask.dtype,
+                                                          attention_mask.device))
+        found = _VALIDATED.get(signature)
+    except (AttributeError, TypeError):  # not tensors, or unhashable scalars: the checks say what is wrong
+        return _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask, is_causal)
+    if found is None:
+        result = _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask, is_causal)
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            del _VALIDATED[next(iter(_VALIDATED))]
+        _VALIDATED[signature] = result[:7]
+        return result
+    b, t, s = found[0], found[1], found[2]
+    mask = None if attention_mask is None else attention_mask[..., :s].expand(b, 1, t, s)
+    return (*found, mask)
+
 
 def _on_device(device):
-    """Triton launches on the current CUDA device: make it the tensors' one (a no-op on CPU, the interpreter)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it the tensors' one (a no-op on CPU, the interpreter, and
+    where it already is)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _mask_args(mask, fallback):
@@ -773,16 +885,210 @@ def _dtype_flags(dtype) -> dict:
                 DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
 
 
-def _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats):
+# ----------------------------------------------------------------------------------------------------------------------
+# Picking a launch configuration: pruning, pinned choices, autotuning, and the per-shape plan cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _Shape(NamedTuple):
+    """What a launch's configuration may depend on."""
+
+    b: int  # batch
+    t: int  # query positions
+    s: int  # keys
+    g: int  # KV groups
+    n: int  # signal rows per group
+    r: int  # noise ratio
+    d: int  # head dim
+    dtype: torch.dtype
+    causal: bool
+    masked: bool
+    device: torch.device
+
+
+_KERNELS = {"forward": "_diff_attn_fwd", "decode": "_diff_attn_fwd", "dkdv": "_diff_attn_bwd_dkdv",
+            "dq": "_diff_attn_bwd_dq"}
+# The autotuning key (kernel arguments; triton.autotune adds every tensor argument's dtype): head dim, GDA's ratio and
+# noise rows, KV groups, causal, mask, and the power-of-two buckets of the batch, query and key lengths.
+_TUNE_KEYS = ("HEAD_DIM", "R", "M_NOISE", "G", "IS_CAUSAL", "HAS_MASK", "t_bucket", "s_bucket", "b_bucket")
+_TUNE_MIN_WORK = 1 << 24  # score entries (B·G·m·T·S) below which nothing is timed: launch overhead dominates there
+_REGISTER_BUDGET = 160  # fp32 tile values per thread a configuration may hold (of 255 registers; see _keep)
+_PINNED: dict = {"rules": {}, "autotune": True}
+_PLANS: dict = {}  # (kind, shape, extra) -> (config, grid): the launch plan of a shape once picked
+_PLANS_MAX = 512
+_DEVICE_LIMITS: dict = {}
+
+
+def _device_limits(device) -> tuple[int, int]:
+    """(compute capability as 10·major + minor, shared memory per block in bytes). The interpreter, which exists to
+    check the GPU's configurations, answers as an H100 does."""
+    if device.type != "cuda" or _interpreting():
+        return 90, 227 * 1024
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEVICE_LIMITS:
+        props = torch.cuda.get_device_properties(index)
+        smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+        _DEVICE_LIMITS[index] = (props.major * 10 + props.minor, smem)
+    return _DEVICE_LIMITS[index]
+
+
+def _keep(kind: str, cfg: dict, shape: _Shape, arch: int, smem: int) -> bool:
+    """Whether configuration ``cfg`` of kernel ``kind`` suits a launch. Rules: no tile larger than the problem needs;
+    the fp32 values a thread holds (accumulators, score tiles) within _REGISTER_BUDGET, since a spilling tile is never
+    the fastest; on Hopper (sm_90) with 16-bit inputs, 8 warps only where each warp group still gets a 64-row wgmma
+    (the tutorial's "no 8-warp tiles under 128×128"); the pipelined K/V (or Q/dO) tiles within shared memory."""
+    d_pad, r_pad, m = _head_pad(shape.d), _next_pow2(shape.r), shape.n // shape.r
+    elt = 4 if shape.dtype == torch.float32 else 2
+    threads = 32 * cfg["num_warps"]
+    bn = cfg["BLOCK_N"]
+    if bn > _bucket(shape.s):
+        return False
+    if kind == "decode":
+        units = min(max(_next_pow2(m), _MIN_DOT), cfg["max_units"])
+        held = (r_pad + 1) * units * (2 * d_pad + bn)
+        staged = 4 * bn * d_pad * elt
+        return held / threads <= _REGISTER_BUDGET and cfg["num_stages"] * staged <= smem
+    bt, units = cfg["BLOCK_T"], cfg.get("UNITS", 1)
+    if bt > _bucket(shape.t) or (units > 1 and units > m):
+        return False
+    if kind == "dkdv":
+        rows = (r_pad + 1) * bt  # signal and noise rows of a step
+        m_dot = bn  # the dots' M: keys
+        held = 4 * bn * d_pad + 2 * bn * rows  # dk1, dk2, dv; P1, P2 (dS reuses them)
+        staged = rows * (d_pad + 2 * d_pad) * elt  # q rows and dO rows of a step
+    else:
+        rows = (r_pad + 1) * units * bt
+        m_dot = units * bt  # the noise tile's rows (the signal tile has r times as many)
+        acc_width = 2 * d_pad if kind == "forward" else d_pad
+        held = rows * (acc_width + (1 if kind == "forward" else 2) * bn)
+        staged = 4 * bn * d_pad * elt  # K1, K2 and the 2d-wide V of a block
+    if held * (elt // 2) / threads > _REGISTER_BUDGET:
+        return False
+    if arch >= 90 and elt == 2 and cfg["num_warps"] == 8 and m_dot < 128:
+        return False
+    return cfg["num_stages"] * staged <= smem
+
+
+def _prune(kind: str, configs, shape: _Shape) -> list:
+    """The configurations of ``configs`` that suit ``shape`` (_keep), in their order; never empty (the smallest stays
+    where nothing suits); only the first where the problem is too small for timing to matter."""
+    arch, smem = _device_limits(shape.device)
+    kept = [c for c in configs if _keep(kind, c, shape, arch, smem)]
+    if not kept:
+        kept = [min(configs, key=lambda c: (c.get("BLOCK_T", 1) * c["BLOCK_N"], c["num_warps"], c["num_stages"]))]
+    if kind in _TUNED_KINDS and shape.b * shape.g * (shape.n // shape.r) * shape.t * shape.s < _TUNE_MIN_WORK:
+        kept = kept[:1]
+    return kept
+
+
+def _pinned(kind: str, shape: _Shape):
+    """The configuration set_configs pinned for this launch, or None."""
+    for rule in _PINNED["rules"].get(kind, ()):
+        when = rule["when"]
+        if all(_FEATURES[name](shape) == value for name, value in when.items()):
+            return rule["config"]
+    return None
+
+
+_FEATURES = {  # what a pinned rule's "when" may name, read off a launch
+    "head_dim": lambda sh: sh.d, "dtype": lambda sh: str(sh.dtype).removeprefix("torch."),
+    "noise_ratio": lambda sh: sh.r, "causal": lambda sh: sh.causal, "masked": lambda sh: sh.masked,
+    "t_bucket": lambda sh: _bucket(sh.t), "s_bucket": lambda sh: _bucket(sh.s), "b_bucket": lambda sh: _next_pow2(sh.b),
+}
+
+
+def _pick(kind: str, shape: _Shape) -> tuple[dict, bool, bool]:
+    """(configuration, whether to autotune it instead, whether the choice may be cached for this shape)."""
+    override = _TUNING.get(kind)
+    pinned = _pinned(kind, shape)
+    default = pinned if pinned is not None else _prune(kind, LAUNCH_CONFIGS[kind], shape)[0]
+    if override:
+        return {**default, **override}, False, False
+    if pinned is not None or kind not in _TUNED_KINDS or not _PINNED["autotune"] or _interpreting():
+        return default, False, True
+    if len(_prune(kind, LAUNCH_CONFIGS[kind], shape)) < 2:
+        return default, False, True
+    if shape.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return default, False, False  # timing would break the capture: the default now, tuned after it
+    return default, True, True
+
+
+def _prune_for_autotune(kind, configs, named_args, **kwargs):
+    """triton.autotune's early_config_prune: the same rules (_prune) on the launch's own arguments."""
+    q = named_args["Q"]
+    shape = _Shape(named_args["b_bucket"], named_args["T"], named_args["S"], named_args["G"], named_args["N_SIG"],
+                   kwargs["R"], kwargs["HEAD_DIM"], q.dtype, kwargs["IS_CAUSAL"], kwargs["HAS_MASK"], q.device)
+    by_dict = {_config_key(_config_dict(c)): c for c in configs}
+    return [by_dict[_config_key(c)] for c in _prune(kind, [_config_dict(c) for c in configs], shape)]
+
+
+def _config_dict(config) -> dict:
+    """A triton.Config as this module's configuration dicts."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def _config_key(cfg: dict) -> tuple:
+    return tuple(sorted(cfg.items()))
+
+
+def _autotuner(kind: str):
+    """triton.autotune over LAUNCH_CONFIGS[kind] wrapping the kernel (made once per decoration of the kernels)."""
+    tuners = _JIT_STATE["tuners"]
+    if kind not in tuners:
+        configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                                 num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in LAUNCH_CONFIGS[kind]]
+        tuners[kind] = triton.autotune(
+            configs, key=list(_TUNE_KEYS), prune_configs_by={"early_config_prune": partial(_prune_for_autotune, kind)},
+        )(_jitted()[_KERNELS[kind]])
+    return tuners[kind]
+
+
+def _remember(key, plan):
+    if len(_PLANS) >= _PLANS_MAX:
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = plan
+
+
+def _launch(kind: str, shape: _Shape, grid, args, fixed: dict, config=None, extra=()) -> dict:
+    """Launch kernel ``kind`` on ``args`` (positional) and ``fixed`` (the constexprs no configuration sets), with
+    ``config`` if given, else the shape's cached plan, else the picked configuration (autotuned first where _pick says
+    so: triton.autotune times the pruned list on these very arguments, which every tuned kernel only writes, never
+    accumulates into, so its repeated launches leave the outputs right). ``grid`` maps a configuration to the grid.
+    Returns the configuration launched."""
+    kernel = _jitted()[_KERNELS[kind]]
+    if config is not None:
+        kernel[grid(config)](*args, **fixed, **config)
+        return config
+    key = (kind, shape, _interpreting(), *extra)
+    plan = None if _TUNING else _PLANS.get(key)
+    if plan is None:
+        config, tune, cacheable = _pick(kind, shape)
+        if tune:
+            tuner = _autotuner(kind)
+            tuner[grid](*args, **fixed)
+            config = _config_dict(tuner.best_config)
+        else:
+            kernel[grid(config)](*args, **fixed, **config)
+        if cacheable and not _TUNING:
+            _remember(key, (config, grid(config)))
+        return config
+    config, grid_now = plan
+    kernel[grid_now](*args, **fixed, **config)
+    return config
+
+
+def _shape_of(query, key, n, r, mask, is_causal) -> _Shape:
+    b, t, _, d = query.shape
+    return _Shape(b, t, key.shape[2], key.shape[1] // 2, n, r, d, query.dtype, is_causal, mask is not None,
+                  query.device)
+
+
+def _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats, config=None):
     """The one-pass forward. Returns (out, o2, lse1, lse2); the last three are None unless save_stats."""
-    k = _jitted()
     b, t, hq, d = query.shape
     s, g = key.shape[2], key.shape[1] // 2
     m = n // r
     d_pad, r_pad = _head_pad(d), _next_pow2(r)
-    cfg = _launch_config("forward", d_pad, query.dtype)
-    units = cfg.get("units", 1)
-    block_t = _block_t(cfg["rows"], r_pad, units)
     out = query.new_empty(b, t, g * n, 2 * d)
     if save_stats:
         o2 = query.new_empty(b, t, g * m, 2 * d)
@@ -791,27 +1097,28 @@ def _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats)
     else:
         o2, lse1, lse2 = out, out, out  # never written
     mask_t, smb, smt, sms = _mask_args(mask, key)
-    grid = (triton.cdiv(t, block_t), b * g * triton.cdiv(m, units), 1)
-    k["_diff_attn_fwd"][grid](
-        query, key, value, lam, mask_t, out, o2, lse1, lse2,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), smb, smt, sms,
-        0, out.stride(0), out.stride(1), out.stride(2), 0, o2.stride(0), o2.stride(1), o2.stride(2),
-        0, 0, t, s, g, n, m, s, scaling * _LOG2E,
-        HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, UNITS=units, BLOCK_T=block_t, BLOCK_N=cfg["block_n"],
-        IS_CAUSAL=is_causal, HAS_MASK=mask is not None, SPLIT=False, SAVE_STATS=save_stats, **_dtype_flags(query.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+
+    def grid(cfg):
+        return triton.cdiv(t, cfg["BLOCK_T"]), b * g * triton.cdiv(m, cfg["UNITS"]), 1
+
+    args = (query, key, value, lam, mask_t, out, o2, lse1, lse2,
+            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2), smb, smt, sms,
+            0, out.stride(0), out.stride(1), out.stride(2), 0, o2.stride(0), o2.stride(1), o2.stride(2),
+            0, 0, t, s, g, n, m, s, scaling * _LOG2E, _bucket(t), _bucket(s), _next_pow2(b))
+    fixed = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, IS_CAUSAL=is_causal, HAS_MASK=mask is not None,
+                 SPLIT=False, SAVE_STATS=save_stats, **_dtype_flags(query.dtype))
+    _launch("forward", _shape_of(query, key, n, r, mask, is_causal), grid, args, fixed, config, extra=(save_stats,))
     return out, (o2 if save_stats else None), (lse1 if save_stats else None), (lse2 if save_stats else None)
 
 
-def _decode_plan(b, g, m, s, r_pad, d_pad, dtype, device) -> dict:
-    """Launch shape of the decode path: every noise row of a group (with its signal rows) in one program, so each
-    cache byte is read once per group; keys split over programs when B × G programs would leave the GPU idle."""
-    cfg = _launch_config("decode", d_pad, dtype)
+def _decode_plan(b, g, m, s, r_pad, cfg, device) -> dict:
+    """Launch shape of the decode path under configuration ``cfg``: every noise row of a group (with its signal rows)
+    in one program, so each cache byte is read once per group; keys split over programs when B × G programs would
+    leave the GPU idle (unless ``cfg`` fixes ``splits``)."""
     units = min(max(_next_pow2(m), _MIN_DOT), cfg["max_units"])  # the noise tile has `units` rows: at least 16
     unit_blocks = -(-m // units)
-    block_n = cfg["block_n"]
+    block_n = cfg["BLOCK_N"]
     if "splits" in cfg:
         splits = cfg["splits"]
     else:
@@ -820,10 +1127,11 @@ def _decode_plan(b, g, m, s, r_pad, d_pad, dtype, device) -> dict:
         programs = b * g * unit_blocks
         splits = max(1, min(-(-2 * sms // programs), -(-s // (cfg["min_split_blocks"] * block_n))))
     split_len = -(-(-(-s // splits)) // block_n) * block_n
-    return {**cfg, "units": units, "unit_blocks": unit_blocks, "splits": -(-s // split_len), "split_len": split_len}
+    return {"config": cfg, "units": units, "unit_blocks": unit_blocks, "splits": -(-s // split_len),
+            "split_len": split_len}
 
 
-def _decode(query, key, value, lam, scaling, n, r, mask, is_causal):
+def _decode(query, key, value, lam, scaling, n, r, mask, is_causal, config=None):
     """One query token per sequence, no autograd: a program per (batch, group, key split) reads the group's cache
     once for all its n + m query rows; a second kernel merges the splits."""
     k = _jitted()
@@ -831,21 +1139,32 @@ def _decode(query, key, value, lam, scaling, n, r, mask, is_causal):
     s, g = key.shape[2], key.shape[1] // 2
     m = n // r
     d_pad, r_pad = _head_pad(d), _next_pow2(r)
-    plan = _decode_plan(b, g, m, s, r_pad, d_pad, query.dtype, query.device)
-    splits = plan["splits"]
+    shape = _shape_of(query, key, n, r, mask, is_causal)
+    if config is not None:
+        plan = _decode_plan(b, g, m, s, r_pad, config, query.device)
+    else:
+        key_ = ("decode", shape, _interpreting())
+        plan = None if _TUNING else _PLANS.get(key_)
+        if plan is None:
+            cfg, _, cacheable = _pick("decode", shape)
+            plan = _decode_plan(b, g, m, s, r_pad, cfg, query.device)
+            if cacheable and not _TUNING:
+                _remember(key_, plan)
+    cfg, splits = plan["config"], plan["splits"]
     out = query.new_empty(b, t, g * n, 2 * d)
     mask_t, smb, smt, sms = _mask_args(mask, key)
-    common = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, UNITS=plan["units"], BLOCK_T=1, BLOCK_N=plan["block_n"],
+    common = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, UNITS=plan["units"], BLOCK_T=1, BLOCK_N=cfg["BLOCK_N"],
                   IS_CAUSAL=is_causal, HAS_MASK=mask is not None, SAVE_STATS=False, **_dtype_flags(query.dtype),
-                  num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (t, b * g * plan["unit_blocks"], splits)
     strides = (query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
                value.stride(0), value.stride(1), value.stride(2), smb, smt, sms)
+    buckets = (_bucket(t), _bucket(s), _next_pow2(b))
     if splits == 1:
         k["_diff_attn_fwd"][grid](
             query, key, value, lam, mask_t, out, out, out, out, *strides,
             0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0, 0, 0, 0, t, s, g, n, m, s, scaling * _LOG2E,
-            SPLIT=False, **common)
+            *buckets, SPLIT=False, **common)
         return out
     f32 = dict(device=query.device, dtype=torch.float32)
     po1, po2 = torch.empty(splits, b, t, g * n, 2 * d, **f32), torch.empty(splits, b, t, g * m, 2 * d, **f32)
@@ -853,7 +1172,7 @@ def _decode(query, key, value, lam, scaling, n, r, mask, is_causal):
     k["_diff_attn_fwd"][grid](
         query, key, value, lam, mask_t, po1, po2, pl1, pl2, *strides,
         po1.stride(0), po1.stride(1), po1.stride(2), po1.stride(3), po2.stride(0), po2.stride(1), po2.stride(2),
-        po2.stride(3), pl1.stride(0), pl2.stride(0), t, s, g, n, m, plan["split_len"], scaling * _LOG2E,
+        po2.stride(3), pl1.stride(0), pl2.stride(0), t, s, g, n, m, plan["split_len"], scaling * _LOG2E, *buckets,
         SPLIT=True, **common)
     k["_diff_attn_decode_combine"][(b * t, g * n)](
         po1, po2, pl1, pl2, lam, out, out.stride(0), out.stride(1), out.stride(2), b, t, g, n, m, splits,
@@ -861,50 +1180,343 @@ def _decode(query, key, value, lam, scaling, n, r, mask, is_causal):
     return out
 
 
+class _Backward:
+    """The backward's launches: the row reductions (δ1, δ2, dλ) on construction, then dkdv() and dq(), each with the
+    shape's picked configuration or a given one (tuning_sweep times them one by one)."""
+
+    def __init__(self, dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, mask, is_causal):
+        b, t, hq, d = query.shape
+        s, g = key.shape[2], key.shape[1] // 2
+        m = n // r
+        d_pad, r_pad = _head_pad(d), _next_pow2(r)
+        dout = _last_contiguous(dout.to(query.dtype))
+        mask_t, smb, smt, sms = _mask_args(mask, key)
+        f32 = dict(device=query.device, dtype=torch.float32)
+        delta1, delta2 = torch.empty(b, g * n, t, **f32), torch.empty(b, g * m, t, **f32)
+        cfg = {**_PREPROCESS_CONFIG, **_TUNING.get("preprocess", {})}
+        _jitted()["_diff_attn_bwd_preprocess"][(triton.cdiv(t, cfg["BLOCK_T"]), b * g * m)](
+            out, o2, dout, lam, delta1, delta2, out.stride(0), out.stride(1), out.stride(2),
+            o2.stride(0), o2.stride(1), o2.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), t, g, n, m,
+            HEAD_DIM=d, D_PAD=d_pad, R=r, BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"])
+        self.dlam = -delta2.sum()  # dλ = Σ_h Σ_t dO_h · (−O2 of its noise row) = −Σ δ2
+        self.shape = _shape_of(query, key, n, r, mask, is_causal)
+        self.dims = (b, t, s, g, m)
+        q_strides = (query.stride(0), query.stride(1), query.stride(2))
+        kv_strides = (key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2))
+        d_strides = (dout.stride(0), dout.stride(1), dout.stride(2))
+        self.common = (query, key, value, dout, lam, mask_t, lse1, lse2, delta1, delta2)
+        self.strides = (*q_strides, *kv_strides, *d_strides, smb, smt, sms)
+        self.scalars = (scaling * _LOG2E, scaling, _bucket(t), _bucket(s), _next_pow2(b))
+        self.fixed = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, IS_CAUSAL=is_causal, HAS_MASK=mask is not None,
+                          **_dtype_flags(query.dtype))
+        self.dkey, self.dvalue = key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous, as the fakes
+        self.dquery = query.new_empty(query.shape)
+
+    def dkdv(self, config=None) -> dict:
+        b, t, s, g, m = self.dims
+        dk, dv = self.dkey, self.dvalue
+        args = (*self.common, dk, dv, *self.strides, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
+                dv.stride(1), dv.stride(2), t, s, g, self.shape.n, m, *self.scalars)
+        return _launch("dkdv", self.shape, lambda cfg: (triton.cdiv(s, cfg["BLOCK_N"]), b * g), args, self.fixed,
+                       config)
+
+    def dq(self, config=None) -> dict:
+        b, t, s, g, m = self.dims
+        dq = self.dquery
+        args = (*self.common, dq, *self.strides, dq.stride(0), dq.stride(1), dq.stride(2), t, s, g, self.shape.n, m,
+                *self.scalars)
+        return _launch("dq", self.shape,
+                       lambda cfg: (triton.cdiv(t, cfg["BLOCK_T"]), b * g * triton.cdiv(m, cfg["UNITS"])), args,
+                       self.fixed, config)
+
+
 def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, mask, is_causal):
-    k = _jitted()
-    b, t, hq, d = query.shape
-    s, g = key.shape[2], key.shape[1] // 2
-    m = n // r
-    d_pad, r_pad = _head_pad(d), _next_pow2(r)
-    dout = _last_contiguous(dout.to(query.dtype))
-    mask_t, smb, smt, sms = _mask_args(mask, key)
-    f32 = dict(device=query.device, dtype=torch.float32)
-    delta1, delta2 = torch.empty(b, g * n, t, **f32), torch.empty(b, g * m, t, **f32)
-    cfg = _launch_config("preprocess", d_pad, query.dtype)
-    k["_diff_attn_bwd_preprocess"][(triton.cdiv(t, cfg["rows"]), b * g * m)](
-        out, o2, dout, lam, delta1, delta2, out.stride(0), out.stride(1), out.stride(2),
-        o2.stride(0), o2.stride(1), o2.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), t, g, n, m,
-        HEAD_DIM=d, D_PAD=d_pad, R=r, BLOCK_T=cfg["rows"], num_warps=cfg["num_warps"])
-    # dλ = Σ_h Σ_t dO_h · (−O2 of its noise row) = −Σ δ2.
-    dlam = -delta2.sum()
+    launches = _Backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, mask, is_causal)
+    launches.dkdv()
+    launches.dq()
+    return launches.dquery, launches.dkey, launches.dvalue, launches.dlam
 
-    q_strides = (query.stride(0), query.stride(1), query.stride(2))
-    kv_strides = (key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2))
-    d_strides = (dout.stride(0), dout.stride(1), dout.stride(2))
-    flags = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, IS_CAUSAL=is_causal, HAS_MASK=mask is not None,
-                 **_dtype_flags(query.dtype))
-    qk_scale = scaling * _LOG2E
 
-    dkey, dvalue = key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous, as the ops' fake outputs
-    cfg = _launch_config("dkdv", d_pad, query.dtype)
-    block_t = _block_t(cfg["rows"], r_pad)
-    k["_diff_attn_bwd_dkdv"][(triton.cdiv(s, cfg["block_n"]), b * g)](
-        query, key, value, dout, lam, mask_t, lse1, lse2, delta1, delta2, dkey, dvalue,
-        *q_strides, *kv_strides, *d_strides, smb, smt, sms, dkey.stride(0), dkey.stride(1), dkey.stride(2),
-        dvalue.stride(0), dvalue.stride(1), dvalue.stride(2), t, s, g, n, m, qk_scale, scaling,
-        BLOCK_T=block_t, BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+# ----------------------------------------------------------------------------------------------------------------------
+# Pinning configurations, and the sweep that measures them on a GPU
+# ----------------------------------------------------------------------------------------------------------------------
 
-    dquery = query.new_empty(query.shape)
-    cfg = _launch_config("dq", d_pad, query.dtype)
-    units = cfg.get("units", 1)
-    block_t = _block_t(cfg["rows"], r_pad, units)
-    k["_diff_attn_bwd_dq"][(triton.cdiv(t, block_t), b * g * triton.cdiv(m, units))](
-        query, key, value, dout, lam, mask_t, lse1, lse2, delta1, delta2, dquery,
-        *q_strides, *kv_strides, *d_strides, smb, smt, sms, dquery.stride(0), dquery.stride(1), dquery.stride(2),
-        t, s, g, n, m, qk_scale, scaling, UNITS=units, BLOCK_T=block_t, BLOCK_N=cfg["block_n"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
-    return dquery, dkey, dvalue, dlam
+_REQUIRED_KEYS = {"forward": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
+                  "dq": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
+                  "dkdv": ("BLOCK_T", "BLOCK_N", "num_warps", "num_stages"),
+                  "decode": ("BLOCK_N", "num_warps", "num_stages", "min_split_blocks", "max_units")}
+
+
+def _checked_config(kind: str, config, where: str) -> dict:
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} must be a dict of {', '.join(_REQUIRED_KEYS[kind])}, got {config!r}")
+    unknown = sorted(set(config) - set(_CONFIG_KEYS[kind]))
+    missing = [k for k in _REQUIRED_KEYS[kind] if k not in config]
+    if unknown or missing:
+        raise ValueError(f"{where}: {kind} configurations take {', '.join(_CONFIG_KEYS[kind])} (all but 'splits' "
+                         f"required); unknown {unknown}, missing {missing}")
+    for name, value in config.items():
+        pow2 = name in ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps")
+        smallest = _MIN_DOT if name in ("BLOCK_T", "BLOCK_N") else 1
+        if (not isinstance(value, int) or isinstance(value, bool) or value < smallest
+                or (pow2 and value & (value - 1))):
+            raise ValueError(f"{where}[{name!r}] must be an int >= {smallest}{' and a power of two' if pow2 else ''}, "
+                             f"got {value!r}")
+    return dict(config)
+
+
+def set_configs(configs=None, *, autotune: bool = True) -> None:
+    """Pin the kernels' launch configurations (for instance what :func:`tuning_sweep` measured), so that those launches
+    use them and are never autotuned.
+
+    ``configs`` maps a kernel (``"forward"``, ``"dkdv"``, ``"dq"``, ``"decode"``) to one configuration dict (for every
+    launch of it) or to a list of rules ``{"when": {...}, "config": {...}}``, tried in order, the first whose ``when``
+    matches the launch winning (a rule without ``when`` matches every launch). ``when`` may name ``head_dim``,
+    ``dtype`` (``"bfloat16"``...), ``noise_ratio``, ``causal``, ``masked``, ``t_bucket`` / ``s_bucket`` (the query and
+    key lengths' next power of two, at least 16) and ``b_bucket`` (the batch's next power of two). A configuration
+    names the entries of LAUNCH_CONFIGS[kernel]. ``tuning_sweep(...)["pinned"]`` is such a mapping. ``None`` (or
+    ``{}``) unpins everything. ``autotune=False``: launches no rule matches take their kernel's default configuration
+    (the first entry of LAUNCH_CONFIGS that suits them) instead of being autotuned.
+    """
+    rules = {}
+    for kind, value in (configs or {}).items():
+        if kind not in _REQUIRED_KEYS:
+            raise ValueError(f"set_configs: unknown kernel {kind!r}; kernels: {', '.join(_REQUIRED_KEYS)}")
+        entries = [{"config": value}] if isinstance(value, dict) else value
+        if not isinstance(entries, (list, tuple)):
+            raise ValueError(f"set_configs: {kind} must map to a configuration dict or a list of rules, got {value!r}")
+        checked = []
+        for i, rule in enumerate(entries):
+            where = f"set_configs: {kind}[{i}]"
+            if not isinstance(rule, dict) or "config" not in rule or set(rule) - {"when", "config"}:
+                raise ValueError(f"{where} must be {{'when': {{...}}, 'config': {{...}}}} ('when' optional), "
+                                 f"got {rule!r}")
+            when = rule.get("when") or {}
+            unknown = sorted(set(when) - set(_FEATURES))
+            if not isinstance(when, dict) or unknown:
+                raise ValueError(f"{where}['when'] may name {', '.join(_FEATURES)}; got {when!r}")
+            checked.append({"when": dict(when), "config": _checked_config(kind, rule["config"], f"{where}['config']")})
+        rules[kind] = checked
+    _PINNED["rules"] = rules
+    _PINNED["autotune"] = bool(autotune)
+    _PLANS.clear()
+
+
+def load_configs(path, *, autotune: bool = False) -> dict:
+    """Pin the configurations of a JSON file (set_configs): either such a mapping or a :func:`tuning_sweep` result
+    (its ``"pinned"``). Returns the mapping pinned."""
+    with open(path) as f:
+        data = json.load(f)
+    configs = data.get("pinned", data) if isinstance(data, dict) else data
+    set_configs(configs, autotune=autotune)
+    return configs
+
+
+# The sweep's problems: Llama-3.2-1B's attention as DIFF V1 (32 query heads and 8 KV heads of width 64: 4 KV groups of
+# 4 signal and 4 noise rows, K1/K2 and V0/V1 per group), causal; prefill, training (the backward) and decode.
+SWEEP_SHAPES = (
+    {"name": "prefill 1x8192", "kernels": ["forward"], "batch": 1, "queries": 8192, "keys": 8192},
+    {"name": "prefill 8x2048", "kernels": ["forward"], "batch": 8, "queries": 2048, "keys": 2048},
+    {"name": "train 8x2048", "kernels": ["dkdv", "dq"], "batch": 8, "queries": 2048, "keys": 2048},
+    {"name": "decode b1 s4096", "kernels": ["decode"], "batch": 1, "queries": 1, "keys": 4096},
+    {"name": "decode b32 s4096", "kernels": ["decode"], "batch": 32, "queries": 1, "keys": 4096},
+)
+_SWEEP_MODEL = {"groups": 4, "n": 4, "noise_ratio": 1, "head_dim": 64, "causal": True}
+
+
+def _time_ms(fn, rep_ms: float, device) -> float:
+    """Median milliseconds of ``fn``: triton.testing.do_bench on a GPU (CUDA events, the L2 cache flushed before each
+    run); under the interpreter, wall-clock medians of three runs (only the sweep's logic is tested there)."""
+    if device.type == "cuda":
+        return float(triton.testing.do_bench(fn, warmup=max(1.0, rep_ms / 4), rep=rep_ms, return_mode="median"))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def _sweep_case(spec: dict, dtype, device):
+    """The inputs of one sweep problem and, per kernel, (launch(config), outputs()) closures."""
+    p = {**_SWEEP_MODEL, **spec}
+    b, t, s, g, n, r, d = p["batch"], p["queries"], p["keys"], p["groups"], p["n"], p["noise_ratio"], p["head_dim"]
+    causal = p["causal"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    query = torch.randn(b, t, g * (n + n // r), d, generator=gen, device=device, dtype=dtype)
+    key, value = (torch.randn(b, 2 * g, s, d, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    lam = torch.tensor(0.6, device=device)
+    scaling = d**-0.5
+    shape = _Shape(b, t, s, g, n, r, d, dtype, causal, False, device)
+    state = {}
+
+    def backward():
+        if "bw" not in state:
+            stats = _forward(query, key, value, lam, scaling, n, r, None, causal, True,
+                             config=_prune("forward", LAUNCH_CONFIGS["forward"], shape)[0])
+            dout = torch.randn(stats[0].shape, generator=gen, device=device, dtype=dtype)
+            state["bw"] = _Backward(dout, query, key, value, lam, *stats, scaling, n, r, None, causal)
+        return state["bw"]
+
+    def forward(cfg):
+        state["out"] = _forward(query, key, value, lam, scaling, n, r, None, causal, p.get("save_stats", False),
+                                config=cfg)[0]
+
+    def decode(cfg):
+        state["out"] = _decode(query, key, value, lam, scaling, n, r, None, causal, config=cfg)
+
+    kernels = {
+        "forward": (forward, lambda: [state["out"]]),
+        "decode": (decode, lambda: [state["out"]]),
+        "dkdv": (lambda cfg: backward().dkdv(cfg), lambda: [backward().dkey, backward().dvalue]),
+        "dq": (lambda cfg: backward().dq(cfg), lambda: [backward().dquery]),
+    }
+    problem = {"batch": b, "queries": t, "keys": s, "groups": g, "n": n, "noise_ratio": r, "head_dim": d,
+               "causal": causal}
+    return shape, problem, kernels
+
+
+def tuning_sweep(shapes=SWEEP_SHAPES, dtype=torch.bfloat16, device="cuda", rep_ms: float = 20.0,
+                 budget_s: float = 80.0) -> dict:
+    """Time every launch configuration of every kernel on the given problems, and say which is fastest.
+
+    For each problem of ``shapes`` (dicts: ``name``, ``kernels`` among ``"forward"``, ``"dkdv"``, ``"dq"``,
+    ``"decode"``, ``batch``, ``queries``, ``keys``; optionally ``groups``, ``n``, ``noise_ratio``, ``head_dim``,
+    ``causal``, ``save_stats``; the default, SWEEP_SHAPES, is Llama-3.2-1B's attention as DIFF V1: prefill 1x8192 and
+    8x2048, training 8x2048 for both backward kernels, decode at batch 1 and 32 over 4096 keys) and each of its kernels,
+    every configuration of LAUNCH_CONFIGS that _prune keeps for it (those triton.autotune would time) is launched
+    directly (no autotuning): a first call (compiling it), then ``triton.testing.do_bench`` (CUDA events, L2 flushed,
+    median of about ``rep_ms`` ms of runs). Each configuration's outputs are compared with the first one's (a
+    configuration that computes something else is flagged, ``agrees``: false). A configuration that fails (to compile,
+    or to run) is recorded with its error, not raised; once ``budget_s`` seconds have passed the rest are recorded as
+    skipped. The backward kernels run on the statistics of one forward (default configuration).
+
+    Cost: about 27 compilations (8 forward, up to 6 dkdv and 6 dq, 5 decode and its combine kernel; the two prefill
+    problems share theirs) of 1–3 s each and about 40 timings of ``rep_ms`` plus overheads: roughly 40–80 s on an
+    H100/H200 (not yet measured); ``budget_s`` caps it.
+
+    Returns a JSON-serialisable dict: ``device``, ``capability``, ``dtype``, ``triton``, ``torch``, ``rep_ms``,
+    ``budget_s``, ``elapsed_s``; ``results``, one entry per (problem, kernel): ``kernel``, ``shape`` (the problem's
+    name), ``problem`` (its sizes), ``timings`` (per configuration: ``config``, ``ms`` (median) or null,
+    ``first_call_s`` (compile included), ``max_rel_diff`` (largest output difference to the first configuration's,
+    relative to its largest value), ``agrees``, ``error`` (null, or the exception's first line), ``skipped`` (null,
+    or why)), ``best`` (the fastest agreeing configuration, or null), ``best_ms``, ``default`` (the configuration used
+    without tuning), ``default_ms``; and ``pinned``: a set_configs mapping that pins each problem's best configuration (a rule per
+    problem, then the configuration fastest over all of a kernel's problems for every other launch).
+    :func:`format_sweep` renders it as a text table.
+    """
+    if triton is None:
+        raise RuntimeError("tuning_sweep needs triton (`pip install triton`); it is not installed")
+    device = torch.device(device)
+    if not is_available(device):
+        raise ValueError(f"tuning_sweep needs a CUDA device (or TRITON_INTERPRET=1), got device={device}")
+    if dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
+    start = time.perf_counter()
+    results = []
+    tol = 1e-3 if dtype == torch.float32 else 2.0**-5
+    with _on_device(device):
+        for spec in shapes:
+            shape, problem, kernels = _sweep_case(spec, dtype, device)
+            for kind in spec["kernels"]:
+                if kind not in kernels:
+                    raise ValueError(f"shape {spec['name']!r}: unknown kernel {kind!r}; kernels: {', '.join(kernels)}")
+                launch, outputs = kernels[kind]
+                candidates = [c for c in LAUNCH_CONFIGS[kind] if _keep(kind, c, shape, *_device_limits(device))]
+                candidates = candidates or _prune(kind, LAUNCH_CONFIGS[kind], shape)
+                timings, reference = [], None
+                for cfg in candidates:
+                    row = {"config": dict(cfg), "ms": None, "first_call_s": None, "max_rel_diff": None,
+                           "agrees": None, "error": None, "skipped": None}
+                    timings.append(row)
+                    if time.perf_counter() - start > budget_s:
+                        row["skipped"] = f"time budget ({budget_s:.0f} s) spent"
+                        continue
+                    try:
+                        first = time.perf_counter()
+                        launch(cfg)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        row["first_call_s"] = round(time.perf_counter() - first, 3)
+                        got = [x.detach().float().clone() for x in outputs()]
+                        if reference is None:
+                            reference = got
+                        scale = max(max(ref.abs().max().item() for ref in reference), 1e-30)
+                        diff = max((x - ref).abs().max().item() for x, ref in zip(got, reference)) / scale
+                        row["max_rel_diff"] = diff
+                        row["agrees"] = bool(diff <= tol)
+                        row["ms"] = round(_time_ms(lambda: launch(cfg), rep_ms, device), 4)
+                    except Exception as error:  # a configuration that fails is a result, not the sweep's end
+                        text = str(error).strip().splitlines()
+                        row["error"] = f"{type(error).__name__}: {text[0][:300] if text else ''}"
+                ok = [row for row in timings if row["ms"] is not None and row["agrees"]]
+                best = min(ok, key=lambda row: row["ms"]) if ok else None
+                default = _prune(kind, LAUNCH_CONFIGS[kind], shape)[0]
+                default_row = next((row for row in timings if row["config"] == default), None)
+                results.append({
+                    "kernel": kind, "shape": spec["name"], "problem": problem, "timings": timings,
+                    "best": best["config"] if best else None, "best_ms": best["ms"] if best else None,
+                    "default": dict(default), "default_ms": default_row["ms"] if default_row else None,
+                    "when": {name: _FEATURES[name](shape) for name in ("head_dim", "dtype", "noise_ratio", "causal",
+                                                                        "t_bucket", "s_bucket", "b_bucket")},
+                })
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "triton interpreter (CPU)",
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else None,
+        "dtype": str(dtype).removeprefix("torch."), "triton": triton.__version__, "torch": torch.__version__,
+        "rep_ms": rep_ms, "budget_s": budget_s, "elapsed_s": round(time.perf_counter() - start, 1),
+        "results": results, "pinned": _pinned_from(results),
+    }
+
+
+def _pinned_from(results) -> dict:
+    """set_configs rules from a sweep's results: each problem's best, then the kernel's best over all its problems."""
+    pinned = {}
+    for kind in _REQUIRED_KEYS:
+        entries = [e for e in results if e["kernel"] == kind and e["best"] is not None]
+        if not entries:
+            continue
+        rules = [{"when": e["when"], "config": e["best"]} for e in entries]
+        totals = {}
+        for config in {_config_key(e["best"]): e["best"] for e in entries}.values():
+            times = [next((row["ms"] for row in e["timings"] if row["config"] == config and row["agrees"]), None)
+                     for e in entries]
+            if None not in times:
+                totals[_config_key(config)] = (sum(times), config)
+        overall = min(totals.values(), key=lambda x: x[0])[1] if totals else entries[0]["best"]
+        pinned[kind] = rules + [{"config": overall}]
+    return pinned
+
+
+def _config_name(cfg) -> str:
+    if cfg is None:
+        return "-"
+    short = {"BLOCK_T": "T", "BLOCK_N": "N", "UNITS": "U", "num_warps": "w", "num_stages": "s",
+             "min_split_blocks": "split≥", "max_units": "units≤", "splits": "splits="}
+    return " ".join(f"{short.get(k, k)}{v}" for k, v in cfg.items())
+
+
+def format_sweep(result: dict, every: bool = False) -> str:
+    """A tuning_sweep result as a text table: per kernel and problem, the fastest configuration, its time, the
+    default's, and how many configurations ran, failed or were skipped; ``every=True`` lists each configuration."""
+    lines = [f"tuning sweep on {result['device']} (sm {result['capability']}), {result['dtype']}, triton "
+             f"{result['triton']}, torch {result['torch']}: {result['elapsed_s']} s",
+             f"{'kernel':8} {'problem':18} {'best configuration':34} {'best ms':>8} {'default ms':>10}  "
+             "ran/failed/skipped"]
+    for e in result["results"]:
+        ran = sum(row["ms"] is not None for row in e["timings"])
+        failed = sum(row["error"] is not None or row["agrees"] is False for row in e["timings"])
+        skipped = sum(row["skipped"] is not None for row in e["timings"])
+        best = "-" if e["best_ms"] is None else f"{e['best_ms']:.4f}"
+        default = "-" if e["default_ms"] is None else f"{e['default_ms']:.4f}"
+        lines.append(f"{e['kernel']:8} {e['shape']:18} {_config_name(e['best']):34} {best:>8} {default:>10}  "
+                     f"{ran}/{failed}/{skipped}")
+        if every:
+            for row in e["timings"]:
+                what = (f"{row['ms']:.4f} ms" if row["ms"] is not None else row["error"] or row["skipped"] or "-")
+                flag = "" if row["agrees"] in (None, True) else f"  DISAGREES (max rel diff {row['max_rel_diff']:.3g})"
+                lines.append(f"    {_config_name(row['config']):40} {what}{flag}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1038,8 +1650,8 @@ def differential_attention_triton(query, key, value, lam, scaling, pair_stride, 
     One query token without autograd takes the decode path (the group's cache read once for all its rows); otherwise
     the forward kernel, with the flash-attention-style backward when any input requires grad.
     """
-    b, t, s, g, n, m, d, mask = _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask,
-                                          is_causal)
+    b, t, s, g, n, m, d, mask = _validated(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask,
+                                           is_causal)
     if b == 0 or t == 0 or s == 0:
         return query.new_zeros(b, t, g * n, 2 * d)
     query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
@@ -1047,7 +1659,20 @@ def differential_attention_triton(query, key, value, lam, scaling, pair_stride, 
     scaling = float(scaling)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, lam)):
         return _OP_FORWARD(query, key, value, lam32, mask, scaling, n, noise_ratio, is_causal)[0]
+    if _direct_call(query, key, value, lam32, mask):
+        return _inference_impl(query, key, value, lam32, mask, scaling, n, noise_ratio, is_causal)
     return _OP_INFERENCE(query, key, value, lam32, mask, scaling, n, noise_ratio, is_causal)
 
 
-__all__ = ["differential_attention_triton", "is_available"]
+def _direct_call(*tensors) -> bool:
+    """Whether the inference op's implementation may be called directly, skipping the dispatcher: nothing is being
+    compiled or traced (torch.compile, export), no dispatch mode is active (FakeTensorMode, FlopCounterMode, ...) and
+    every input is a plain tensor (no subclass: a FakeTensor, a DTensor). The op and the direct call run the same
+    function; the op adds only its dispatch."""
+    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
+        return False
+    return all(x is None or type(x) is torch.Tensor for x in tensors)
+
+
+__all__ = ["LAUNCH_CONFIGS", "SWEEP_SHAPES", "differential_attention_triton", "format_sweep", "is_available",
+           "load_configs", "set_configs", "tuning_sweep"]

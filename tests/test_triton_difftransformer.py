@@ -41,8 +41,8 @@ from difftransformer import triton_difftransformer as tdt  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 U32 = 2.0**-24
 UNIT = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-SMALL_TILES = {"forward": dict(rows=16, block_n=16), "dq": dict(rows=16, block_n=16),
-               "dkdv": dict(rows=16, block_n=16), "preprocess": dict(rows=16), "decode": dict(block_n=16)}
+SMALL_TILES = {"forward": dict(BLOCK_T=16, BLOCK_N=16), "dq": dict(BLOCK_T=16, BLOCK_N=16),
+               "dkdv": dict(BLOCK_T=16, BLOCK_N=16), "preprocess": dict(BLOCK_T=16), "decode": dict(BLOCK_N=16)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -222,8 +222,8 @@ def test_forward_and_gradients_float32(b, g, n, r, t, s):
 def test_several_noise_rows_per_program(monkeypatch, n, r):
     """The tuning knob that packs several noise rows of a group (with their signal rows) into one program's tiles, so
     that they share each K/V tile: the same function (rows ordered (signal, noise row, position))."""
-    monkeypatch.setitem(tdt._TUNING, "forward", dict(rows=16, block_n=16, units=2))
-    monkeypatch.setitem(tdt._TUNING, "dq", dict(rows=16, block_n=16, units=2))
+    monkeypatch.setitem(tdt._TUNING, "forward", dict(BLOCK_T=16, BLOCK_N=16, UNITS=2))
+    monkeypatch.setitem(tdt._TUNING, "dq", dict(BLOCK_T=16, BLOCK_N=16, UNITS=2))
     query, key, value, lam = leaf_inputs(1, 24, 24, 1, n, r, 16)
     check_forward_backward(query, key, value, lam, n, r)
 
@@ -323,7 +323,7 @@ def test_no_grad_forward_matches():
 )
 def test_decode_steps(monkeypatch, n, r, splits, padded, dtype):
     """Three decode steps over a static cache (a strided slice of a longer buffer), against the reference."""
-    monkeypatch.setitem(tdt._TUNING, "decode", dict(block_n=16, splits=splits))
+    monkeypatch.setitem(tdt._TUNING, "decode", dict(BLOCK_N=16, splits=splits))
     b, g, d, s_max, prompt = 2, 1, 16, 56, 40  # 40 keys in 16-key blocks: three splits of 16, 16, 8+
     gen = torch.Generator().manual_seed(7)
     m = n // r
@@ -348,7 +348,7 @@ def test_decode_steps(monkeypatch, n, r, splits, padded, dtype):
 def test_decode_reads_each_group_once():
     """The decode launch puts all n + m rows of a KV group in one program (per key split): the cache is read once."""
     for m, r_pad in ((1, 1), (4, 1), (3, 2), (16, 1)):
-        plan = tdt._decode_plan(b=1, g=4, m=m, s=4096, r_pad=r_pad, d_pad=64, dtype=torch.bfloat16, device="cpu")
+        plan = tdt._decode_plan(b=1, g=4, m=m, s=4096, r_pad=r_pad, cfg=tdt.LAUNCH_CONFIGS["decode"][0], device="cpu")
         assert plan["unit_blocks"] == 1 and plan["units"] >= m
         assert plan["splits"] * plan["split_len"] >= 4096 > (plan["splits"] - 1) * plan["split_len"]
 
@@ -518,7 +518,7 @@ def test_opcheck(monkeypatch, n, r, masked):
     registration and AOT autograd with dynamic shapes. The forward with statistics takes inputs that require grad;
     the inference op runs a prompt and one decode token (split over two key ranges); the backward op gets the forward's
     statistics."""
-    monkeypatch.setitem(tdt._TUNING, "decode", dict(block_n=16, splits=2))
+    monkeypatch.setitem(tdt._TUNING, "decode", dict(BLOCK_N=16, splits=2))
     b, t, s, g, d = 2, 8, 20, 1, 16
     query, key, value, lam = make_inputs(b, t, s, g, n, r, d)
     mask = _left_padding_mask(b, t, s) if masked else None
