@@ -11,7 +11,9 @@ model the package runs, ours (V1, V2) and standard transformers ones (Llama, ...
   what it quantises: ``target="logits"`` (``q·kᵀ·scale`` before the mask and the softmax), ``target="qk"`` (the rotated
   queries and keys before their product) or ``None`` (nothing: the eager computation, for the unquantised baseline),
   with ``bits`` and ``granularity`` (``"tensor"``: one scale per sequence and layer; ``"head"``: one per sequence,
-  layer and head — per softmax map for logits and queries, per key head for keys).
+  layer and head — per softmax map for logits and queries, per key head for keys). A model that runs inside the
+  block without its attention calling the function (attention that bypasses ``AttentionInterface``) makes the block
+  raise, instead of passing unquantised results off as quantised.
 * :func:`quantize_symmetric`: symmetric uniform fake quantisation, ``round(x / s)·s`` clamped to ``±qmax·s`` with
   ``qmax = 2^(bits−1) − 1`` and ``s = max|x| / qmax`` over the chosen dimensions (the valid, unmasked entries only).
   Scales are per sequence, so a result does not depend on which other sequences share the batch.
@@ -88,6 +90,8 @@ class LogitRecorder:
 _SPEC: contextvars.ContextVar[QuantSpec] = contextvars.ContextVar("difftransformer_lowbit_spec", default=QuantSpec())
 _RECORDER: contextvars.ContextVar[LogitRecorder | None] = contextvars.ContextVar("difftransformer_lowbit_recorder",
                                                                                   default=None)
+# Calls of the attention function inside the innermost low_bit_attention block (a one-element list per block).
+_CALLS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("difftransformer_lowbit_calls", default=None)
 
 
 def quantize_symmetric(x: torch.Tensor, bits: int, dims: tuple[int, ...], valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,7 +139,9 @@ def lowbit_attention_forward(module, query, key, value, attention_mask, scaling:
     """The attention function registered as :data:`ATTN_IMPLEMENTATION` (module docstring). Returns what the eager
     implementation of the calling model returns: ours, the combined heads ``(B, T, H, w)`` and the differential maps;
     a standard model, ``(B, T, Hq, d)`` and its softmax maps."""
-    spec, recorder = _SPEC.get(), _RECORDER.get()
+    spec, recorder, calls = _SPEC.get(), _RECORDER.get(), _CALLS.get()
+    if calls is not None:
+        calls[0] += 1
     differential = diff_lambda is not None
     if spec.target == "qk":
         query = quantize_symmetric(query, spec.bits, _dims(spec.granularity, query.dim()))
@@ -182,17 +188,31 @@ def low_bit_attention(model, target: str | None = "logits", bits: int | None = 8
     """Run ``model`` with its attention logits (``target="logits"``) or queries and keys (``"qk"``) quantised to
     ``bits`` (``granularity`` ``"tensor"`` or ``"head"``), or with nothing quantised (``target=None``; ``bits`` is
     then ignored), inside the block; ``recorder`` collects the logits. Restores the model's attention implementation
-    on leaving, errors included."""
+    on leaving, errors included.
+
+    Loud where it would be silently wrong: if the model ran inside the block but its attention never called the
+    function (a model whose attention does not go through transformers' ``AttentionInterface``), leaving the block
+    raises a ``RuntimeError`` instead of letting unquantised results pass for quantised ones."""
     spec = QuantSpec(target, bits if target is not None else None, granularity)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    spec_token, recorder_token = _SPEC.set(spec), _RECORDER.set(recorder)
+    ran, calls = [], [0]
+    hook = model.register_forward_pre_hook(lambda module, args: ran.append(True))
+    spec_token, recorder_token, calls_token = _SPEC.set(spec), _RECORDER.set(recorder), _CALLS.set(calls)
     try:
         yield spec
     finally:
         _SPEC.reset(spec_token)
         _RECORDER.reset(recorder_token)
+        _CALLS.reset(calls_token)
+        hook.remove()
         model.set_attn_implementation(previous)
+    if ran and not calls[0]:
+        raise RuntimeError(
+            f"low_bit_attention: {type(model).__name__} ran {len(ran)} time(s) inside the block, but its attention "
+            f"never called the {ATTN_IMPLEMENTATION!r} attention function, so nothing was quantised or recorded: its "
+            "attention modules do not dispatch through transformers' AttentionInterface "
+            "(config._attn_implementation).")
 
 
 def tensor_statistics(values: torch.Tensor) -> dict:

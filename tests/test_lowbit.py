@@ -202,3 +202,39 @@ def test_tensor_statistics_and_activation_statistics():
     assert all(r["count"] == 2 * 11 * 32 for r in stats["hidden"])
     summary = lowbit.summarize_statistics(stats)
     assert summary["logits"]["max"] == max(r["max"] for r in stats["logits"])
+
+
+def test_a_model_whose_attention_bypasses_the_interface_is_refused_loudly():
+    """A model that runs inside the block without one call of the low-bit attention function (its attention does not
+    dispatch through transformers' AttentionInterface) must not pass unquantised results off as quantised: leaving the
+    block raises, naming the model. A block in which the model does not run, or runs through the function, is fine;
+    so is a transformers Llama (the pretrained-model benchmark's source)."""
+    model = tiny("llama")
+    ids, _ = batch()
+
+    class PlainAttention(torch.nn.Module):
+        """Softmax attention computed here, without the attention interface."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+            a = self.inner
+            shape = (*hidden_states.shape[:-1], -1, a.head_dim)
+            q = a.q_proj(hidden_states).view(shape).transpose(1, 2)
+            k = a.k_proj(hidden_states).view(shape).transpose(1, 2).repeat_interleave(a.num_key_value_groups, 1)
+            v = a.v_proj(hidden_states).view(shape).transpose(1, 2).repeat_interleave(a.num_key_value_groups, 1)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return a.o_proj(out.transpose(1, 2).flatten(2)), None
+
+    with lowbit.low_bit_attention(model, target="logits", bits=4):
+        model(input_ids=ids)  # a transformers Llama goes through the function
+    with lowbit.low_bit_attention(model, target="logits", bits=4):
+        pass  # nothing ran: nothing to say
+    for layer in model.model.layers:
+        layer.self_attn = PlainAttention(layer.self_attn)
+    with pytest.raises(RuntimeError, match="LlamaForCausalLM ran 1 time.*never called"):
+        with lowbit.low_bit_attention(model, target="logits", bits=4):
+            model(input_ids=ids)
+    assert model.config._attn_implementation != lowbit.ATTN_IMPLEMENTATION  # restored before raising
