@@ -1,0 +1,155 @@
+"""Exact tests for the small samples the benchmark reports compare: a handful of seeds, a few hundred items.
+
+At these sample sizes a normal approximation misstates the p-value, so every test here enumerates (or sums) its null
+distribution exactly; each returns a two-sided p-value.
+
+* :func:`binomial_two_sided` (and :func:`sign_test`, :func:`mcnemar`): a count of successes against Binomial(n, p);
+  two-sided as the sum of the probabilities of every outcome no more likely than the one observed.
+* :func:`fisher_exact`: a 2 × 2 table (e.g. seeds that learned, per model), two-sided in the same way over the
+  hypergeometric distribution of the table with its margins fixed.
+* :func:`rank_sum`: two unpaired samples (e.g. steps to 90% of the runs of two models), the Wilcoxon–Mann–Whitney rank
+  sum with midranks for ties, its distribution enumerated over every split of the pooled values. Runs that never got
+  there within a common budget enter as a value above every observed one (they tie among themselves): with the same
+  budget for every run this is their true order, and ties only make the test conservative.
+* :func:`spearman`: Spearman's rank correlation with its exact permutation p-value (every permutation of one
+  variable's ranks is counted, by dynamic programming over subsets: up to :data:`SPEARMAN_MAX_N` values).
+
+The same definitions as scipy's ``binomtest``, ``fisher_exact``, ``mannwhitneyu(method="exact")`` (without ties) and
+``spearmanr``'s statistic (tests/test_exact_tests.py compares them where scipy is installed); written out here because
+scipy is no dependency of the package or its tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+# Outcomes whose probability is within this relative tolerance of the observed one count as "as likely" (the
+# floating-point sums of equal probabilities differ in their last bits; scipy uses the same factor).
+_RELATIVE = 1 + 1e-7
+SPEARMAN_MAX_N = 14  # 2^14 subsets: the exact distribution stays cheap
+
+
+def binomial_two_sided(k: int, n: int, p: float = 0.5) -> float:
+    """Two-sided exact binomial p-value of ``k`` successes in ``n`` trials of probability ``p``."""
+    if not (isinstance(k, int) and isinstance(n, int) and 0 <= k <= n):
+        raise ValueError(f"binomial test: need integers 0 <= k <= n, got k={k!r}, n={n!r}")
+    if not 0 < p < 1:
+        raise ValueError(f"binomial test: p must be in (0, 1), got {p!r}")
+    if n == 0:
+        return 1.0
+    probs = [math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(n + 1)]
+    return min(1.0, sum(q for q in probs if q <= probs[k] * _RELATIVE))
+
+
+def sign_test(differences: Sequence[float]) -> tuple[int, int, float]:
+    """(positive, negative, two-sided p) of paired differences; zeros are dropped (they carry no sign)."""
+    pos = sum(d > 0 for d in differences)
+    neg = sum(d < 0 for d in differences)
+    return pos, neg, binomial_two_sided(pos, pos + neg)
+
+
+def mcnemar(only_first: int, only_second: int) -> float:
+    """Exact McNemar test of paired binary outcomes: the discordant pairs (``only_first``: the first succeeded and the
+    second did not) against an even split."""
+    return binomial_two_sided(only_first, only_first + only_second)
+
+
+def fisher_exact(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided Fisher exact test of the 2 × 2 table ``[[a, b], [c, d]]`` (rows: groups; columns: outcome yes/no)."""
+    if min(a, b, c, d) < 0:
+        raise ValueError(f"fisher_exact: counts must be non-negative, got {(a, b, c, d)}")
+    row1, col1, n = a + b, a + c, a + b + c + d
+    if n == 0:
+        return 1.0
+    lo, hi = max(0, col1 - (n - row1)), min(row1, col1)
+    probs = {x: math.comb(col1, x) * math.comb(n - col1, row1 - x) / math.comb(n, row1) for x in range(lo, hi + 1)}
+    return min(1.0, sum(q for q in probs.values() if q <= probs[a] * _RELATIVE))
+
+
+def midranks(values: Sequence[float]) -> list[float]:
+    """Ranks 1..n, ties given the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def rank_sum(x: Sequence[float], y: Sequence[float]) -> float:
+    """Two-sided exact p-value of the rank-sum test of unpaired samples ``x`` and ``y`` (midranks for ties): the share
+    of the C(n, len(x)) splits of the pooled values whose rank sum is at least as far from its mean as ``x``'s."""
+    if not x or not y:
+        raise ValueError(f"rank_sum: both samples need a value, got {len(x)} and {len(y)}")
+    n = len(x) + len(y)
+    if math.comb(n, len(x)) > 2_000_000:
+        raise ValueError(f"rank_sum: {len(x)} + {len(y)} values have too many splits to enumerate")
+    ranks = midranks(list(x) + list(y))
+    expected = len(x) * (n + 1) / 2
+    observed = abs(sum(ranks[: len(x)]) - expected)
+    hits = total = 0
+    for chosen in itertools.combinations(ranks, len(x)):
+        total += 1
+        hits += abs(sum(chosen) - expected) >= observed - 1e-9
+    return hits / total
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """(Spearman's ρ, its two-sided exact permutation p-value): ρ is Pearson's correlation of the midranks; the p-value
+    counts the permutations of ``y``'s ranks whose |ρ| reaches the observed one."""
+    n = len(x)
+    if n != len(y) or n < 3:
+        raise ValueError(f"spearman: need two samples of the same length >= 3, got {len(x)} and {len(y)}")
+    if n > SPEARMAN_MAX_N:
+        raise ValueError(f"spearman: the exact distribution is computed up to n = {SPEARMAN_MAX_N}, got n = {n}")
+    # Doubled midranks are integers; ρ is an increasing function of the sum of their products.
+    rx = [round(2 * r) for r in midranks(x)]
+    ry = [round(2 * r) for r in midranks(y)]
+    mx, my = sum(rx) / n, sum(ry) / n
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        raise ValueError("spearman: a sample with every value equal has no rank correlation")
+    observed = sum(a * b for a, b in zip(rx, ry))
+    rho = (observed - n * mx * my) / math.sqrt(sxx * syy)
+    # counts[mask] = {sum of rx[i] * ry[j] over the first popcount(mask) positions i paired with the ranks in mask}
+    layer = {0: {0: 1}}
+    for i in range(n):
+        nxt: dict[int, dict[int, int]] = {}
+        for mask, sums in layer.items():
+            for j in range(n):
+                if mask >> j & 1:
+                    continue
+                target = nxt.setdefault(mask | 1 << j, {})
+                add = rx[i] * ry[j]
+                for s, count in sums.items():
+                    target[s + add] = target.get(s + add, 0) + count
+        layer = nxt
+    (full,) = layer.values()
+    centre = n * mx * my
+    distance = abs(observed - centre)
+    hits = sum(count for s, count in full.items() if abs(s - centre) >= distance - 1e-9)
+    return rho, hits / math.factorial(n)
+
+
+def binomial_noise(accuracy: float, n: int) -> float:
+    """Standard deviation of an accuracy measured on ``n`` independent queries: sqrt(p(1 − p)/n)."""
+    if n <= 0:
+        raise ValueError(f"binomial_noise: n must be positive, got {n}")
+    return math.sqrt(max(0.0, accuracy * (1 - accuracy)) / n)
+
+
+def format_p(p: float) -> str:
+    """A p-value as the reports print it: two significant digits, at most 1."""
+    return f"{min(p, 1.0):.2g}" if p >= 0.001 else f"{p:.1e}"
+
+
+__all__ = ["SPEARMAN_MAX_N", "binomial_noise", "binomial_two_sided", "fisher_exact", "format_p", "mcnemar", "midranks",
+           "rank_sum", "sign_test", "spearman"]
