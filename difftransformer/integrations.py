@@ -1,18 +1,30 @@
-"""Glue between difftransformer and the libraries users train with: PEFT and transformers' ``Trainer``.
+"""Glue between difftransformer and the libraries users train with: PEFT, Liger Kernel and transformers' ``Trainer``.
 
-Both libraries key some behaviour off *static* tables of known architectures, which a model registered at run time
-is missing from:
+PEFT and Liger Kernel key some behaviour off *static* tables of known architectures, which our model type is missing
+from. Nothing here runs at ``import difftransformer``: each table is changed only by an explicit call, which imports
+that library then (importing PEFT pulls in bitsandbytes and torchao where installed, importing Liger loads Triton), adds
+an entry for our own ``model_type "difftransformer"`` only, and never replaces one (docs/ecosystem.md, "PEFT LoRA",
+"Liger Kernel"):
 
-* PEFT picks default adapter targets (``LoraConfig(task_type="CAUSAL_LM")`` without ``target_modules``) from
-  ``peft.utils.constants.TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING`` by ``config.model_type``; an unknown type
-  raises. :func:`register_peft` adds ``"difftransformer"`` with Llama's entries: our module names are Llama's
-  (``q_proj``, ``v_proj``, ``down_proj``, ...), so every PEFT method's Llama default applies unchanged.
+* :func:`register_peft`: PEFT picks default adapter targets (``LoraConfig(task_type="CAUSAL_LM")`` without
+  ``target_modules``) from its tables ``peft.utils.TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING`` by
+  ``config.model_type``. PEFT has no registration function for them (``register_peft_method`` registers adapter
+  methods, not architectures); its documented rule for an unknown type is to pass ``target_modules``, and without
+  either PEFT raises ``Please specify `target_modules` in `peft_config``` (no silent default). :func:`register_peft`
+  adds ``"difftransformer"`` with Llama's entries (our module names are Llama's: ``q_proj``, ``v_proj``,
+  ``down_proj``, ...), so every PEFT method's Llama default applies.
+* :func:`register_liger`: Liger Kernel (``TrainingArguments(use_liger_kernel=True)``, TRL's ``use_liger_kernel``)
+  looks a model's patch function up by ``config.model_type`` in
+  ``liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN`` and, for a type it does not know, applies
+  nothing and says so only at info level (the model then trains with its own kernels: the same loss, more memory).
+  :func:`register_liger` adds :func:`apply_liger_kernel_to_difftransformer` there; or call that function on the
+  model yourself (it returns what it patched).
 * ``Trainer`` with ``label_smoothing_factor > 0`` shifts labels by one (next-token targets) only when the model's
-  class name is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; the modeling file itself adds our causal-LM class there,
-  so that this also holds when the model is loaded as remote code without the package.
+  class name is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; the modeling file adds our causal-LM class there (a
+  ``setdefault`` of our own key), so that this also holds when the model is loaded as remote code without the package;
+  Motif's class is added by :func:`difftransformer.motif.register_motif`.
 
-:func:`register_integrations` (difftransformer/registration.py) runs at ``import difftransformer``, without importing
-PEFT or Liger. The differential λ parameters can be trained next to an adapter:
+The differential λ parameters can be trained next to an adapter:
 
 * V2: ``lambda_proj`` (a module of its own, not an ``nn.Linear``, so that quantizers leave it alone); PEFT's own
   ``modules_to_save=["lambda_proj"]`` trains it and stores it in the adapter (see :func:`lambda_modules_to_save`).
@@ -32,15 +44,10 @@ PEFT or Liger. The differential λ parameters can be trained next to an adapter:
   ``PeftModel.from_pretrained`` pass the λ keys to ``load_state_dict(strict=False)`` unchanged, so the λ of the
   checkpoint's step come back.
 
-Liger Kernel (``TrainingArguments(use_liger_kernel=True)``, TRL's ``use_liger_kernel``) looks a model's patch
-function up by ``config.model_type`` in ``liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN`` and
-applies nothing, saying so at info level, for a type it does not know. :func:`register_liger` adds
-``"difftransformer"`` there with :func:`apply_liger_kernel_to_difftransformer` the moment that module is imported
-(importing Liger loads Triton: seconds, so ``import difftransformer`` does not do it). The patch function replaces
-the Llama blocks our model shares with Llama by Liger's (RMSNorm, SwiGLU MLP, cross-entropy or the fused linear
-cross-entropy that never materialises the logits), returns what it patched, and warns at WARNING level about every
-requested kernel it cannot apply (RoPE: the attention rotates its own packed heads; SwiGLU on Motif's PolyNorm MLP),
-and when it applies nothing at all.
+:func:`apply_liger_kernel_to_difftransformer` replaces the Llama blocks our model shares with Llama by Liger's
+(RMSNorm, SwiGLU MLP, cross-entropy or the fused linear cross-entropy that never materialises the logits), returns
+what it patched, and warns at WARNING level about every requested kernel it cannot apply (RoPE: the attention rotates
+its own packed heads; SwiGLU on Motif's PolyNorm MLP), and when it applies nothing at all.
 """
 
 from __future__ import annotations
@@ -54,13 +61,49 @@ from types import MethodType
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from .registration import LIGER_MONKEY_PATCH, MODEL_TYPE, register_integrations, register_liger, register_peft  # noqa: F401
+from .configuration_difftransformer import DiffTransformerConfig
 
 logger = logging.get_logger(__name__)
+
+MODEL_TYPE = DiffTransformerConfig.model_type
 
 # Names of the V1 λ vectors inside an attention module (docs/model.md).
 V1_LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 _V1_LAMBDA_RE = re.compile(r"(^|\.)self_attn\.(" + "|".join(V1_LAMBDA_NAMES) + r")$")
+
+
+def register_peft() -> list[str]:
+    """PEFT's default adapter targets for ``model_type "difftransformer"``: Llama's, in every table
+    ``peft.utils.constants.TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING`` that has a Llama entry (LoRA: ``q_proj``,
+    ``v_proj``; IA³: ``k_proj``, ``v_proj``, ``down_proj``; ...), so that ``LoraConfig(task_type="CAUSAL_LM")`` needs no
+    ``target_modules``. Imports PEFT. An entry PEFT (or anyone) already holds for ``"difftransformer"`` is kept.
+
+    The tables are changed in place: PEFT's tuner classes hold these very dicts (``LoraModel.target_module_mapping``
+    is ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``). Returns the names of the tables that now hold Llama's
+    entry for our type. Idempotent."""
+    from peft.utils import constants
+
+    registered = []
+    for name, table in sorted(vars(constants).items()):
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and "llama" in table:
+            if table.setdefault(MODEL_TYPE, table["llama"]) == table["llama"]:
+                registered.append(name)
+    return registered
+
+
+def register_liger() -> None:
+    """Liger Kernel's patch function for ``model_type "difftransformer"``: :func:`apply_liger_kernel_to_difftransformer`
+    in ``liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN``, the table transformers'
+    ``Trainer(use_liger_kernel=True)`` and TRL's trainers look the model type up in. Imports Liger (and so Triton).
+    Idempotent; a function that Liger (or anyone) already registered for ``"difftransformer"`` is kept, with a
+    warning."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    found = MODEL_TYPE_TO_APPLY_LIGER_FN.setdefault(MODEL_TYPE, apply_liger_kernel_to_difftransformer)
+    where = (getattr(found, "__module__", None), getattr(found, "__qualname__", repr(found)))
+    if where != (__name__, apply_liger_kernel_to_difftransformer.__qualname__):  # (ours, or ours re-imported)
+        logger.warning(f"Liger Kernel already maps model_type {MODEL_TYPE!r} to {where[0]}.{where[1]}; kept "
+                       "(difftransformer's apply_liger_kernel_to_difftransformer was not registered).")
 
 
 def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: bool = False,
@@ -271,7 +314,6 @@ __all__ = [
     "apply_liger_kernel_to_difftransformer",
     "enable_lambda_training",
     "lambda_modules_to_save",
-    "register_integrations",
     "register_liger",
     "register_peft",
     "save_adapter",

@@ -23,22 +23,35 @@ ones K2/V2
 NeoX (rotate-half) RoPE, ``rope_theta``     transformers' rotary embeddings (rotate-half)
 ==========================================  ===========================================================================
 
-Importing ``difftransformer`` registers :class:`MotifConfig` (``model_type "Motif"``) with ``AutoConfig`` and
-:class:`MotifForCausalLM` with ``AutoModelForCausalLM``, so a Motif folder loads with
-``AutoModelForCausalLM.from_pretrained(folder)`` and no remote code (the folder's own ``auto_map`` is not used while
-a local class is registered). ``difftransformer-convert --from motif`` writes the same model as a difftransformer
-folder (our ``model_type``, remote code included).
+How a Motif folder loads (docs/models.md, "Motif-2 checkpoints: which call does what"):
+
+* ``MotifForCausalLM.from_pretrained(folder)``: always, with no registration and no remote code. The class carries its
+  own load-time conversion (the query-row order, :class:`MotifQueryRows`) and records it for ``save_pretrained``, which
+  writes Motif's layout back.
+* ``AutoModelForCausalLM.from_pretrained(folder)``: after :func:`register_motif` (opt-in). ``"Motif"`` is Motif
+  Technologies' name, not this package's: ``import difftransformer`` does not register it, and :func:`register_motif`
+  refuses to replace a ``"Motif"`` that transformers or another package registered (``force=True`` replaces it).
+  Without it, transformers follows the folder's own ``auto_map`` to Motif's remote code (``trust_remote_code=True``
+  runs Motif's code from the Hub, not this package's).
+* ``difftransformer-convert --from motif`` writes the same model as a difftransformer folder (our ``model_type``,
+  remote code included); it needs no registration either.
+* ``Trainer(label_smoothing_factor=...)`` shifts labels only for class names in transformers' causal-LM names:
+  building a :class:`MotifForCausalLM` adds its own there (never replacing an entry; not at import).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from huggingface_hub.dataclasses import strict
+from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .configuration_difftransformer import DiffTransformerConfig
 from .modeling_difftransformer import DiffTransformerForCausalLM, MotifPolyNorm, MotifPolyNormMLP  # noqa: F401 (re-exported)
+from .registration import register_model_type
 
 MOTIF_MODEL_TYPE = "Motif"
 # λinit(l) = 0.8 − 0.6·exp(−0.3·(l − 1)) with 0-based l in Motif's code: one layer off the paper's schedule.
@@ -123,7 +136,7 @@ def motif_query_rows(config) -> torch.Tensor:
 
 class MotifQueryRows(ConversionOps):
     """Load-time permutation of ``q_proj`` rows (weight and bias) from Motif's order into ours, and back when saving
-    (transformers' weight-conversion mapping, registered for ``model_type "Motif"``). The identity when every KV group
+    (transformers' weight-conversion format; :class:`MotifForCausalLM` applies it). The identity when every KV group
     holds one noise head."""
 
     def __init__(self, inverse: bool = False):
@@ -150,25 +163,70 @@ class MotifQueryRows(ConversionOps):
 
 
 def motif_weight_conversions() -> list:
-    """The conversion mapping registered for ``model_type "Motif"``: Motif's key names are ours; only the query rows
-    may need reordering."""
+    """The load-time conversion of a Motif checkpoint (transformers' weight-conversion format): Motif's key names are
+    ours; only the query rows may need reordering. :class:`MotifForCausalLM` applies it itself."""
     return [
         WeightConverter(f"self_attn.q_proj.{kind}", f"self_attn.q_proj.{kind}", operations=[MotifQueryRows()])
         for kind in ("weight", "bias")
     ]
 
 
+def _has_motif_rows(conversions) -> bool:
+    return any(isinstance(op, MotifQueryRows) for c in conversions or () for op in getattr(c, "operations", ()))
+
+
 class MotifForCausalLM(DiffTransformerForCausalLM):
     """A Motif checkpoint folder loaded as our model (:class:`MotifConfig` maps its fields). ``save_pretrained``
     writes a Motif folder again (Motif's row order, ``model_type "Motif"``); ``difftransformer-convert --from motif``
-    writes a difftransformer folder with remote code instead."""
+    writes a difftransformer folder with remote code instead.
+
+    The query-row conversion travels with the class, not in transformers' process-wide table of conversions (which is
+    keyed by ``model_type`` or class name, both Motif's names): transformers 5.19-5.24 offer no public per-class
+    hook, so the class adds :func:`motif_weight_conversions` to the load configuration of its own
+    ``from_pretrained`` (``_load_pretrained_model``) and records it as the conversion ``save_pretrained`` reverts
+    (``_weight_conversions``, what transformers records after a load) for a model built from a config.
+    tests/test_motif.py checks both directions where the rows really move."""
 
     config_class = MotifConfig
     _auto_class = None  # saved as Motif's format, not with difftransformer's remote code (save_pretrained)
 
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        # What save_pretrained reverts for a model not loaded from a folder (a load replaces it by what it used).
+        self._weight_conversions = motif_weight_conversions()
+        _add_to_trainers_causal_lm_names()
 
-# Trainer shifts labels for label smoothing only for class names in this table (see modeling_difftransformer.py).
-MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MOTIF_MODEL_TYPE, "MotifForCausalLM")
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        mapping = list(load_config.weight_mapping or [])
+        if not _has_motif_rows(mapping):  # not already there (a conversion registered for "Motif" by the user)
+            load_config = dataclasses.replace(load_config, weight_mapping=mapping + motif_weight_conversions())
+        return DiffTransformerForCausalLM._load_pretrained_model(
+            model, state_dict, checkpoint_files, load_config, *args, **kwargs
+        )
+
+
+def _add_to_trainers_causal_lm_names() -> None:
+    """``Trainer`` with ``label_smoothing_factor > 0`` shifts the labels (next-token targets) only for class names in
+    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; without ours it would smooth a loss of each position against its own token,
+    silently. Added when a model of the class is built (not at import), as a ``setdefault`` that never replaces an
+    entry, and only where no entry names the class already."""
+    if MotifForCausalLM.__name__ not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MOTIF_MODEL_TYPE, MotifForCausalLM.__name__)
+
+
+def register_motif(force: bool = False) -> None:
+    """Opt-in: ``AutoConfig`` maps ``model_type "Motif"`` to :class:`MotifConfig` and ``AutoModelForCausalLM`` maps it
+    to :class:`MotifForCausalLM`, so that ``AutoModelForCausalLM.from_pretrained(folder)`` (and tools that load through
+    the Auto classes: vLLM's config reading, pipelines) load a Motif folder as this package's model instead of Motif's
+    remote code. ``MotifForCausalLM.from_pretrained`` needs none of it.
+
+    Idempotent. Refuses, with :class:`~difftransformer.registration.RegistrationConflict` naming each entry and
+    registering nothing, where transformers or another package already registered ``"Motif"`` (or a model for
+    :class:`MotifConfig`), unless ``force=True``, which replaces it in this process."""
+    register_model_type(MotifConfig, {AutoModelForCausalLM: MotifForCausalLM}, force=force)
+    _add_to_trainers_causal_lm_names()
+
 
 __all__ = [
     "MOTIF_MODEL_TYPE",
@@ -180,4 +238,5 @@ __all__ = [
     "motif_query_heads",
     "motif_query_rows",
     "motif_weight_conversions",
+    "register_motif",
 ]

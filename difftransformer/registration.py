@@ -1,96 +1,135 @@
-"""What ``import difftransformer`` tells the libraries that key behaviour off static tables of architectures, without
-importing them: PEFT (default adapter targets by ``model_type``) and Liger Kernel (its patch function by
-``model_type``). Each table is filled at once where its module is loaded already, else the moment it is imported
-(an import hook that runs once): importing PEFT pulls in bitsandbytes and torchao where installed, and importing
-Liger loads Triton, so that ``import difftransformer`` (and the converter's command line) costs neither, nor prints
-their import-time warnings. docs/ecosystem.md, "Tools"; the helpers themselves are in :mod:`difftransformer.integrations`.
+"""How the package names its classes to transformers' Auto classes, as a guest: a ``model_type`` is registered only
+where it is free or already ours, and another project's registration of the same name is never replaced unless the
+caller asks for that (``force=True``).
+
+* ``import difftransformer`` runs :func:`register_difftransformer`: ``model_type "difftransformer"`` (our config and
+  the five model heads) with ``AutoConfig`` and the ``AutoModel*`` classes, and marks the classes for the Hub's
+  remote-code format (``register_for_auto_class``: every ``save_pretrained`` folder carries the code and its
+  ``auto_map``, so it loads where the package is absent). Where transformers or another package already maps
+  ``"difftransformer"`` to other classes, it registers nothing, keeps theirs and warns; the classes still load their
+  folders directly (``DiffTransformerForCausalLM.from_pretrained``).
+* Motif's ``model_type "Motif"`` is a name of Motif Technologies': it is registered only by an explicit
+  :func:`difftransformer.motif.register_motif`, through :func:`register_model_type`.
+* Other libraries' tables (PEFT's default adapter targets, Liger Kernel's patch functions) are changed only by the
+  explicit calls of :mod:`difftransformer.integrations`; nothing here imports PEFT or Liger.
+
+docs/ecosystem.md, "Registration".
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Mapping
 
-MODEL_TYPE = "difftransformer"
-PEFT_CONSTANTS = "peft.utils.constants"
-LIGER_MONKEY_PATCH = "liger_kernel.transformers.monkey_patch"
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .configuration_difftransformer import DiffTransformerConfig
+from .modeling_difftransformer import (
+    DiffTransformerForCausalLM,
+    DiffTransformerForQuestionAnswering,
+    DiffTransformerForSequenceClassification,
+    DiffTransformerForTokenClassification,
+    DiffTransformerModel,
+)
 
-class _RunOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``callback(module)`` right after the module ``fullname`` is first executed (then leaves ``sys.meta_path``)."""
+MODEL_TYPE = DiffTransformerConfig.model_type
 
-    def __init__(self, fullname: str, callback: Callable[[object], None]):
-        self.fullname, self.callback = fullname, callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.fullname:
-            return None
-        sys.meta_path.remove(self)  # one registration; and the real finders locate the module
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        execute, callback = spec.loader.exec_module, self.callback
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec_):
-                return None
-
-            def exec_module(self, module):
-                execute(module)
-                callback(module)
-
-        spec.loader = Loader()
-        return spec
+AUTO_CLASSES = {
+    AutoModel: DiffTransformerModel,
+    AutoModelForCausalLM: DiffTransformerForCausalLM,
+    AutoModelForSequenceClassification: DiffTransformerForSequenceClassification,
+    AutoModelForTokenClassification: DiffTransformerForTokenClassification,
+    AutoModelForQuestionAnswering: DiffTransformerForQuestionAnswering,
+}
 
 
-def run_when_imported(fullname: str, callback: Callable[[object], None], package: str) -> bool:
-    """``callback(module)`` for the module ``fullname``: now where it is loaded, else when it is first imported.
-    Returns False (and does nothing) where ``package`` is not installed. Idempotent per module name."""
-    if fullname in sys.modules:
-        callback(sys.modules[fullname])
-        return True
-    if importlib.util.find_spec(package) is None:
+class RegistrationConflict(ValueError):
+    """A ``model_type`` (or an Auto class's entry for a config class) is already registered to another class."""
+
+
+def _name(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_ours(found, ours) -> bool:
+    """The class itself, or the same class of a re-imported module (``importlib.reload``, a test that re-imports the
+    package): same module and qualified name."""
+    return found is ours or (getattr(found, "__module__", None), getattr(found, "__qualname__", None)) == (
+        ours.__module__,
+        ours.__qualname__,
+    )
+
+
+def registration_conflicts(config_class, models: Mapping[type, type]) -> list[str]:
+    """What registering ``config_class`` (under its ``model_type``) and ``models`` (``{AutoModelFor...: model class}``)
+    would replace: one line per entry that transformers or another package holds with another class."""
+    model_type = config_class.model_type
+    conflicts = []
+    if model_type in CONFIG_MAPPING:
+        found = CONFIG_MAPPING[model_type]
+        if not _is_ours(found, config_class):
+            conflicts.append(f"AutoConfig maps model_type {model_type!r} to {_name(found)}")
+    for auto_class, model_class in models.items():
+        # The Auto class's own lookup (registered entries, then transformers' tables by the config class's name).
+        found = auto_class._model_mapping.get(config_class, None)
+        if found is not None and not _is_ours(found, model_class):
+            conflicts.append(f"{auto_class.__name__} maps {config_class.__name__} to {_name(found)}")
+    return conflicts
+
+
+def register_model_type(config_class, models: Mapping[type, type], *, force: bool = False) -> None:
+    """Register ``config_class`` with ``AutoConfig`` under its ``model_type``, and each model class of ``models`` with
+    its Auto class (transformers' ``AutoConfig.register`` / ``AutoModel*.register``).
+
+    Registering our own classes again is a no-op (a re-imported module's classes replace their earlier selves).
+    Where transformers or another package holds the name with other classes, nothing is registered and
+    :class:`RegistrationConflict` names every entry, unless ``force=True``, which replaces them (for this process).
+    transformers' own ``exist_ok=False`` does not do this: it only protects transformers' built-in names."""
+    conflicts = registration_conflicts(config_class, models)
+    if conflicts and not force:
+        raise RegistrationConflict(
+            f"model_type {config_class.model_type!r} is already registered by someone else: " + "; ".join(conflicts)
+            + ". Nothing was replaced; pass force=True to replace it in this process."
+        )
+    AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for auto_class, model_class in models.items():
+        auto_class.register(config_class, model_class, exist_ok=True)
+
+
+def register_difftransformer() -> bool:
+    """``model_type "difftransformer"`` with the Auto classes (what ``import difftransformer`` runs); True where it
+    is registered to this package's classes. Where another package or transformers holds the name, theirs stays and
+    a warning says how to load our folders instead (False). Either way our classes are marked for the remote-code
+    format, so that their saved folders carry the code."""
+    DiffTransformerConfig.register_for_auto_class()
+    for auto_class, model_class in AUTO_CLASSES.items():
+        model_class.register_for_auto_class(auto_class.__name__)
+    try:
+        register_model_type(DiffTransformerConfig, AUTO_CLASSES)
+    except RegistrationConflict as err:
+        warnings.warn(
+            f"difftransformer did not register its classes with transformers' Auto classes: {err} The Auto classes "
+            "keep loading the other classes; load difftransformer folders with "
+            "difftransformer.DiffTransformerForCausalLM.from_pretrained(folder) (or the other heads) instead.",
+            stacklevel=2,
+        )
         return False
-    if not any(isinstance(f, _RunOnImport) and f.fullname == fullname for f in sys.meta_path):
-        sys.meta_path.insert(0, _RunOnImport(fullname, callback))
     return True
 
 
-def _add_to_peft_tables(constants) -> None:
-    """Give ``model_type="difftransformer"`` PEFT's Llama defaults for every adapter method: our module names are
-    Llama's (``q_proj``, ``v_proj``, ``down_proj``, ...). The tables are mutated in place: PEFT's tuner classes hold
-    references to these very dicts (``LoraModel.target_module_mapping`` is
-    ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``)."""
-    for name in dir(constants):
-        table = getattr(constants, name)
-        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and "llama" in table:
-            table.setdefault(MODEL_TYPE, table["llama"])
-
-
-def _add_to_liger_table(monkey_patch) -> None:
-    from .integrations import apply_liger_kernel_to_difftransformer
-
-    monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.setdefault(MODEL_TYPE, apply_liger_kernel_to_difftransformer)
-
-
-def register_peft() -> bool:
-    """PEFT's default adapter targets for our ``model_type`` (see :func:`_add_to_peft_tables`), at once or when PEFT
-    is imported. False where PEFT is not installed."""
-    return run_when_imported(PEFT_CONSTANTS, _add_to_peft_tables, "peft")
-
-
-def register_liger() -> bool:
-    """Our patch function in Liger Kernel's table (``integrations.apply_liger_kernel_to_difftransformer``), at once
-    or when Liger's ``monkey_patch`` module is imported. False where Liger is not installed."""
-    return run_when_imported(LIGER_MONKEY_PATCH, _add_to_liger_table, "liger_kernel")
-
-
-def register_integrations() -> None:
-    """:func:`register_peft` and :func:`register_liger`; runs at ``import difftransformer``."""
-    register_peft()
-    register_liger()
-
-
-__all__ = ["register_integrations", "register_liger", "register_peft", "run_when_imported"]
+__all__ = [
+    "AUTO_CLASSES",
+    "MODEL_TYPE",
+    "RegistrationConflict",
+    "register_difftransformer",
+    "register_model_type",
+    "registration_conflicts",
+]

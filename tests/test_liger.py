@@ -1,7 +1,7 @@
-"""Liger Kernel (``Trainer(use_liger_kernel=True)``): no silent no-op. ``import difftransformer`` registers the model type
-with Liger (when Liger's table is imported, not before), so transformers' ``apply_liger_kernel`` (what
-``Trainer.train`` calls) patches our RMSNorms, SwiGLU MLPs and the loss; what cannot be applied is warned at WARNING
-level. Liger's kernels are Triton, for GPUs: here the patching is checked, not the kernels (the GPU check runs them
+"""Liger Kernel (``Trainer(use_liger_kernel=True)``): after the explicit ``integrations.register_liger()``
+(docs/ecosystem.md, "Liger Kernel"; ``import difftransformer`` alone adds nothing to Liger's table:
+tests/test_registration.py), transformers' ``apply_liger_kernel`` (what ``Trainer.train`` calls) patches our RMSNorms,
+SwiGLU MLPs and the loss; what cannot be applied is warned at WARNING level. Liger's kernels are Triton, for GPUs: here the patching is checked, not the kernels (the GPU check runs them
 through ``apply_liger_kernel_to_difftransformer``, which returns what it patched)."""
 
 import pytest
@@ -28,7 +28,8 @@ def test_trainers_liger_call_patches_norms_mlps_and_loss(version):
     from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    # Registered by `import difftransformer`: at once, or (as in a fresh process) when Liger's table is imported.
+    integrations.register_liger()
+    integrations.register_liger()  # idempotent
     assert MODEL_TYPE_TO_APPLY_LIGER_FN["difftransformer"] is integrations.apply_liger_kernel_to_difftransformer
     model = tiny(version)
     apply_liger_kernel(model, {})  # Trainer.train with use_liger_kernel=True and no liger_kernel_config
@@ -51,6 +52,7 @@ def test_fused_loss_forward_keeps_the_models_outputs_outside_training():
 
 
 def test_what_is_not_applied_is_warned():
+    integrations.register_liger()  # apply_liger_kernel (Trainer's call) below reaches our function through the table
     logger = integrations.logger
     with CaptureLogger(logger) as captured:
         patched = apply_liger_kernel(tiny(1), {"rope": True, "rms_norm": False, "swiglu": False,

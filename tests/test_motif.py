@@ -2,10 +2,13 @@
 
 The oracle is tests/motif_reference.py: an independent plain-torch re-implementation of Motif's published forward, run
 in float64 on random weights in Motif's exact key layout (nobody here has the real weights). Checked: loading a Motif
-folder with ``AutoModelForCausalLM.from_pretrained`` (no remote code: the folder's ``auto_map`` names Motif's files,
-which are absent), logits and greedy tokens at tiny shapes (MHA r = 1, GQA r = 1 with two noise heads per KV pair,
-GDA r = 4) and at the released layer shapes, ``save_pretrained`` back to Motif's layout, and ``difftransformer-convert
---from motif``. CI runs this module on the lowest, the pinned and the newest transformers release.
+folder with ``MotifForCausalLM.from_pretrained`` (no registration, no remote code: the folder's ``auto_map`` names
+Motif's files, which are absent) and, after the opt-in ``register_motif()``, with ``AutoModelForCausalLM``; logits and
+greedy tokens at tiny shapes (MHA r = 1, GQA r = 1 with two noise heads per KV pair, GDA r = 4) and at the released
+layer shapes, ``save_pretrained`` back to Motif's layout, ``Trainer``'s label smoothing, and ``difftransformer-convert
+--from motif``. That ``import difftransformer`` registers no Motif name, and that ``register_motif`` never replaces
+another's: tests/test_registration.py. CI runs this module on the lowest, the pinned and the newest transformers
+release.
 
 How close is "within float32 rounding"? The model runs in float32, the oracle in float64. A float32 forward's error is
 a property of the function and the input (how much the arithmetic amplifies 2⁻²⁴ relative roundings), not of the code,
@@ -24,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM, MotifConfig, MotifForCausalLM
 from difftransformer.convert import cli as convert_cli
-from difftransformer.motif import MotifQueryRows, motif_query_heads
+from difftransformer.motif import MotifQueryRows, motif_query_heads, register_motif
 from motif_reference import motif_config, motif_forward, motif_state_dict_shapes, parameter_count
 from utils_motif import motif_folder
 from utils_remote_code import NEW_TOKENS, remote_generate
@@ -57,10 +60,15 @@ def _ids(vocab, shape, seed=0):
 
 @pytest.mark.parametrize("kind", TINY)
 def test_motif_folder_loads_without_remote_code_and_matches_the_oracle(kind, tmp_path):
+    """``MotifForCausalLM.from_pretrained`` (its own query-row conversion, no registration) matches the oracle; the
+    Auto class after ``register_motif()`` loads the same class with the same tensors."""
     cfg, state = motif_folder(tmp_path / kind, kind, seed=1)
-    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32, output_loading_info=True)
-    assert type(model) is MotifForCausalLM and type(model).__module__ == "difftransformer.motif"
+    model, info = MotifForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # every tensor used, none missing
+    register_motif()
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32)
+    assert type(auto) is MotifForCausalLM and type(auto).__module__ == "difftransformer.motif"
+    assert all(torch.equal(t, auto.state_dict()[k]) for k, t in model.state_dict().items())
     assert model.config.lambda_init_layer_offset == -1 and model.config.hidden_act == "poly_norm"
     assert model.config.subln_eps == cfg["attn_rms_norm_eps"] and model.config.noise_heads == cfg.get("num_noise_heads", cfg["num_attention_heads"] // 2)
     ids = _ids(cfg["vocab_size"], (2, 12))
@@ -85,7 +93,7 @@ def test_greedy_tokens_equal_the_oracles_with_and_without_cache(kind, tmp_path):
     """generate() with the dynamic cache, the static cache and no cache gives the oracle's greedy tokens; every step's
     top-2 margin exceeds twice the float32 bound, so the equality is not luck."""
     cfg, state = motif_folder(tmp_path / kind, kind, seed=2)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32).eval()
+    model = MotifForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     ids = _ids(cfg["vocab_size"], (1, 6), seed=3)
     expected, margin = oracle_greedy(cfg, state, ids, steps=8)
@@ -98,8 +106,8 @@ def test_greedy_tokens_equal_the_oracles_with_and_without_cache(kind, tmp_path):
 
 def test_rows_are_reordered_at_load_where_motif_and_our_orders_differ(tmp_path, monkeypatch):
     """tiny-gqa has two noise heads per KV pair: Motif's rows ``[s0, n0, s1, n1]`` per pair are ours ``[s0, s1, n0, n1]``
-    (a real permutation, done by the registered weight conversion); without it the logits leave the bound. The
-    released shapes need none (one noise head per KV pair)."""
+    (a real permutation, done by the load-time conversion the class carries); without it the logits leave the
+    bound. The released shapes need none (one noise head per KV pair)."""
     for kind, expected in (("tiny-gqa", [0, 2, 1, 3, 4, 6, 5, 7]), ("tiny-gda", list(range(10))),
                            ("2.6b", list(range(16))), ("12.7b", list(range(40)))):
         assert motif_query_heads(MotifConfig(**motif_config(kind))).tolist() == expected, kind
@@ -109,14 +117,14 @@ def test_rows_are_reordered_at_load_where_motif_and_our_orders_differ(tmp_path, 
     bound = float32_bound(cfg, state, ids, exact)
     monkeypatch.setattr(MotifQueryRows, "_rows", lambda self, config: None)
     with torch.no_grad():
-        unordered = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)(ids).logits.double()
+        unordered = MotifForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)(ids).logits.double()
     assert (unordered - exact).abs().max() > 1000 * bound
 
 
 def test_motifs_lambda_init_schedule_is_what_makes_it_exact(tmp_path):
     """Non-vacuity of the bound: with the paper's λinit (offset 0 instead of Motif's −1) the logits leave it by far."""
     cfg, state = motif_folder(tmp_path / "m", "tiny-mha", seed=5)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    model = MotifForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     ids = _ids(cfg["vocab_size"], (2, 10))
     exact = motif_forward(cfg, state, ids)
     for layer in model.model.layers:
@@ -158,7 +166,7 @@ def test_released_layer_shapes_match_the_oracle(kind, tmp_path):
     8 × (4 signal + 1 noise), 16 KV half-heads, hidden 4096, MLP 16384), one layer, a 256-token vocabulary, weights in
     bfloat16 as released; the model loads them in float32."""
     cfg, state = motif_folder(tmp_path / kind, kind, dtype=torch.bfloat16, num_hidden_layers=1, vocab_size=256)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32)
+    model = MotifForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32)
     attn = model.model.layers[0].self_attn
     assert attn.o_proj.in_features == 2 * model.config.num_diff_heads * 128 and attn.noise_ratio == (4 if kind == "12.7b" else 1)
     ids = _ids(256, (1, 8))
@@ -170,17 +178,43 @@ def test_released_layer_shapes_match_the_oracle(kind, tmp_path):
 
 def test_save_pretrained_writes_motifs_layout_back(tmp_path):
     """A loaded Motif model saves as a Motif folder: model_type "Motif", Motif's row order (the inverse permutation),
-    every tensor equal to the source's; it reloads to the same logits."""
+    every tensor equal to the source's; it reloads to the same logits. A model built from its config (not loaded)
+    saves Motif's order too: the class records its conversion for saving."""
     cfg, state = motif_folder(tmp_path / "m", "tiny-gqa", seed=6)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
-    model.save_pretrained(tmp_path / "saved")
-    saved = load_file(tmp_path / "saved" / "model.safetensors")
-    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
-    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "Motif"
-    assert not list((tmp_path / "saved").glob("*.py"))  # no difftransformer code in a Motif folder
+    model = MotifForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    built = MotifForCausalLM(model.config)
+    built.load_state_dict(model.state_dict())
+    for source, folder in ((model, tmp_path / "saved"), (built, tmp_path / "built")):
+        source.save_pretrained(folder)
+        saved = load_file(folder / "model.safetensors")
+        assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state), folder
+        assert json.loads((folder / "config.json").read_text())["model_type"] == "Motif"
+        assert not list(folder.glob("*.py"))  # no difftransformer code in a Motif folder
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, state["model.layers.0.self_attn.q_proj.weight"])
     ids = _ids(cfg["vocab_size"], (1, 7))
     with torch.no_grad():
-        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)(ids).logits, model(ids).logits)
+        torch.testing.assert_close(MotifForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)(ids).logits, model(ids).logits)
+
+
+def test_trainer_shifts_labels_for_label_smoothing(tmp_path):
+    """``Trainer`` with ``label_smoothing_factor`` computes next-token targets only for class names in transformers'
+    causal-LM table; building a ``MotifForCausalLM`` adds its name there (no ``register_motif`` needed), so the
+    smoothed loss is the one over shifted labels (an unshifted one, each position predicting its own token, is far
+    from it). That nothing is added before: tests/test_registration.py."""
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    cfg, _ = motif_folder(tmp_path / "m", "tiny-mha", seed=10)
+    model = MotifForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    args = TrainingArguments(str(tmp_path / "run"), label_smoothing_factor=0.1, use_cpu=True, report_to="none")
+    trainer = Trainer(model=model, args=args)
+    ids = _ids(cfg["vocab_size"], (2, 9), seed=11)
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, {"input_ids": ids, "labels": ids})
+        outputs = model(input_ids=ids)
+    smoother = LabelSmoother(epsilon=0.1)
+    torch.testing.assert_close(loss, smoother(outputs, ids, shift_labels=True))
+    assert (loss - smoother(outputs, ids)).abs() > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -212,7 +246,7 @@ def test_converter_writes_a_difftransformer_folder_equal_to_the_motif_model(tmp_
     config = AutoConfig.from_pretrained(out)
     assert config.model_type == "difftransformer" and config.num_noise_heads == 2 and config.lambda_init_layer_offset == -1
     ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    motif = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    motif = MotifForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     assert type(ours) is DiffTransformerForCausalLM
     ids = _ids(cfg["vocab_size"], (2, 9))
     with torch.no_grad():

@@ -1,5 +1,7 @@
-"""PEFT LoRA on DiffTransformer: default targets by model type, explicit and "all-linear" targets, λ trained with the
-adapter and saved in it, adapter save → load, merge_and_unload → a normal folder loading with and without the package."""
+"""PEFT LoRA on DiffTransformer: default targets by model type (after the explicit ``register_peft()``, as
+docs/ecosystem.md says; without it PEFT asks for ``target_modules``: tests/test_registration.py), explicit and
+"all-linear" targets, λ trained with the adapter and saved in it, adapter save → load, merge_and_unload → a normal
+folder loading with and without the package."""
 
 import json
 import os
@@ -16,12 +18,23 @@ from peft.tuners.lora import LoraLayer  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
-from difftransformer.integrations import enable_lambda_training, lambda_modules_to_save, save_adapter  # noqa: E402
+from difftransformer.integrations import (  # noqa: E402
+    enable_lambda_training,
+    lambda_modules_to_save,
+    register_peft,
+    save_adapter,
+)
 
 IDS = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "peft_defaults")
+
+
+@pytest.fixture(scope="module")
+def peft_defaults():
+    """What docs/ecosystem.md, "PEFT LoRA", tells users to call once before LoraConfig without target_modules."""
+    return register_peft()
 
 
 def base_model(version, seed=0):
@@ -60,15 +73,21 @@ def test_lora_without_target_modules_uses_registered_defaults(version):
     torch.testing.assert_close(logits(model), logits(base_model(version)))  # LoRA B starts at zero
 
 
-def test_import_alone_registers_the_peft_defaults():
-    # Nothing in this file registers anything: `import difftransformer` did it (difftransformer/__init__.py).
+def test_register_peft_gives_our_type_llamas_defaults_in_every_table(peft_defaults):
+    """Every PEFT table with a Llama entry gets the same entry for "difftransformer" (LoRA's and IA³'s checked by
+    value); a second call changes nothing and reports the same tables."""
+    from peft.utils import constants
     from peft.utils.constants import (
         TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING,
         TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
     )
 
+    with_llama = sorted(n for n, t in vars(constants).items()
+                        if n.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(t, dict) and "llama" in t)
+    assert peft_defaults == with_llama and "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING" in with_llama
     assert TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["difftransformer"] == ["q_proj", "v_proj"]
     assert TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING["difftransformer"] == ["k_proj", "v_proj", "down_proj"]
+    assert register_peft() == peft_defaults
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -79,7 +79,7 @@ def test_packed_sequences_attend_within_their_boundaries(tokenizer, version, att
     # model builds none for packed inputs (the same logits, no cache returned) and refuses an explicit cache.
     from transformers import DynamicCache
 
-    from difftransformer import CACHE_NAME
+    from difftransformer.compat_difftransformer import CACHE_NAME
 
     with torch.no_grad():
         default = model(torch.cat(parts, dim=1), position_ids=positions)
