@@ -21,7 +21,9 @@ Every source can also be written as a DiffLlama folder (``--to diffllama``) when
 grouped (GDA, ``num_noise_heads``) result as the equivalent plain model (``--to duplicated``), and a plain result whose
 noise heads come in identical copies as GDA (``--to gda --num-noise-heads N``); both exact (:mod:`.gda`).
 
-How a conversion runs (its guarantees):
+How a conversion runs (its guarantees). :func:`convert` is :func:`plan_conversion` (steps 1-2: reads and checks
+everything, decides what will be written, writes nothing; a :class:`ConversionPlan`), then :func:`write_conversion`
+(step 3):
 
 1. The source config is read and turned into ours (``rope_parameters``, tied embeddings, ``rms_norm_eps``,
    dtype, biases are carried over).
@@ -31,14 +33,16 @@ How a conversion runs (its guarantees):
 3. The result is written into a temporary folder beside the output, one safetensors shard at a time, each tensor
    computed from tensors read lazily (memory-mapped) from the source, so the model is never held twice in memory;
    sharding and the index follow ``huggingface_hub.split_torch_state_dict_into_shards`` as in ``save_pretrained``.
-   The folder is renamed into place only at the end, so an interrupted run leaves no half-written model.
+   The folder is renamed into place only at the end, so an interrupted run leaves no half-written model; an output
+   that is, holds or lies inside the input is refused.
 
 Modules (one per source format over the shared engine): :mod:`.engine` (checkpoints, plans, index maps, checks,
 atomic writing), :mod:`.llama` (Llama-style → V2 / V1 ``pair`` / V1 ``duplicate`` and its calibration),
 :mod:`.gguf_source` (``.gguf`` input), :mod:`.diffllama`, :mod:`.microsoft`, :mod:`.motif`, :mod:`.ours`, :mod:`.gda`
-(GDA ↔ duplicated plans), :mod:`.api` (:func:`convert`, :func:`build_plan`, :func:`verify_conversion`,
-:func:`gda_to_duplicated`, :func:`duplicated_to_gda`) and :mod:`.cli` (``difftransformer-convert``). Each imports only
-the ones before it in this list (the engine first, the command line last).
+(GDA ↔ duplicated plans), :mod:`.api` (:func:`convert`, :func:`plan_conversion`, :func:`write_conversion`,
+:func:`build_plan`, :func:`verify_conversion`, :func:`gda_to_duplicated`, :func:`duplicated_to_gda`) and :mod:`.cli`
+(``difftransformer-convert``). Each imports only the ones before it in this list (the engine first, the command line
+last).
 
 Microsoft full-model state dicts: Microsoft released modules, not models, so the rest of the model is named as in
 Llama (``model.embed_tokens.weight``, ``model.layers.{l}.input_layernorm.weight``, ...), the attention module at
@@ -52,12 +56,17 @@ layer index.
 from .api import (
     SOURCES,
     TARGETS,
+    ConversionPlan,
     ConversionResult,
+    MicrosoftSource,
+    V1Upcycling,
     build_plan,
     convert,
     duplicated_to_gda,
     gda_to_duplicated,
+    plan_conversion,
     verify_conversion,
+    write_conversion,
 )
 from .diffllama import config_from_diffllama, diffllama_config_from, plan_from_diffllama, to_diffllama
 from .engine import (
@@ -116,9 +125,12 @@ __all__ = [
     "TOKENIZER_FILES",
     "V1_CALIBRATIONS",
     "V1_INITS",
+    "V1Upcycling",
     "Checkpoint",
     "ConversionError",
+    "ConversionPlan",
     "ConversionResult",
+    "MicrosoftSource",
     "Plan",
     "Step",
     "build_plan",
@@ -144,6 +156,7 @@ __all__ = [
     "plan_from_difftransformer",
     "plan_from_llama",
     "plan_from_microsoft",
+    "plan_conversion",
     "plan_from_motif",
     "read_gguf_header",
     "rename_checkpoint",
@@ -156,5 +169,6 @@ __all__ = [
     "v1_query_heads_from",
     "verify_conversion",
     "verify_prompt",
+    "write_conversion",
     "write_plan",
 ]

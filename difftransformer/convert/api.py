@@ -1,4 +1,6 @@
-"""The entry points: :func:`build_plan`, :func:`convert`, :func:`verify_conversion`, and GDA ↔ duplicated for models in
+"""The entry points: :func:`convert` (the composition of :func:`plan_conversion`, which reads and checks everything and
+decides what will be written, and :func:`write_conversion`, which writes a :class:`ConversionPlan` atomically),
+:func:`build_plan` (the tensor plan of a source config), :func:`verify_conversion`, and GDA ↔ duplicated for models in
 memory or folders (:func:`gda_to_duplicated`, :func:`duplicated_to_gda`)."""
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from ..configuration_difftransformer import DiffTransformerConfig
 from ..modeling_difftransformer import DiffTransformerForCausalLM
+from ..motif import MotifConfig, MotifForCausalLM
 from .diffllama import plan_from_diffllama, to_diffllama
 from .engine import (
     DEFAULT_MAX_SHARD_SIZE,
+    GENERATION_CONFIG_FILE,
     TOKENIZER_FILES,
     Checkpoint,
     ConversionError,
@@ -35,6 +39,8 @@ from .engine import (
     prepare_output,
     read_json_file,
     resolve_dtype,
+    shard_layout,
+    target_dtypes,
     verify_prompt,
     write_config,
     write_plan,
@@ -227,6 +233,276 @@ def _calibrate(v1_calibration, model, in_folder: Path | None, tokenizer, src_con
     return rho, f"o_proj scales calibrated on {how}; {describe_output_rms(rho)}."
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Planning and writing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class MicrosoftSource:
+    """How a Microsoft state dict is read (``--from microsoft-v1`` / ``microsoft-v2``; ignored for other sources
+    except ``key_map``, which they refuse)."""
+
+    key_map: str | os.PathLike | Mapping | None = None  # JSON file or dict of key prefixes (:func:`load_key_map`)
+    config: Mapping | None = None  # the config dict for a state dict, or fields overriding the folder's config.json
+    module: str | None = None  # which Microsoft V1 module produced the weights (needed under GQA)
+
+
+@dataclass(frozen=True, eq=False)
+class V1Upcycling:
+    """How ``--from llama --diff-version 1`` makes its differential heads (each field refused for other
+    conversions when not left at its default, except ``seed``)."""
+
+    init: str = "auto"  # "pair", "duplicate" or "auto" (pair when possible)
+    calibration: str | torch.Tensor = "auto"  # duplicate only: "auto", "corpus", "random", "none" or token ids
+    subln_eps: float | None = None  # eps of V1's per-head RMSNorm; default the source's rms_norm_eps
+    seed: int = 0  # seed of the λ initialisation (and of random calibration ids)
+
+
+@dataclass(frozen=True)
+class _Input:
+    """What ``input`` is, found without reading it."""
+
+    path: Path | None  # a folder or a .gguf file
+    folder: Path | None
+    gguf: bool
+    model: object | None  # a transformers model in memory
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.path] if self.path is not None else []
+
+
+def _read_input(source: str, input, diff_version, v1: V1Upcycling) -> _Input:
+    """The checks that need no reading, in the order the messages are best read."""
+    path = Path(input) if isinstance(input, (str, os.PathLike)) else None
+    model = input if hasattr(input, "state_dict") and hasattr(input, "config") else None
+    if path is None and model is None and not isinstance(input, Mapping):
+        raise ConversionError("input must be a folder, a .gguf file, a transformers model or (Microsoft sources) a "
+                              f"state dict; got {type(input).__name__}.")
+    if source not in SOURCES:
+        raise ConversionError(f"--from {source!r}; allowed: {list(SOURCES)}.")
+    gguf = path is not None and is_gguf_path(path)
+    folder = path if path is not None and not gguf else None
+    if folder is not None and not folder.is_dir():
+        raise ConversionError(f"--input {str(folder)!r} is not a folder (nor a .gguf file).")
+    if gguf and source != "llama":
+        raise ConversionError(
+            f"--input {str(path)!r} is a GGUF file: GGUF files convert with --from llama (Llama-family models), "
+            f"not --from {source}."
+        )
+    _check_v1_options(source, diff_version, v1.init, v1.calibration, v1.subln_eps)
+    return _Input(path, folder, gguf, model)
+
+
+# The config class of each source read from a folder: the format's own class, so that no Auto registration (Motif's
+# "Motif" is opt-in, docs/models.md) is needed; Llama-style and DiffLlama folders are transformers' own model types.
+_CONFIG_CLASSES = {"motif": MotifConfig, "difftransformer": DiffTransformerConfig}
+
+
+def _source_config(source: str, src: _Input, model, gguf_config, microsoft: MicrosoftSource):
+    """The source config (a transformers config, or a dict for Microsoft sources) and where it came from."""
+    where = "the source config"
+    if src.folder is not None or src.gguf:
+        where = str(src.folder / "config.json") if src.folder is not None else str(src.path)
+    if source.startswith("microsoft"):
+        if model is not None:
+            raise ConversionError("Microsoft sources are state dicts: pass a folder or a state dict with "
+                                  "source_config.")
+        config = dict(_read_config_json(src.folder)) if src.folder is not None else {}
+        config.update(microsoft.config or {})
+        return config, where
+    if model is not None:
+        config = gguf_config if src.gguf else model.config
+        _check_model_type(source, config.model_type)
+        return config, where
+    if src.folder is None:
+        raise ConversionError(f"--from {source} takes a folder or a transformers model, not a bare state dict.")
+    raw = _read_config_json(src.folder)
+    _check_model_type(source, raw.get("model_type"))
+    with _config_errors(where):
+        if source in ("llama", "diffllama"):  # Llama-style fields, checked before transformers' class divides by them
+            check_source_fields(SimpleNamespace(**raw))
+        elif source == "motif":
+            check_motif_fields(raw)
+        return _CONFIG_CLASSES.get(source, AutoConfig).from_pretrained(src.folder), where
+
+
+@dataclass(eq=False)
+class ConversionPlan:
+    """A conversion decided and checked, nothing written yet (:func:`plan_conversion`; :func:`write_conversion`
+    writes it).
+
+    ``tensors`` lists every tensor of the result (its shape, the source tensors it is computed from and how) and the
+    result's ``config``; every key and shape of the source is accounted for. ``dtype`` is the result's (V1's λ
+    vectors stay float32: :meth:`tensor_dtypes`), :meth:`side_files` the tokenizer and generation files copied from the
+    input folder (``tokenizer`` and ``generation_config``, when given or loaded, are saved where the folder has none).
+    ``notes`` say what is approximate or changed. The plan holds the source checkpoint open, memory-mapped (tensors
+    are read only while writing): use it as a context manager, or :meth:`close` it."""
+
+    source: str
+    target: str
+    tensors: Plan
+    dtype: torch.dtype
+    notes: list[str]
+    inputs: tuple[Path, ...]  # resolved: what an output must neither be nor hold nor lie inside
+    side_folder: Path | None
+    generation_config: object | None
+    tokenizer: object | None
+    reference: object | None  # the source as --verify runs it: a folder, a model in memory, a state dict
+    checkpoint: Checkpoint | None = field(default=None, repr=False)
+
+    @property
+    def config(self) -> PreTrainedConfig:
+        return self.tensors.config
+
+    @property
+    def exact(self) -> bool:
+        return self.tensors.exact
+
+    @property
+    def info(self) -> dict:
+        return self.tensors.info
+
+    def tensor_dtypes(self) -> dict[str, torch.dtype]:
+        """Every tensor of the result with the dtype it is written in."""
+        return target_dtypes(self.tensors, self.dtype)
+
+    def weight_files(self, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict[str, list[str]]:
+        """The safetensors files :func:`write_conversion` writes with ``max_shard_size``, each with its tensors (an
+        index file ``model.safetensors.index.json`` besides, when there are several)."""
+        return shard_layout(self.tensors, self.dtype, max_shard_size).filename_to_tensors
+
+    def side_files(self) -> list[str]:
+        """Tokenizer and generation files copied unchanged from the input folder."""
+        if self.side_folder is None:
+            return []
+        return [n for n in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE) if (self.side_folder / n).is_file()]
+
+    @property
+    def closed(self) -> bool:
+        return self.checkpoint is None
+
+    def close(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+            self.checkpoint = None
+
+    def __enter__(self) -> ConversionPlan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def plan_conversion(
+    source: str,
+    input,
+    target: str = "difftransformer",
+    *,
+    diff_version: int | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    allow_pickle: bool = False,
+    microsoft: MicrosoftSource | None = None,
+    v1: V1Upcycling | None = None,
+    tokenizer=None,
+    num_noise_heads: int | None = None,
+    progress: bool = True,
+) -> ConversionPlan:
+    """Read and check everything a conversion needs, and decide what it will write; write nothing.
+
+    The source's config and key list are read (tensors stay on disk, memory-mapped, except what a GGUF load or the
+    V1 calibration computes), the plan is checked against every key and shape, and the result's dtype, config and
+    notes are fixed. Every error a conversion can meet in its input or options is raised here, as a
+    :class:`ConversionError` naming the file, field, key or option. Arguments as :func:`convert`'s, with the Microsoft
+    options grouped in ``microsoft`` and the Llama → V1 ones in ``v1``. The plan holds the source open: close it
+    (``with plan_conversion(...) as plan:``)."""
+    microsoft = microsoft if microsoft is not None else MicrosoftSource()
+    v1 = v1 if v1 is not None else V1Upcycling()
+    src = _read_input(source, input, diff_version, v1)
+    model, notes, gguf_config = src.model, [], None
+    generation_config = getattr(model, "generation_config", None) if model is not None else None
+    if src.gguf:
+        loaded = load_gguf(src.path, progress=progress)
+        model, generation_config, gguf_config = loaded.model, loaded.generation_config, loaded.config
+        notes = list(loaded.notes)
+        tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+    src_config, config_where = _source_config(source, src, model, gguf_config, microsoft)
+
+    if src.folder is not None:
+        ckpt = Checkpoint.from_folder(src.folder, allow_pickle=allow_pickle)
+    else:
+        ckpt = Checkpoint.from_state_dict(model.state_dict() if model is not None else input)
+    try:
+        subln_affine = True
+        if source.startswith("microsoft"):
+            ckpt = rename_checkpoint(ckpt, load_key_map(microsoft.key_map))
+            subln_affine = microsoft_subln_affine(ckpt)
+        elif microsoft.key_map is not None:
+            raise ConversionError("--key-map applies to Microsoft sources only.")
+        plan_args = (source, target, src_config, diff_version, microsoft.module, subln_affine, v1.seed)
+        layout = dict(num_noise_heads=num_noise_heads, query_rows_in_source_order=model is None or src.gguf)
+        with _config_errors(config_where):
+            plan = build_plan(*plan_args, v1_init=v1.init, v1_subln_eps=v1.subln_eps, **layout)
+        check_source(plan, ckpt, source)
+        out_dtype = resolve_dtype(dtype, plan, ckpt)
+        method = plan.info.get("v1_init")
+        if method == "pair" and not (isinstance(v1.calibration, str) and v1.calibration == "auto"):
+            raise ConversionError("--v1-calibration applies to --v1-init duplicate only; this conversion pairs heads "
+                                  "(--v1-init pair).")
+        if method == "duplicate":
+            rho, how = _calibrate(v1.calibration, model, src.folder, tokenizer, src_config, v1.seed)
+            if rho is not None:
+                plan = build_plan(*plan_args, v1_init=v1.init, v1_output_rms=rho, v1_subln_eps=v1.subln_eps, **layout)
+                check_source(plan, ckpt, source)
+            plan.notes.append(how)
+            plan.info["calibration"] = how
+    except BaseException:
+        ckpt.close()
+        raise
+    notes += plan.notes
+    for note in notes:
+        logger.warning(note)
+    return ConversionPlan(
+        source, target, plan, out_dtype, notes, tuple(p.resolve() for p in src.paths), src.folder, generation_config,
+        tokenizer, reference=model if src.gguf else input, checkpoint=ckpt,
+    )
+
+
+def write_conversion(
+    plan: ConversionPlan,
+    output: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = True,
+) -> ConversionResult:
+    """Write a :class:`ConversionPlan` to the folder ``output``, atomically.
+
+    Refused before anything is written when ``output`` is an input, holds one or lies inside one, or is a non-empty
+    folder without ``overwrite``. The result is written into a temporary folder beside ``output``, one safetensors
+    shard of at most ``max_shard_size`` at a time, and renamed into place only once complete (with ``overwrite``, the
+    previous folder is replaced only then): a failure or an interruption at any point leaves no output folder, or the
+    previous one untouched, and no temporary folder. A plan can be written more than once."""
+    output = Path(output)
+    if plan.closed:
+        raise ConversionError("write_conversion: this plan is closed (its source checkpoint was released); "
+                              "plan the conversion again.")
+    prepare_output(output, list(plan.inputs), overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.converting-", dir=output.parent))
+    try:
+        write_plan(plan.tensors, plan.checkpoint, tmp, plan.dtype, max_shard_size, progress)
+        write_config(plan.config, tmp, plan.dtype)
+        folders = [plan.side_folder] if plan.side_folder is not None else []
+        copied = copy_side_files(folders, tmp, plan.generation_config, plan.tokenizer)
+        install_folder(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConversionResult(output, plan.config, plan.exact, list(plan.notes), copied, info=dict(plan.info))
+
+
 def convert(
     source: str,
     input,
@@ -250,10 +526,11 @@ def convert(
     tokenizer=None,
     num_noise_heads: int | None = None,
 ) -> ConversionResult:
-    """Convert a checkpoint (docs/convert.md). See the package docstring and docs/convert.md.
+    """Convert a checkpoint (docs/convert.md): :func:`plan_conversion`, then :func:`write_conversion`, then (with
+    ``verify``) :func:`verify_conversion`. The output is checked first, before anything is read.
 
     Args:
-        source: one of ``SOURCES``. target: ``"difftransformer"`` or ``"diffllama"``.
+        source: one of ``SOURCES``. target: one of ``TARGETS``.
         input: a folder (safetensors, sharded or not; ``pytorch_model.bin`` only with ``allow_pickle``), a ``.gguf``
             file (``source="llama"``: read through transformers' GGUF loader, de-quantised to float32), an in-memory
             ``PreTrainedModel``, or (Microsoft sources) a state dict together with ``source_config``.
@@ -263,127 +540,50 @@ def convert(
             ``torch.dtype``.
         verify: run source and result on a fixed prompt and record ``max_logit_diff`` (loads both models; a GGUF
             source is compared as loaded).
-        key_map: Microsoft sources: JSON file or dict of key prefixes, see :func:`load_key_map`.
-        source_config: Microsoft sources: the config dict when ``input`` is a state dict (else read from
-            ``input/config.json``); a folder's config.json may be overridden by it.
-        microsoft_module: which Microsoft V1 module produced the weights (needed under GQA).
-        seed: seed of the λ initialisation for Llama → V1 upcycling (and of random calibration ids).
+        key_map, source_config, microsoft_module: Microsoft sources (:class:`MicrosoftSource`): a JSON file or dict
+            of key prefixes (:func:`load_key_map`); the config dict when ``input`` is a state dict (else read from
+            ``input/config.json``, which it may override); which Microsoft V1 module produced the weights (needed
+            under GQA).
+        seed, v1_init, v1_calibration, v1_subln_eps: Llama → V1 only (:class:`V1Upcycling`). ``seed``: of the λ
+            initialisation (and of random calibration ids). ``v1_init``: ``"pair"`` (docs/convert.md, even
+            ``num_key_value_heads``), ``"duplicate"`` (any layout, doubles query and KV heads, see
+            :mod:`difftransformer.convert.llama`) or ``"auto"`` (pair when possible). ``v1_calibration``, duplicate
+            only: ``"auto"`` (the embedded corpus through the source's tokenizer, else random ids), ``"corpus"``,
+            ``"random"``, ``"none"`` (ρ = 1), or a ``(batch, length)`` tensor of token ids; calibration runs the
+            source model (a folder source is loaded for it). ``v1_subln_eps``: eps of V1's per-head RMSNorm
+            (``subln_eps``); default the source's ``rms_norm_eps``. With ``duplicate``, a large value (e.g. 1) makes
+            the norm near-linear at the start, so the converted model nearly equals the source (docs/convert.md);
+            export to DiffLlama is then not exact.
         max_shard_size: largest shard (bytes or "5GB"); larger results are sharded with an index. Peak memory is
             about one shard plus the source tensors it reads (memory-mapped).
-        v1_init: Llama → V1 only: ``"pair"`` (docs/convert.md, even ``num_key_value_heads``), ``"duplicate"`` (any layout,
-            doubles query and KV heads, see :mod:`difftransformer.convert.llama`) or ``"auto"`` (pair when possible).
-        v1_calibration: duplicate only: ``"auto"`` (the embedded corpus through the source's tokenizer, else random
-            ids), ``"corpus"``, ``"random"``, ``"none"`` (ρ = 1), or a ``(batch, length)`` tensor of token ids.
-            Calibration runs the source model (a folder source is loaded for it).
+        tokenizer: for an in-memory model: saved beside the result and used for the corpus calibration.
         num_noise_heads: ``target="gda"`` only: the noise heads of the grouped result (its query heads are
             ``H + num_noise_heads``); the source's noise query rows must come in ``H / num_noise_heads`` identical copies.
-        v1_subln_eps: Llama → V1 only: eps of V1's per-head RMSNorm (``subln_eps``); default the source's
-            ``rms_norm_eps``. With ``duplicate``, a large value (e.g. 1) makes the norm near-linear at the start, so
-            the converted model nearly equals the source (docs/convert.md); export to DiffLlama is then not exact.
-        tokenizer: for an in-memory model: saved beside the result and used for the corpus calibration.
     """
-    output = Path(output)
-    in_path = Path(input) if isinstance(input, (str, os.PathLike)) else None
-    model = input if hasattr(input, "state_dict") and hasattr(input, "config") else None
-    if in_path is None and model is None and not isinstance(input, Mapping):
-        raise ConversionError(f"input must be a folder, a .gguf file, a transformers model or (Microsoft sources) a state dict; got {type(input).__name__}.")
-    if source not in SOURCES:
-        raise ConversionError(f"--from {source!r}; allowed: {list(SOURCES)}.")
-    gguf = in_path is not None and is_gguf_path(in_path)
-    in_folder = in_path if in_path is not None and not gguf else None
-    if in_folder is not None and not in_folder.is_dir():
-        raise ConversionError(f"--input {str(in_folder)!r} is not a folder (nor a .gguf file).")
-    if gguf and source != "llama":
-        raise ConversionError(
-            f"--input {str(in_path)!r} is a GGUF file: GGUF files convert with --from llama (Llama-family models), not --from {source}."
-        )
-    _check_v1_options(source, diff_version, v1_init, v1_calibration, v1_subln_eps)
-    prepare_output(output, [in_path] if in_path is not None else [], overwrite)
-
-    notes: list[str] = []
-    generation_config = getattr(model, "generation_config", None) if model is not None else None
-    if gguf:
-        loaded = load_gguf(in_path, progress=progress)
-        model, generation_config, notes = loaded.model, loaded.generation_config, list(loaded.notes)
-        tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
-
-    # Source config.
-    config_where = str(in_folder / "config.json") if in_folder is not None else str(in_path) if gguf else "the source config"
-    if source.startswith("microsoft"):
-        if model is not None:
-            raise ConversionError("Microsoft sources are state dicts: pass a folder or a state dict with source_config.")
-        cfg = dict(_read_config_json(in_folder)) if in_folder is not None else {}
-        cfg.update(source_config or {})
-        src_config = cfg
-    elif model is not None:
-        src_config = loaded.config if gguf else model.config
-        _check_model_type(source, src_config.model_type)
-    elif in_folder is not None:
-        raw_config = _read_config_json(in_folder)
-        _check_model_type(source, raw_config.get("model_type"))
-        with _config_errors(config_where):
-            if source in ("llama", "diffllama"):  # Llama-style fields, checked before transformers' class divides by them
-                check_source_fields(SimpleNamespace(**raw_config))
-            elif source == "motif":
-                check_motif_fields(raw_config)
-            src_config = AutoConfig.from_pretrained(in_folder)
-    else:
-        raise ConversionError(f"--from {source} takes a folder or a transformers model, not a bare state dict.")
-
-    # Checkpoint, plan, checks: all before anything is written.
-    if in_folder is not None:
-        ckpt = Checkpoint.from_folder(in_folder, allow_pickle=allow_pickle)
-    else:
-        ckpt = Checkpoint.from_state_dict(model.state_dict() if model is not None else input)
-    try:
-        subln_affine = True
-        if source.startswith("microsoft"):
-            ckpt = rename_checkpoint(ckpt, load_key_map(key_map))
-            subln_affine = microsoft_subln_affine(ckpt)
-        elif key_map is not None:
-            raise ConversionError("--key-map applies to Microsoft sources only.")
-        plan_args = (source, target, src_config, diff_version, microsoft_module, subln_affine, seed)
-        layout = dict(num_noise_heads=num_noise_heads, query_rows_in_source_order=model is None or gguf)
-        with _config_errors(config_where):
-            plan = build_plan(*plan_args, v1_init=v1_init, v1_subln_eps=v1_subln_eps, **layout)
-        check_source(plan, ckpt, source)
-        out_dtype = resolve_dtype(dtype, plan, ckpt)
-        method = plan.info.get("v1_init")
-        if method == "pair" and not (isinstance(v1_calibration, str) and v1_calibration == "auto"):
-            raise ConversionError("--v1-calibration applies to --v1-init duplicate only; this conversion pairs heads (--v1-init pair).")
-        if method == "duplicate":
-            rho, how = _calibrate(v1_calibration, model, in_folder, tokenizer, src_config, seed)
-            if rho is not None:
-                plan = build_plan(*plan_args, v1_init=v1_init, v1_output_rms=rho, v1_subln_eps=v1_subln_eps, **layout)
-                check_source(plan, ckpt, source)
-            plan.notes.append(how)
-            plan.info["calibration"] = how
-        notes += plan.notes
-        for note in notes:
-            logger.warning(note)
-
-        output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.converting-", dir=output.parent))
-        try:
-            write_plan(plan, ckpt, tmp, out_dtype, max_shard_size, progress)
-            write_config(plan.config, tmp, out_dtype)
-            copied = copy_side_files([in_folder] if in_folder is not None else [], tmp, generation_config, tokenizer)
-            install_folder(tmp, output)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    finally:
-        ckpt.close()
-
-    result = ConversionResult(output, plan.config, plan.exact, notes, copied, info=dict(plan.info))
+    microsoft = MicrosoftSource(key_map=key_map, config=source_config, module=microsoft_module)
+    v1 = V1Upcycling(init=v1_init, calibration=v1_calibration, subln_eps=v1_subln_eps, seed=seed)
+    # Refused before anything is read: a GGUF load or a V1 calibration can take minutes.
+    prepare_output(Path(output), _read_input(source, input, diff_version, v1).paths, overwrite)
+    with plan_conversion(source, input, target, diff_version=diff_version, dtype=dtype, allow_pickle=allow_pickle,
+                         microsoft=microsoft, v1=v1, tokenizer=tokenizer, num_noise_heads=num_noise_heads,
+                         progress=progress) as plan:
+        result = write_conversion(plan, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
     if verify:
-        result.max_logit_diff = verify_conversion(source, model if gguf else input, output)
+        result.max_logit_diff = verify_conversion(source, plan.reference, output)
     return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Verification
 # ----------------------------------------------------------------------------------------------------------------
+
+# The model class of each of our formats, so that loading a folder needs no Auto registration (Motif's is opt-in).
+_MODEL_CLASSES = {"Motif": MotifForCausalLM, "difftransformer": DiffTransformerForCausalLM}
+
+
+def _load_float32(folder: str | os.PathLike):
+    model_type = _read_config_json(Path(folder)).get("model_type")
+    return _MODEL_CLASSES.get(model_type, AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -393,7 +593,7 @@ def verify_conversion(source: str, input, output: str | os.PathLike) -> float | 
     ``input`` is a source folder or a model in memory (for a GGUF source: the model as transformers loaded it).
     Microsoft sources have no runnable model in transformers; for them only the result is run (finite logits).
     """
-    result = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+    result = _load_float32(output)
     ids = verify_prompt(result.config.vocab_size)
     new_logits = result(ids).logits
     if not torch.isfinite(new_logits).all():
@@ -401,10 +601,7 @@ def verify_conversion(source: str, input, output: str | os.PathLike) -> float | 
     if source.startswith("microsoft"):
         print("verify: Microsoft modules have no transformers implementation to compare with; the result loads and its logits are finite.")
         return None
-    if isinstance(input, (str, os.PathLike)):
-        reference = AutoModelForCausalLM.from_pretrained(input, dtype=torch.float32).eval()
-    else:
-        reference = input
+    reference = _load_float32(input) if isinstance(input, (str, os.PathLike)) else input
     was_training = reference.training
     reference.eval()
     ref_logits = reference(ids.to(reference.device)).logits.float().cpu()

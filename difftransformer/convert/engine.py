@@ -445,6 +445,22 @@ def install_folder(tmp: Path, output: Path) -> None:
         shutil.rmtree(backup, ignore_errors=True)
 
 
+def target_dtypes(plan: Plan, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype each tensor of the result is written in: ``dtype``, except V1's λ vectors (``keep_float32``), which
+    stay float32 (or ``dtype`` where it is wider)."""
+    wide = torch.float32 if dtype.itemsize < 4 else dtype
+    return {s.target: wide if s.keep_float32 else dtype for s in plan.steps}
+
+
+def shard_layout(plan: Plan, dtype: torch.dtype, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+    """The result's safetensors files and their tensors (``huggingface_hub``'s split), from shapes alone (meta
+    tensors), exactly as ``save_pretrained`` would place them."""
+    out_dtype = target_dtypes(plan, dtype)
+    metas = {k: torch.empty(plan.target_shapes[k], dtype=out_dtype[k], device="meta") for k in plan.target_shapes}
+    pattern = "model{suffix}.safetensors"
+    return split_torch_state_dict_into_shards(metas, filename_pattern=pattern, max_shard_size=max_shard_size)
+
+
 def write_plan(
     plan: Plan,
     ckpt: Checkpoint,
@@ -455,11 +471,8 @@ def write_plan(
 ) -> None:
     """Compute and write every tensor of ``plan`` into ``folder`` as (sharded) safetensors, one shard in memory."""
     steps = {s.target: s for s in plan.steps}
-    wide = torch.float32 if dtype.itemsize < 4 else dtype
-    out_dtype = {k: wide if step.keep_float32 else dtype for k, step in steps.items()}
-    # Shard boundaries from shapes alone (meta tensors), exactly as save_pretrained would place them.
-    metas = {k: torch.empty(plan.target_shapes[k], dtype=out_dtype[k], device="meta") for k in plan.target_shapes}
-    split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    out_dtype = target_dtypes(plan, dtype)
+    split = shard_layout(plan, dtype, max_shard_size)
     with tqdm(total=len(steps), desc="Converting tensors", unit="tensor", disable=not progress) as bar:
         for filename, names in split.filename_to_tensors.items():
             shard = {}
