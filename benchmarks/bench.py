@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-# Run as a script (`python benchmarks/bench.py`), the repository root is not on sys.path; `benchmarks.*` needs it.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# `python benchmarks/bench.py` (from the repository root) runs as `python -m benchmarks.bench`: the imports below need
+# the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench", *sys.argv[1:]])
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.harness import quartiles, run_interleaved, set_clock, summarize  # noqa: E402,F401  (re-exported)

@@ -40,9 +40,10 @@ from pathlib import Path
 
 import torch
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# `python benchmarks/bench_gda.py` (from the repository root) runs as `python -m benchmarks.bench_gda`: the imports
+# below need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench_gda", *sys.argv[1:]])
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.bench import decode_workload, prefill_workload, train_workload  # noqa: E402

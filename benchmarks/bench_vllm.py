@@ -48,9 +48,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# `python benchmarks/bench_vllm.py` (from the repository root) runs as `python -m benchmarks.bench_vllm`: the imports
+# below need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench_vllm", *sys.argv[1:]])
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: `benchmarks.*` needs the repository root
-    sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.bench import generation_flops  # noqa: E402

@@ -36,9 +36,10 @@ import time
 
 import torch
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script (or loaded from its file): `benchmarks.*` needs the repository root
-    sys.path.insert(0, _ROOT)
+# `python benchmarks/compare_small.py` (from the repository root) runs as `python -m benchmarks.compare_small`: the
+# imports below need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.compare_small", *sys.argv[1:]])
 
 from benchmarks import harness  # noqa: E402
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis, data, probes  # noqa: E402

@@ -53,8 +53,10 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# `python benchmarks/compare_upcycled.py` (from the repository root) runs as `python -m benchmarks.compare_upcycled`:
+# the imports below need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.compare_upcycled", *sys.argv[1:]])
 
 import torch  # noqa: E402
 

@@ -22,9 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# `python benchmarks/quantized_perplexity.py` (from the repository root) runs as `python -m
+# benchmarks.quantized_perplexity`: the imports below need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.quantized_perplexity", *sys.argv[1:]])
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
 

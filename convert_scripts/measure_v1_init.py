@@ -17,14 +17,18 @@ next-token loss over every predicted token (``length − 1`` per block).
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository importable without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# `python convert_scripts/measure_v1_init.py` (from the repository root) runs as `python -m
+# convert_scripts.measure_v1_init`: its provenance record (benchmarks/harness.py) needs the root on sys.path, where
+# `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "convert_scripts.measure_v1_init", *sys.argv[1:]])
 
 from pydoc_data.topics import topics  # noqa: E402
 
@@ -113,8 +117,7 @@ def main(argv=None) -> int:
         "calibration": calibration,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
     }
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout: benchmarks/harness.py records provenance
-    from benchmarks import harness
+    from benchmarks import harness  # a checkout's (run from its root): it records the provenance
 
     record["provenance"] = harness.provenance("measure_v1_init.py", argv)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,6 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if __package__ in (None, ""):  # run as a file from a checkout: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from difftransformer.convert import V1_INITS  # noqa: E402
 from difftransformer.upcycle import DEFAULT_LEARNING_RATES, DEFAULT_PROMPTS, METHODS, SMOKE, UpcycleSettings  # noqa: E402

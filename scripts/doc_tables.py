@@ -31,9 +31,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# `python scripts/doc_tables.py` (from the repository root) runs as `python -m scripts.doc_tables`: the imports below
+# need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "scripts.doc_tables", *sys.argv[1:]])
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script from scripts/: `benchmarks.*` needs the repository root
-    sys.path.insert(0, _ROOT)
 
 from benchmarks import harness  # noqa: E402
 

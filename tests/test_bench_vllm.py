@@ -3,13 +3,10 @@ math costs what a Llama with the same query heads and head width costs in attent
 native vLLM model adds exactly ``4·Hq·d`` FLOPs per layer, query token and visible key, counted here token by token.
 (bench_vllm.py itself needs vLLM: it runs in .venv-vllm; this file imports only its arithmetic.)"""
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import forward_flops, generation_flops  # noqa: E402
 from benchmarks.bench_vllm import padded_call_extra_flops  # noqa: E402

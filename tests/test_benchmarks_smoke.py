@@ -25,8 +25,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench, bench_gda  # noqa: E402
 from benchmarks.padded_sdpa import PADDED_SDPA  # noqa: E402
@@ -36,10 +34,13 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _doc_commands(script: str) -> list[list[str]]:
-    """Every ``python benchmarks/<script> ...`` command line of docs/performance.md, split like a shell would."""
+    """The arguments of every ``python benchmarks/<script> ...`` (or ``python -m benchmarks.<module> ...``: the same
+    run) command line of docs/performance.md, split like a shell would."""
     text = DOC.read_text()
-    lines = re.findall(rf"^(?:\$ )?((?:\.venv-vllm/bin/)?python benchmarks/{re.escape(script)}[^\n]*)$", text, flags=re.M)
-    return [shlex.split(line, comments=True)[2:] for line in lines]
+    module = re.escape(script.removesuffix(".py"))
+    run = rf"(?:\.venv-vllm/bin/)?python (?:benchmarks/{re.escape(script)}|-m benchmarks\.{module})(?![\w.])"
+    lines = re.findall(rf"^(?:\$ )?({run}[^\n]*)$", text, flags=re.M)
+    return [shlex.split(re.sub(run, "python script", line, count=1), comments=True)[2:] for line in lines]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -18,22 +18,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dist_common
 import pytest
 import torch
 import torch.distributed as dist
+import train_fsdp2
+import train_trainer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import difftransformer  # noqa: F401
+from utils_distributed import word_tokenizer
 
+# Its modules (dist_common, train_fsdp2, train_trainer) are on sys.path through pyproject.toml's pytest `pythonpath`.
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "distributed"
-sys.path.insert(0, str(EXAMPLES))
-
-import dist_common  # noqa: E402
-import train_fsdp2  # noqa: E402
-import train_trainer  # noqa: E402
-
-from utils_distributed import word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with the gloo backend is unavailable"

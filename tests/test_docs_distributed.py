@@ -10,13 +10,11 @@ import importlib
 import io
 import json
 import shlex
-import sys
 
 import pytest
 
 from utils_distributed import DOC_MODEL_V1, DOC_MODEL_V2, REPO, doc_blocks, save_tiny_lm, word_tokenizer
 
-sys.path.insert(0, str(REPO / "examples" / "distributed"))
 
 def _snippet(keyword: str) -> str:
     return next(block for block in doc_blocks("python") if keyword in block)

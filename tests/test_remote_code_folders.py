@@ -10,6 +10,7 @@ its greedy output, with and without the cache, equals the package's.
 ``difftransformer-update-code FOLDER`` replaces them by the installed release's.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -61,11 +62,10 @@ def upcycled_folder(tmp_path):
     """The folder the upcycling job publishes (its smoke settings: a tiny random source, a few steps)."""
     from difftransformer import upcycle as up
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    try:
-        import upcycle as cli
-    finally:
-        sys.path.pop(0)
+    script = Path(__file__).resolve().parents[1] / "examples" / "upcycle.py"
+    spec = importlib.util.spec_from_file_location("difftransformer_examples_upcycle", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
     settings = up.UpcycleSettings(**{**cli.SMOKE_SETTINGS, "output_dir": str(tmp_path / "upcycle"), "progress": False,
                                      "diff_version": 2, "method": "full"})
     up.run_upcycle(settings, source=up.smoke_source(), log=lambda *_: None)

@@ -13,16 +13,13 @@ session and every ``LLM`` once per module.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the repository's difftransformer, also for vLLM's spawned processes
-if str(ROOT / "tests") not in sys.path:
-    sys.path.append(str(ROOT / "tests"))  # the main suite's helpers: its skip recorder
+# The package is installed in .venv-vllm (scripts/setup_vllm.sh: `pip install -e .`), for vLLM's spawned processes too;
+# the main suite's helpers (tests/: its skip recorder) are on sys.path through pyproject.toml's pytest `pythonpath`.
 
 # Before vLLM is imported: 1 GiB of KV cache (its smallest setting) instead of a share of the machine's memory.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -167,12 +167,9 @@ def save_motif_folder(folder: Path, kind: str, *, seed: int = 0, **overrides) ->
     weights in Motif's key layout and row order: tests/motif_reference.py's ``motif_config`` (``kind`` and
     ``overrides``) and ``random_motif_checkpoint``."""
     import json
-    import sys
 
     from safetensors.torch import save_file
 
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
     from motif_reference import motif_config, random_motif_checkpoint
 
     config = {**motif_config(kind, **overrides), "auto_map": {

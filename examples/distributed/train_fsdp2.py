@@ -16,15 +16,12 @@ Works on CPU (gloo) and GPUs (nccl); transformers picks the backend from the mac
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
+from dist_common import synthetic_token_ids  # examples/distributed/dist_common.py, beside this file
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_common import synthetic_token_ids  # noqa: E402
 
 
 def load_sharded(model_path: str, world_size: int):

@@ -18,13 +18,10 @@ runs anywhere without downloads; `--model` starts from a saved model folder inst
 import argparse
 import json
 import os
-import sys
 
 import torch
+from dist_common import synthetic_dataset, tiny_model  # examples/distributed/dist_common.py, beside this file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_common import synthetic_dataset, tiny_model  # noqa: E402
 
 
 def fsdp_config() -> dict:
