@@ -66,7 +66,8 @@ def test_motif_folder_loads_without_remote_code_and_matches_the_oracle(kind, tmp
     model, info = MotifForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # every tensor used, none missing
     register_motif()
-    auto = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32)
+    # trust_remote_code=True too: the registered class wins over the folder's auto_map (Motif's absent files)
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32, trust_remote_code=True)
     assert type(auto) is MotifForCausalLM and type(auto).__module__ == "difftransformer.motif"
     assert all(torch.equal(t, auto.state_dict()[k]) for k, t in model.state_dict().items())
     assert model.config.lambda_init_layer_offset == -1 and model.config.hidden_act == "poly_norm"
