@@ -113,29 +113,30 @@ def _cfg(warps, stages, **blocks) -> dict:
 
 LAUNCH_CONFIGS: dict[str, tuple[dict, ...]] = {
     "forward": (
-        _cfg(4, 3, BLOCK_T=64, BLOCK_N=64, UNITS=1),
-        _cfg(4, 4, BLOCK_T=64, BLOCK_N=64, UNITS=1),
+        _cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1),
+        _cfg(8, 3, BLOCK_T=64, BLOCK_N=64, UNITS=1),
         _cfg(4, 3, BLOCK_T=64, BLOCK_N=32, UNITS=1),
         _cfg(8, 3, BLOCK_T=128, BLOCK_N=64, UNITS=1),
-        _cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1),
-        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=2),
-        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=1),
+        _cfg(4, 3, BLOCK_T=64, BLOCK_N=64, UNITS=1),
+        _cfg(4, 3, BLOCK_T=32, BLOCK_N=32, UNITS=2),
+        _cfg(8, 2, BLOCK_T=64, BLOCK_N=32, UNITS=1),  # the previous default, kept to compare
         _cfg(4, 2, BLOCK_T=16, BLOCK_N=32, UNITS=1),
     ),
     "dkdv": (
+        _cfg(8, 2, BLOCK_T=32, BLOCK_N=64),
+        _cfg(8, 2, BLOCK_T=16, BLOCK_N=64),
         _cfg(4, 2, BLOCK_T=32, BLOCK_N=64),
-        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64),
-        _cfg(4, 2, BLOCK_T=64, BLOCK_N=64),
+        _cfg(8, 2, BLOCK_T=64, BLOCK_N=64),
         _cfg(8, 2, BLOCK_T=32, BLOCK_N=128),
-        _cfg(4, 2, BLOCK_T=16, BLOCK_N=64),
-        _cfg(4, 2, BLOCK_T=16, BLOCK_N=32),
+        _cfg(8, 2, BLOCK_T=16, BLOCK_N=32),  # the previous default, kept to compare
     ),
     "dq": (
+        _cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1),
+        _cfg(8, 3, BLOCK_T=128, BLOCK_N=64, UNITS=1),
         _cfg(4, 3, BLOCK_T=64, BLOCK_N=64, UNITS=1),
         _cfg(4, 3, BLOCK_T=64, BLOCK_N=32, UNITS=1),
-        _cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1),
         _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=2),
-        _cfg(4, 3, BLOCK_T=32, BLOCK_N=64, UNITS=1),
+        _cfg(8, 2, BLOCK_T=64, BLOCK_N=32, UNITS=1),  # the previous default, kept to compare
         _cfg(4, 2, BLOCK_T=16, BLOCK_N=32, UNITS=1),
     ),
     "decode": (
@@ -912,7 +913,7 @@ _KERNELS = {"forward": "_diff_attn_fwd", "decode": "_diff_attn_fwd", "dkdv": "_d
 # noise rows, KV groups, causal, mask, and the power-of-two buckets of the batch, query and key lengths.
 _TUNE_KEYS = ("HEAD_DIM", "R", "M_NOISE", "G", "IS_CAUSAL", "HAS_MASK", "t_bucket", "s_bucket", "b_bucket")
 _TUNE_MIN_WORK = 1 << 24  # score entries (B·G·m·T·S) below which nothing is timed: launch overhead dominates there
-_REGISTER_BUDGET = 160  # fp32 tile values per thread a configuration may hold (of 255 registers; see _keep)
+_ACC_LIMIT = 128  # fp32 accumulator values per thread a tile may hold (of its 255 registers; see _keep)
 _PINNED: dict = {"rules": {}, "autotune": True}
 _PLANS: dict = {}  # (kind, shape, extra) -> (config, grid): the launch plan of a shape once picked
 _PLANS_MAX = 512
@@ -932,40 +933,43 @@ def _device_limits(device) -> tuple[int, int]:
     return _DEVICE_LIMITS[index]
 
 
-def _keep(kind: str, cfg: dict, shape: _Shape, arch: int, smem: int) -> bool:
-    """Whether configuration ``cfg`` of kernel ``kind`` suits a launch. Rules: no tile larger than the problem needs;
-    the fp32 values a thread holds (accumulators, score tiles) within _REGISTER_BUDGET, since a spilling tile is never
-    the fastest; on Hopper (sm_90) with 16-bit inputs, 8 warps only where each warp group still gets a 64-row wgmma
-    (the tutorial's "no 8-warp tiles under 128×128"); the pipelined K/V (or Q/dO) tiles within shared memory."""
+def _keep(kind: str, cfg: dict, shape: _Shape, arch: int, smem: int, heuristics: bool = True) -> bool:
+    """Whether configuration ``cfg`` of kernel ``kind`` suits a launch (``arch``: compute capability; ``smem``: shared
+    memory per block). Rules: no tile larger than the problem needs (a query tile within the query length's bucket, a
+    key tile within the keys', no more noise rows per program than a group has); the fp32 accumulators a thread holds
+    at most _ACC_LIMIT values (of its 255 registers; operands, score tiles and addresses need the rest); 8 warps only
+    for tiles whose accumulators would take more than half that on 4 warps (Triton's tutorial drops 8-warp tiles under
+    128×128 on Hopper: a small tile spread over 8 warps gives each too little work; these tiles carry two maps and a
+    2d-wide value, so the measure is their state, not their area); the pipelined tiles (num_stages of them) within
+    shared memory. float32 inputs count double (their operands are twice as wide and their products run without
+    tensor cores). The decode launch is memory-bound: only the tile and memory rules apply to it. ``heuristics=False``
+    applies only the tile and memory rules (what tuning_sweep times, so that it measures the others too)."""
     d_pad, r_pad, m = _head_pad(shape.d), _next_pow2(shape.r), shape.n // shape.r
     elt = 4 if shape.dtype == torch.float32 else 2
-    threads = 32 * cfg["num_warps"]
     bn = cfg["BLOCK_N"]
     if bn > _bucket(shape.s):
         return False
     if kind == "decode":
         units = min(max(_next_pow2(m), _MIN_DOT), cfg["max_units"])
-        held = (r_pad + 1) * units * (2 * d_pad + bn)
-        staged = 4 * bn * d_pad * elt
-        return held / threads <= _REGISTER_BUDGET and cfg["num_stages"] * staged <= smem
-    bt, units = cfg["BLOCK_T"], cfg.get("UNITS", 1)
-    if bt > _bucket(shape.t) or (units > 1 and units > m):
-        return False
-    if kind == "dkdv":
-        rows = (r_pad + 1) * bt  # signal and noise rows of a step
-        m_dot = bn  # the dots' M: keys
-        held = 4 * bn * d_pad + 2 * bn * rows  # dk1, dk2, dv; P1, P2 (dS reuses them)
-        staged = rows * (d_pad + 2 * d_pad) * elt  # q rows and dO rows of a step
-    else:
-        rows = (r_pad + 1) * units * bt
-        m_dot = units * bt  # the noise tile's rows (the signal tile has r times as many)
-        acc_width = 2 * d_pad if kind == "forward" else d_pad
-        held = rows * (acc_width + (1 if kind == "forward" else 2) * bn)
+        acc = (r_pad + 1) * units * 2 * d_pad  # both maps' 2d-wide accumulators
         staged = 4 * bn * d_pad * elt  # K1, K2 and the 2d-wide V of a block
-    if held * (elt // 2) / threads > _REGISTER_BUDGET:
-        return False
-    if arch >= 90 and elt == 2 and cfg["num_warps"] == 8 and m_dot < 128:
-        return False
+    else:
+        bt, units = cfg["BLOCK_T"], cfg.get("UNITS", 1)
+        if bt > _bucket(shape.t) or (units > 1 and units > m):
+            return False
+        if kind == "dkdv":
+            acc = 4 * bn * d_pad  # dK1, dK2 (keys × d) and dV (keys × 2d)
+            staged = (r_pad + 1) * bt * 3 * d_pad * elt  # a step's query rows (d wide) and dO rows (2d wide)
+        else:
+            rows = (r_pad + 1) * units * bt  # signal and noise rows of a tile
+            acc = rows * (2 * d_pad if kind == "forward" else d_pad)
+            staged = 4 * bn * d_pad * elt
+    acc *= elt // 2
+    if heuristics and kind != "decode":
+        if acc / (32 * cfg["num_warps"]) > _ACC_LIMIT:
+            return False
+        if cfg["num_warps"] > 4 and acc / (32 * 4) <= _ACC_LIMIT / 2:
+            return False
     return cfg["num_stages"] * staged <= smem
 
 
@@ -1338,7 +1342,7 @@ def _time_ms(fn, rep_ms: float, device) -> float:
 
 
 def _sweep_case(spec: dict, dtype, device):
-    """The inputs of one sweep problem and, per kernel, (launch(config), outputs()) closures."""
+    """The inputs of one sweep problem (seeded) and, per kernel, (launch(config), outputs()) closures."""
     p = {**_SWEEP_MODEL, **spec}
     b, t, s, g, n, r, d = p["batch"], p["queries"], p["keys"], p["groups"], p["n"], p["noise_ratio"], p["head_dim"]
     causal = p["causal"]
@@ -1376,96 +1380,185 @@ def _sweep_case(spec: dict, dtype, device):
     return shape, problem, kernels
 
 
+def _sweep_plan(shapes, dtype, device) -> list:
+    """Per (problem, kernel): the configurations to time, each with whether _prune's heuristics would keep it. Every
+    configuration that fits the problem and the device is timed, so the sweep also measures what the pruning drops."""
+    arch, smem = _device_limits(device)
+    plan = []
+    for i, spec in enumerate(shapes):
+        p = {**_SWEEP_MODEL, **spec}
+        shape = _Shape(p["batch"], p["queries"], p["keys"], p["groups"], p["n"], p["noise_ratio"], p["head_dim"],
+                       dtype, p["causal"], False, device)
+        for kind in spec["kernels"]:
+            if kind not in _REQUIRED_KEYS:
+                raise ValueError(f"sweep problem {spec.get('name')!r}: unknown kernel {kind!r}; kernels: "
+                                 f"{', '.join(_REQUIRED_KEYS)}")
+            configs = LAUNCH_CONFIGS[kind]
+            timed = [c for c in configs if _keep(kind, c, shape, arch, smem, heuristics=False)] or configs[-1:]
+            plan.append((i, kind, shape, [(c, _keep(kind, c, shape, arch, smem)) for c in timed]))
+    return plan
+
+
+def _sweep_warm(shapes, dtype, device, items) -> dict:
+    """A warm-up worker (a separate process): launch each (problem index, kernel, configuration) of ``items`` once,
+    which compiles it into Triton's on-disk cache, where the sweep's own first launch then finds it. Returns the
+    seconds each took, or its error."""
+    device = torch.device(device)
+    done, cases = {}, {}
+    with _on_device(device):
+        for i, kind, cfg in items:
+            if i not in cases:
+                cases[i] = _sweep_case(shapes[i], dtype, device)[2]
+            start = time.perf_counter()
+            try:
+                cases[i][kind][0](cfg)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                done[(i, kind, _config_key(cfg))] = round(time.perf_counter() - start, 2)
+            except Exception as error:  # the sweep's own launch records it
+                done[(i, kind, _config_key(cfg))] = f"{type(error).__name__}"
+    return done
+
+
+def _warm_in_workers(shapes, dtype, device, plan, workers: int, timeout_s: float) -> dict:
+    """Compile the plan's configurations in ``workers`` processes at once (each imports this module under its own name,
+    so Triton's cache keys match). One launch per distinct compiled variant: configurations a kernel shares between
+    problems of the same head layout compile once. Any failure here only costs the parallelism."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import wait as wait_futures
+
+    seen, items = set(), []
+    for i, kind, shape, configs in plan:
+        for cfg, _ in configs:
+            variant = (kind, _config_key(cfg), shape.r, shape.d, shape.causal, shape.masked,
+                       shapes[i].get("save_stats", False), shape.t == 1)
+            if variant not in seen:
+                seen.add(variant)
+                items.append((i, kind, cfg))
+    workers = max(1, min(workers, len(items)))
+    shares = [items[w::workers] for w in range(workers)]
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(_sweep_warm, shapes, dtype, str(device), share) for share in shares]
+        finished, _ = wait_futures(futures, timeout=timeout_s)
+        done = {}
+        for future in finished:
+            if future.exception() is None:
+                done.update(future.result())
+        return done
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def tuning_sweep(shapes=SWEEP_SHAPES, dtype=torch.bfloat16, device="cuda", rep_ms: float = 20.0,
-                 budget_s: float = 80.0) -> dict:
+                 budget_s: float = 85.0, workers=None) -> dict:
     """Time every launch configuration of every kernel on the given problems, and say which is fastest.
 
-    For each problem of ``shapes`` (dicts: ``name``, ``kernels`` among ``"forward"``, ``"dkdv"``, ``"dq"``,
-    ``"decode"``, ``batch``, ``queries``, ``keys``; optionally ``groups``, ``n``, ``noise_ratio``, ``head_dim``,
-    ``causal``, ``save_stats``; the default, SWEEP_SHAPES, is Llama-3.2-1B's attention as DIFF V1: prefill 1x8192 and
-    8x2048, training 8x2048 for both backward kernels, decode at batch 1 and 32 over 4096 keys) and each of its kernels,
-    every configuration of LAUNCH_CONFIGS that _prune keeps for it (those triton.autotune would time) is launched
-    directly (no autotuning): a first call (compiling it), then ``triton.testing.do_bench`` (CUDA events, L2 flushed,
-    median of about ``rep_ms`` ms of runs). Each configuration's outputs are compared with the first one's (a
-    configuration that computes something else is flagged, ``agrees``: false). A configuration that fails (to compile,
-    or to run) is recorded with its error, not raised; once ``budget_s`` seconds have passed the rest are recorded as
-    skipped. The backward kernels run on the statistics of one forward (default configuration).
+    ``shapes``: problems, dicts with ``name``, ``kernels`` (among ``"forward"``, ``"dkdv"``, ``"dq"``, ``"decode"``),
+    ``batch``, ``queries``, ``keys`` and optionally ``groups``, ``n``, ``noise_ratio``, ``head_dim``, ``causal``,
+    ``save_stats`` (the forward with the backward's statistics). The default, SWEEP_SHAPES, is Llama-3.2-1B's attention
+    as DIFF V1 (4 KV groups of 4 signal and 4 noise rows, d = 64, causal): the forward at prefill 1x8192 and 8x2048,
+    both backward kernels at training 8x2048, decode at batch 1 and 32 over 4096 keys.
 
-    Cost: about 27 compilations (8 forward, up to 6 dkdv and 6 dq, 5 decode and its combine kernel; the two prefill
-    problems share theirs) of 1–3 s each and about 40 timings of ``rep_ms`` plus overheads: roughly 40–80 s on an
-    H100/H200 (not yet measured); ``budget_s`` caps it.
+    For each problem and kernel, every configuration of LAUNCH_CONFIGS that fits the problem and the device is
+    launched directly (no autotuning, no pinned choice): once (compiling it; ``first_call_s``), its outputs compared
+    with the first configuration's (``max_rel_diff``, relative to the largest output; ``agrees`` within 2^-5 for 16-bit
+    inputs, 1e-3 for float32), then timed by ``triton.testing.do_bench`` (CUDA events, the L2 cache flushed before each
+    run, the median over about ``rep_ms`` ms of runs). Configurations that _prune's heuristics drop are timed too and
+    marked ``pruned``, so the sweep also tests those rules. The backward kernels run on the statistics of one forward.
+    A configuration that fails (to compile or to run) is recorded with its error, not raised; once ``budget_s``
+    seconds have passed the rest are recorded as skipped.
+
+    Cost: with the default lists, 26 distinct compilations (8 forward, 6 dkdv, 7 dq, 5 decode; the two prefill problems
+    share theirs) and 40 timings. Compiling one took 3–54 s on the 2-core CPU machine these lists were checked on
+    (spilling configurations are the slow ones to compile); on a GPU host's CPU perhaps 1–10 s, i.e. 60–120 s in
+    series. So ``workers`` processes (default: half the CPU cores, at most 8; 0 = none) first compile them in parallel
+    into Triton's on-disk cache (spawned processes importing this module: ~10 s to start), after which each first
+    launch here is a cache load; timings add about 40 × (rep_ms + 10 ms). Estimate (not yet measured): 30–60 s on an
+    H100/H200 with 8 workers; ``budget_s`` caps it either way.
 
     Returns a JSON-serialisable dict: ``device``, ``capability``, ``dtype``, ``triton``, ``torch``, ``rep_ms``,
-    ``budget_s``, ``elapsed_s``; ``results``, one entry per (problem, kernel): ``kernel``, ``shape`` (the problem's
-    name), ``problem`` (its sizes), ``timings`` (per configuration: ``config``, ``ms`` (median) or null,
-    ``first_call_s`` (compile included), ``max_rel_diff`` (largest output difference to the first configuration's,
-    relative to its largest value), ``agrees``, ``error`` (null, or the exception's first line), ``skipped`` (null,
-    or why)), ``best`` (the fastest agreeing configuration, or null), ``best_ms``, ``default`` (the configuration used
-    without tuning), ``default_ms``; and ``pinned``: a set_configs mapping that pins each problem's best configuration (a rule per
-    problem, then the configuration fastest over all of a kernel's problems for every other launch).
-    :func:`format_sweep` renders it as a text table.
+    ``budget_s``, ``workers``, ``warm_s`` (the parallel compile phase), ``elapsed_s``; ``results``, one entry per
+    (problem, kernel): ``kernel``, ``shape`` (the problem's name), ``problem`` (its sizes), ``when`` (the set_configs
+    features of this launch), ``timings`` (per configuration: ``config``, ``pruned``, ``compile_s`` (in a worker, or
+    null), ``first_call_s``, ``ms`` (median, or null), ``max_rel_diff``, ``agrees``, ``error`` (null, or the
+    exception's first line), ``skipped`` (null, or why)), ``best`` (the fastest agreeing configuration, or null),
+    ``best_ms``, ``default`` (the configuration the kernel uses untuned: the first _prune keeps), ``default_ms``; and
+    ``pinned``: a set_configs mapping pinning each problem's best (a rule per problem, then the configuration fastest
+    over all of a kernel's problems for every other launch). :func:`format_sweep` renders it as a text table.
     """
     if triton is None:
         raise RuntimeError("tuning_sweep needs triton (`pip install triton`); it is not installed")
     device = torch.device(device)
     if not is_available(device):
         raise ValueError(f"tuning_sweep needs a CUDA device (or TRITON_INTERPRET=1), got device={device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
     start = time.perf_counter()
-    results = []
+    shapes = [dict(spec) for spec in shapes]
+    plan = _sweep_plan(shapes, dtype, device)
+    if workers is None:
+        workers = min(8, (os.cpu_count() or 2) // 2)
+    compiled = {}
+    if workers:
+        try:
+            compiled = _warm_in_workers(shapes, dtype, device, plan, workers, timeout_s=0.7 * budget_s)
+        except Exception:  # no parallel compile (no fork/spawn, a pickling problem): compile in series below
+            compiled = {}
+    warm_s = round(time.perf_counter() - start, 1)
     tol = 1e-3 if dtype == torch.float32 else 2.0**-5
+    results, cases = [], {}
     with _on_device(device):
-        for spec in shapes:
-            shape, problem, kernels = _sweep_case(spec, dtype, device)
-            for kind in spec["kernels"]:
-                if kind not in kernels:
-                    raise ValueError(f"shape {spec['name']!r}: unknown kernel {kind!r}; kernels: {', '.join(kernels)}")
-                launch, outputs = kernels[kind]
-                candidates = [c for c in LAUNCH_CONFIGS[kind] if _keep(kind, c, shape, *_device_limits(device))]
-                candidates = candidates or _prune(kind, LAUNCH_CONFIGS[kind], shape)
-                timings, reference = [], None
-                for cfg in candidates:
-                    row = {"config": dict(cfg), "ms": None, "first_call_s": None, "max_rel_diff": None,
-                           "agrees": None, "error": None, "skipped": None}
-                    timings.append(row)
-                    if time.perf_counter() - start > budget_s:
-                        row["skipped"] = f"time budget ({budget_s:.0f} s) spent"
-                        continue
-                    try:
-                        first = time.perf_counter()
-                        launch(cfg)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        row["first_call_s"] = round(time.perf_counter() - first, 3)
-                        got = [x.detach().float().clone() for x in outputs()]
-                        if reference is None:
-                            reference = got
-                        scale = max(max(ref.abs().max().item() for ref in reference), 1e-30)
-                        diff = max((x - ref).abs().max().item() for x, ref in zip(got, reference)) / scale
-                        row["max_rel_diff"] = diff
-                        row["agrees"] = bool(diff <= tol)
-                        row["ms"] = round(_time_ms(lambda: launch(cfg), rep_ms, device), 4)
-                    except Exception as error:  # a configuration that fails is a result, not the sweep's end
-                        text = str(error).strip().splitlines()
-                        row["error"] = f"{type(error).__name__}: {text[0][:300] if text else ''}"
-                ok = [row for row in timings if row["ms"] is not None and row["agrees"]]
-                best = min(ok, key=lambda row: row["ms"]) if ok else None
-                default = _prune(kind, LAUNCH_CONFIGS[kind], shape)[0]
-                default_row = next((row for row in timings if row["config"] == default), None)
-                results.append({
-                    "kernel": kind, "shape": spec["name"], "problem": problem, "timings": timings,
-                    "best": best["config"] if best else None, "best_ms": best["ms"] if best else None,
-                    "default": dict(default), "default_ms": default_row["ms"] if default_row else None,
-                    "when": {name: _FEATURES[name](shape) for name in ("head_dim", "dtype", "noise_ratio", "causal",
-                                                                        "t_bucket", "s_bucket", "b_bucket")},
-                })
+        for i, kind, shape, configs in plan:
+            if i not in cases:
+                cases = {i: _sweep_case(shapes[i], dtype, device)}  # one problem's tensors alive at a time
+            problem, kernels = cases[i][1], cases[i][2]
+            launch, outputs = kernels[kind]
+            timings, reference = [], None
+            for cfg, kept in configs:
+                warm = next((v for k, v in compiled.items() if k[1] == kind and k[2] == _config_key(cfg)), None)
+                row = {"config": dict(cfg), "pruned": not kept,
+                       "compile_s": warm if isinstance(warm, float) else None, "first_call_s": None, "ms": None,
+                       "max_rel_diff": None, "agrees": None, "error": None, "skipped": None}
+                timings.append(row)
+                if time.perf_counter() - start > budget_s:
+                    row["skipped"] = f"time budget ({budget_s:.0f} s) spent"
+                    continue
+                try:
+                    first = time.perf_counter()
+                    launch(cfg)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    row["first_call_s"] = round(time.perf_counter() - first, 3)
+                    got = [x.detach().float().clone() for x in outputs()]
+                    reference = got if reference is None else reference
+                    scale = max(max(ref.abs().max().item() for ref in reference), 1e-30)
+                    row["max_rel_diff"] = max((x - ref).abs().max().item() for x, ref in zip(got, reference)) / scale
+                    row["agrees"] = bool(row["max_rel_diff"] <= tol)
+                    row["ms"] = round(_time_ms(lambda: launch(cfg), rep_ms, device), 4)
+                except Exception as error:  # a configuration that fails is a result, not the sweep's end
+                    text = str(error).strip().splitlines()
+                    row["error"] = f"{type(error).__name__}: {text[0][:300] if text else ''}"
+            ok = [row for row in timings if row["ms"] is not None and row["agrees"]]
+            best = min(ok, key=lambda row: row["ms"]) if ok else None
+            default = _prune(kind, LAUNCH_CONFIGS[kind], shape)[0]
+            default_row = next((row for row in timings if row["config"] == default), None)
+            results.append({
+                "kernel": kind, "shape": shapes[i]["name"], "problem": problem,
+                "when": {name: _FEATURES[name](shape) for name in ("head_dim", "dtype", "noise_ratio", "causal",
+                                                                    "t_bucket", "s_bucket", "b_bucket")},
+                "timings": timings, "best": best["config"] if best else None, "best_ms": best["ms"] if best else None,
+                "default": dict(default), "default_ms": default_row["ms"] if default_row else None,
+            })
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "triton interpreter (CPU)",
         "capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else None,
         "dtype": str(dtype).removeprefix("torch."), "triton": triton.__version__, "torch": torch.__version__,
-        "rep_ms": rep_ms, "budget_s": budget_s, "elapsed_s": round(time.perf_counter() - start, 1),
-        "results": results, "pinned": _pinned_from(results),
+        "rep_ms": rep_ms, "budget_s": budget_s, "workers": workers, "warm_s": warm_s,
+        "elapsed_s": round(time.perf_counter() - start, 1), "results": results, "pinned": _pinned_from(results),
     }
 
 

@@ -292,10 +292,94 @@ def test_bidirectional(with_mask):
 
 
 def test_default_launch_configuration(monkeypatch):
-    """The tile sizes the GPU gets (64-row tiles here cover the whole tiny problem) compute the same function."""
+    """The configuration a launch gets where nothing overrides it (each kernel's first entry of LAUNCH_CONFIGS that
+    suits the problem; on this tiny problem the smaller tiles) computes the same function."""
     monkeypatch.setattr(tdt, "_TUNING", {})
     query, key, value, lam = leaf_inputs(1, 20, 20, 1, 2, 1, 16)
     check_forward_backward(query, key, value, lam, 2, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Every launch configuration the GPU may autotune or pin: forward, dK/dV and dQ, in float32 and bfloat16
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def tilings(kind):
+    """LAUNCH_CONFIGS[kind] grouped by tiling (num_warps and num_stages change nothing the interpreter runs), smallest
+    tiles first: [[configurations sharing a tiling], ...]."""
+    groups = {}
+    for cfg in tdt.LAUNCH_CONFIGS[kind]:
+        tiles = tuple((k, v) for k, v in cfg.items() if k not in ("num_warps", "num_stages"))
+        groups.setdefault(tiles, []).append(cfg)
+    return sorted(groups.values(), key=lambda g: (g[0]["BLOCK_T"] * g[0].get("UNITS", 1), g[0]["BLOCK_N"]))
+
+
+def config_runs():
+    """Runs that together launch every tiling of the three lists: run i takes the tiling at the same relative place
+    in each size-sorted list, so that the tiles of one run are of similar size (a run's problem is sized to its
+    largest tile, and small tiles on a large problem are what makes the interpreter slow)."""
+    lists = {kind: tilings(kind) for kind in ("forward", "dkdv", "dq")}
+    count = max(len(v) for v in lists.values())
+    return [{kind: v[round(i * (len(v) - 1) / (count - 1))][0] for kind, v in lists.items()} for i in range(count)]
+
+
+CONFIG_RUNS = config_runs()
+# (n, r): GQA factors 1, 2 and 4 with one noise row per signal row, and grouped noise heads (r = 2) with 2 and 4
+# signal rows per group; each run takes a different one per dtype.
+HEAD_LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2), (2, 2)]
+
+
+def test_config_runs_cover_every_configuration():
+    """The runs below launch every tiling of every configuration in the autotuned lists."""
+    for kind in ("forward", "dkdv", "dq"):
+        launched = {tuple(run[kind].items()) for run in CONFIG_RUNS}
+        for cfg in tdt.LAUNCH_CONFIGS[kind]:
+            tiles = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+            assert any(tiles.items() <= dict(run).items() for run in launched), (kind, cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("run", range(len(CONFIG_RUNS)))
+def test_every_launch_configuration(monkeypatch, run, dtype):
+    """Each tiling of the forward, dK/dV and dQ lists (as the GPU would launch it, but on the interpreter), on a problem
+    of one and a half of its largest tile (so every kernel crosses tiles: blocks below the causal diagonal, on it and a
+    partial one), against the float64 reference within the error model: output and the gradients of q, k, v and λ.
+    Runs alternate a left-padding mask and queries that are the last T of S keys, and cycle through GQA factors 1, 2, 4
+    and grouped noise heads."""
+    configs = CONFIG_RUNS[run]
+    j = 0 if dtype == torch.float32 else 1
+    n, r = HEAD_LAYOUTS[(run + 2 * j) % len(HEAD_LAYOUTS)]
+    largest = max(max(c["BLOCK_T"], c["BLOCK_N"]) for c in configs.values())
+    s = largest + largest // 2
+    t = s - 7 if run % 3 == 1 else s
+    monkeypatch.setattr(tdt, "_TUNING", {**configs, "preprocess": dict(BLOCK_T=16)})
+    query, key, value, lam = leaf_inputs(1, t, s, 1, n, r, 16, dtype)
+    mask = None
+    if (run + j) % 2:
+        mask = (torch.arange(s) >= 5)[None, None, None, :].to(DEVICE)  # the first 5 keys are padding
+    check_forward_backward(query, key, value, lam, n, r, mask=mask)
+
+
+@pytest.mark.parametrize("index", range(len(tdt.LAUNCH_CONFIGS["decode"])))
+def test_every_decode_configuration(monkeypatch, index):
+    """Each decode configuration over a cache just long enough for its keys to be split in two or more (as the GPU
+    splits them for one sequence, the last split partial), GQA or grouped noise heads and a padding mask in turn,
+    against the reference."""
+    cfg = tdt.LAUNCH_CONFIGS["decode"][index]
+    monkeypatch.setattr(tdt, "_TUNING", {"decode": dict(cfg)})
+    n, r = HEAD_LAYOUTS[index % len(HEAD_LAYOUTS)]
+    b, g, d, s = 1, 1, 16, max(3, cfg["min_split_blocks"] + 1) * cfg["BLOCK_N"] - 5
+    query, key, value, lam = make_inputs(b, 1, s, g, n, r, d, torch.bfloat16 if index % 2 else torch.float32)
+    mask = (torch.arange(s) >= 3)[None, None, None, :].to(DEVICE) if index % 2 else None
+    plan = tdt._decode_plan(b, g, n // r, s, 1, cfg, DEVICE)
+    assert plan["splits"] > 1, "the problem should split its keys"
+    with torch.no_grad():
+        out = tdt.differential_attention_triton(query, key, value, lam, d**-0.5, n, r, attention_mask=mask)
+    q64, k64, v64, lam64, mask = f64(query), f64(key), f64(value), f64(lam), f64(mask)
+    ref = reference(q64, k64, v64, lam64, d**-0.5, n, r, mask)
+    mags, sigma = magnitudes(q64, k64, v64, lam64, None, d**-0.5, n, r, mask)
+    coef_f, _, u_out = coefficients(query.dtype, d, s, 1, b, g, n, n // r, sigma)
+    assert_within("decode", out, ref, coef_f * mags["out"] + u_out * ref.abs())
 
 
 def test_no_grad_forward_matches():
