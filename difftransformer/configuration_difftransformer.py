@@ -18,10 +18,14 @@ from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 SUPPORTED_DIFF_VERSIONS = (1, 2)
-# Fields that only one version reads, with the value that means "unused": set to anything else on the other version,
-# they are refused (a config that says something the model would not do).
+# Fields that only one version reads, with their default: set to anything else on the other version, they warn (once
+# per field and value, naming it): the model does not read them. A warning, not an error, because transformers' own
+# helpers set such fields wholesale (its common tests' `_config_zero_init` sets every `*_std` field).
 VERSION_ONLY_FIELDS = {
     1: {"lambda_init": None, "lambda_std": 0.1, "subln_eps": 1e-5, "lambda_init_layer_offset": 0},
     2: {},
@@ -29,6 +33,16 @@ VERSION_ONLY_FIELDS = {
 # MLP activations with weights of their own (a module under ``mlp.act_fn``), beside transformers' ``ACT2FN``:
 # Motif's PolyNorm, ``w0·N(x³) + w1·N(x²) + w2·N(x) + b`` (modeling_difftransformer.py).
 PARAMETRIZED_ACTIVATIONS = ("poly_norm",)
+# The classes a saved folder's `auto_map` names, so that it loads as remote code through every Auto class
+# (transformers records only the class being saved and AutoConfig): completed when the config is written (to_dict).
+AUTO_MAP = {
+    "AutoModel": "DiffTransformerModel",
+    "AutoModelForCausalLM": "DiffTransformerForCausalLM",
+    "AutoModelForSequenceClassification": "DiffTransformerForSequenceClassification",
+    "AutoModelForTokenClassification": "DiffTransformerForTokenClassification",
+    "AutoModelForQuestionAnswering": "DiffTransformerForQuestionAnswering",
+}
+_CONFIG_ENTRY = "configuration_difftransformer.DiffTransformerConfig"
 POSITIVE_INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "max_position_embeddings",
@@ -199,9 +213,9 @@ class DiffTransformerConfig(PreTrainedConfig):
         for version, fields in VERSION_ONLY_FIELDS.items():
             for name, unused in fields.items():
                 if version != v and getattr(self, name) != unused:
-                    raise ValueError(
-                        f"`{name}` applies to diff_version={version} only; got {getattr(self, name)!r} with "
-                        f"diff_version={v}: leave it at {unused!r}."
+                    logger.warning_once(
+                        f"`{name}` = {getattr(self, name)!r} is not read by a diff_version={v} model (it applies to "
+                        f"diff_version={version} only); it has no effect."
                     )
         if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
             raise ValueError(f"`lambda_init` must be None (depth schedule) or in [0, 1); got {self.lambda_init}.")
@@ -229,6 +243,34 @@ class DiffTransformerConfig(PreTrainedConfig):
                 f"groups ({kv}) so that every noise head and its signal heads read one group; num_key_value_heads "
                 f"must be one of {kv_allowed}, got {hkv} (or num_noise_heads one of {fitting})."
             )
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """As transformers' (the one read of ``config.json`` or GGUF metadata that ``from_pretrained`` makes), refusing
+        a checkpoint of another architecture, e.g. a Llama folder loaded as a DiffTransformer: V1 has a Llama's shapes,
+        so its weights would load into differently wired heads."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        found = config_dict.get("model_type")
+        if found not in (None, cls.model_type):
+            raise ValueError(
+                f"{pretrained_model_name_or_path} holds a {found!r} checkpoint, not a {cls.model_type!r} one. Convert it "
+                f"first, e.g. `difftransformer-convert --from llama --diff-version 2 --input "
+                f"{pretrained_model_name_or_path} --output OUT` (exact for Llama-family models; see docs/convert.md for "
+                "every source format)."
+            )
+        return config_dict, kwargs
+
+    def to_dict(self) -> dict:
+        """As transformers', with an ``auto_map`` that names this config's class (a folder saved with remote code)
+        naming every Auto class of :data:`AUTO_MAP` too, in the same repository (the config itself is not changed)."""
+        output = super().to_dict()
+        auto_map = output.get("auto_map") or {}
+        entry = auto_map.get("AutoConfig")
+        if isinstance(entry, str) and entry.endswith(_CONFIG_ENTRY):
+            where = entry[: -len(_CONFIG_ENTRY)]  # "" or "owner/repo--" for code kept in another repository
+            output["auto_map"] = {**{auto: f"{where}modeling_difftransformer.{name}" for auto, name in AUTO_MAP.items()},
+                                  **auto_map}
+        return output
 
     # Derived sizes (docs/model.md, "Configuration"); not serialised.
     @property

@@ -33,6 +33,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from . import triton_epilogue_difftransformer as epilogue
+
 logger = logging.getLogger(__name__)
 
 # At most this many query rows per block, and few enough that a block's scores (n heads × rows × keys) stay within
@@ -62,21 +64,35 @@ def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None, 
     """V2 attention of one query token, combined: ``o_h = a_2h − λ_h·a_2h+1`` (docs/model.md).
 
     ``query`` ``(B, 1, 2H, d)`` as projected (adjacent heads pair and share a KV head), ``key``/``value``
-    ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. :func:`gqa_decode_attention` reads the cache once for the 2n heads of each
-    KV head; one ``unbind`` and one ``addcmul`` combine the pairs. Returns the H differential heads ``(B, 1, H, d)``.
+    ``(B, G, S, d)``, ``lam`` ``(B, 1, H)``. One SDPA call of ``G`` heads whose query rows are the 2n query heads of
+    each KV head (the cache is read once, as :func:`gqa_decode_attention`), then one ``addcmul`` that reads the pairs
+    in the SDPA output's own layout and writes the H differential heads ``(B, 1, H, d)`` contiguous (no reshape copy).
     With ``noise_ratio`` r > 1 (grouped differential attention) the query heads come in blocks ``[signal × r, noise]``
     and ``o_h = a_h − λ_h·a_noise(h)``: the block's one noise output is subtracted from its r signal outputs.
     """
     b, _, hq, d = query.shape
-    out = gqa_decode_attention(query, key, value, scaling, attention_mask)
-    if noise_ratio == 1:
-        first, second = out.view(b, hq // 2, 2, d).unbind(2)
-        return torch.addcmul(first, lam.view(b, hq // 2, 1), second, value=-1).view(b, 1, hq // 2, d)
+    g = key.shape[1]
+    out = F.scaled_dot_product_attention(query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask,
+                                         scale=scaling)  # (B, G, rows, d), any layout
     r = noise_ratio
-    blocks = out.view(b, hq // (r + 1), r + 1, d)  # (B, N, [signal × r, noise], d)
-    heads = hq // (r + 1) * r
-    combined = torch.addcmul(blocks[:, :, :r], lam.view(b, hq // (r + 1), r, 1), blocks[:, :, r:], value=-1)
-    return combined.view(b, 1, heads, d)
+    blocks = out.unflatten(2, (-1, r + 1))  # (B, G, N, [signal × r, noise], d)
+    heads = torch.empty(b, g, blocks.shape[2], r, d, dtype=out.dtype, device=out.device)
+    torch.addcmul(blocks[:, :, :, :r], lam.view(b, g, -1, r, 1), blocks[:, :, :, r:], value=-1, out=heads)
+    return heads.view(b, 1, hq // (r + 1) * r, d)
+
+
+def rows_decode_attention(query, key, value, logits, scaling, attention_mask=None, noise_ratio=1):
+    """V2's decode step from the λ logits ``z = x W_λᵀ`` ``(B, 1, H)``: :func:`pair_decode_attention` with
+    ``λ = sigmoid(z)``. Returns the heads ``(B, 1, H, d)`` and λ ``(B, 1, H)``. Where Triton runs and nothing compiles,
+    the sigmoid and the pair combine are one kernel (triton_epilogue_difftransformer.py) after the SDPA call."""
+    if not epilogue.runs(query.device):
+        lam = torch.sigmoid(logits)
+        return pair_decode_attention(query, key, value, lam, scaling, attention_mask, noise_ratio), lam
+    b, _, hq, d = query.shape
+    g = key.shape[1]
+    attended = F.scaled_dot_product_attention(query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask,
+                                              scale=scaling)  # (B, G, rows, d)
+    return epilogue.v2_sigmoid_combine(attended, logits, noise_ratio)
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
@@ -183,8 +199,13 @@ def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: t
         yield t0, t1, visible, torch.zeros(hide.shape, device=device).masked_fill_(hide, float("-inf"))
 
 
+# Softmax, norms and sums in float32 (float64 stays float64). A dict: torch.promote_types is a dispatcher call.
+ACCUMULATION_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+                       torch.float64: torch.float64}
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)  # softmax and sums in float32 (float64 stays float64)
+    return ACCUMULATION_DTYPES.get(dtype) or torch.promote_types(dtype, torch.float32)
 
 
 def _block_scores(q, k, mask, scaling):
@@ -453,6 +474,113 @@ def differential_sdpa_attention(query, key, value, attention_mask, lam, scaling,
     return out.view(b, t, g * n, 2 * d)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# V1 through stock SDPA (what CUDA runs by default: docs/model.md, "Kernels")
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def pack_value_groups(value: torch.Tensor) -> torch.Tensor:
+    """V1's value per KV group as one ``2d``-wide head, ``(B, 2G, S, d)`` → ``(B, G, S, 2d)`` with group g holding
+    ``[V_g,0 | V_g,1]``: a view where the tensor is laid out per token (a projection), one copy where it is laid out
+    per head (dynamic and static caches)."""
+    b, hkv, s, d = value.shape
+    return value.transpose(1, 2).reshape(b, s, hkv // 2, 2 * d).transpose(1, 2)
+
+
+def _map_rows(query: torch.Tensor, n: int, r: int):
+    """V1's query rows ``(B, T, Hq, d)`` (per KV group its n signal rows, then its n / r noise rows) as the two maps'
+    queries ``(B, G, rows, T, d)``: views."""
+    b, t, hq, d = query.shape
+    heads = query.view(b, t, -1, n + n // r, d).permute(0, 2, 3, 1, 4)  # (B, G, n + m, T, d)
+    return heads[:, :, :n], heads[:, :, n:]
+
+
+def _sdpa_mask(attention_mask: torch.Tensor | None, t: int) -> dict:
+    """transformers' sdpa conventions: no mask means causal from the first key for several queries (a prompt, or a
+    prefill into an empty static cache) and every key for one; a boolean mask (True = visible) decides alone."""
+    if attention_mask is None:
+        return {"is_causal": t > 1}
+    return {"attn_mask": attention_mask}
+
+
+def combine_maps(first, second, lam, out=None):
+    """``first − λ·second`` for V1's maps: ``first`` ``(B, G, n, ..., w)``, ``second`` ``(B, G, m, ..., w)`` with
+    ``m = n / r`` (signal row j of a group subtracts noise row j // r). One kernel; into ``out`` where given (a buffer
+    of ``first``'s shape, e.g. another dtype or layout)."""
+    b, g, n = first.shape[:3]
+    m = second.shape[2]
+    if m != n:  # grouped noise heads: (B, G, m, r, ...) against (B, G, m, 1, ...)
+        first = first.unflatten(2, (m, n // m))
+        second = second.unsqueeze(3)
+        out = None if out is None else out.unflatten(2, (m, n // m))
+        result = torch.addcmul(first, lam, second, value=-1, out=out)
+        return result.flatten(2, 3)
+    return torch.addcmul(first, lam, second, value=-1, out=out)
+
+
+def sdpa_two_calls_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
+    """V1 attention as two stock SDPA calls, one per softmax map, each map's query rows over its own key heads (views
+    of the cache: every other key head) with the ``2d``-wide value ``[V_g,0 | V_g,1]`` and ``enable_gqa``; then
+    ``A1·V − λ·A2·V``. Exact, and 1.5× a Llama's attention arithmetic (the value is twice as wide). On CUDA SDPA picks
+    cuDNN or memory-efficient attention for the unequal widths (flash refuses them); on a CPU the math kernel, which
+    materialises the maps (the CPU runs :func:`differential_sdpa_attention` by default).
+
+    ``query`` ``(B, T, Hq, d)`` in q_proj row order, ``key``/``value`` ``(B, Hkv, S, d)`` as cached, a boolean or no
+    mask. Returns ``(B, T, H, 2d)``. One query token without autograd runs each group's rows as the rows of one SDPA
+    head (no query copy, no causal mask: one token sees every key) and writes the combined heads directly in the
+    output's layout, in float32 where the inputs are narrower (the per-head norm that follows computes in float32):
+    two SDPA calls, one copy of the value cache into groups, one combine.
+    """
+    b, t, _, d = query.shape
+    n, r = pair_stride, noise_ratio
+    q1, q2 = _map_rows(query, n, r)  # (B, G, n | m, T, d)
+    g = q1.shape[1]
+    k1, k2 = key[:, 0::2], key[:, 1::2]  # (B, G, S, d): views
+    packed = pack_value_groups(value)  # (B, G, S, 2d)
+    if t == 1 and not needs_grad(query, key, value, lam):
+        o1, o2 = sdpa_decode_maps(query, key, value, attention_mask, scaling, pair_stride, noise_ratio)
+        out = torch.empty(b, g, n, 2 * d, dtype=_accumulation_dtype(query.dtype), device=query.device)
+        return combine_maps(o1, o2, lam, out=out).view(b, 1, g * n, 2 * d)
+    mask = _sdpa_mask(attention_mask, t)
+    o1, o2 = (F.scaled_dot_product_attention(q.flatten(1, 2), k, packed, scale=scaling, enable_gqa=True, **mask)
+              .unflatten(1, (g, -1)) for q, k in ((q1, k1), (q2, k2)))  # (B, G, n | m, T, 2d)
+    return combine_maps(o1, o2, lam).permute(0, 3, 1, 2, 4).reshape(b, t, g * n, 2 * d)
+
+
+def sdpa_decode_maps(query, key, value, attention_mask, scaling, pair_stride, noise_ratio=1):
+    """The two maps' outputs of one query token, ``A1·[V_g,0 | V_g,1]`` ``(B, G, n, 2d)`` and ``A2·[…]``
+    ``(B, G, m, 2d)``, by two SDPA calls in which a group's rows are the query rows of one head (no query copy, no causal
+    mask: one token sees every key; a ``(B, 1, 1, S)`` mask broadcasts over the rows). The decode step combines them
+    with the per-head norm in one epilogue (``DiffTransformerHeadRMSNorm.combined``)."""
+    q1, q2 = _map_rows(query, pair_stride, noise_ratio)  # (B, G, n | m, 1, d)
+    packed = pack_value_groups(value)
+    return tuple(F.scaled_dot_product_attention(q[..., 0, :], k, packed, attn_mask=attention_mask, scale=scaling)
+                 for q, k in ((q1, key[:, 0::2]), (q2, key[:, 1::2])))
+
+
+def sdpa_repeated_value_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
+    """V1 attention as ONE stock SDPA call over all ``2H`` query rows: query row ``i = (2g + c)·n + j`` reads key head
+    ``2g + c`` (the standard GQA rule, ``enable_gqa``), and the value is repeated per key head, ``(B, 2G, S, 2d)``
+    with heads ``2g`` and ``2g + 1`` both ``[V_g,0 | V_g,1]`` (one copy of the value); then the pairs combine. Exact,
+    1.5× a Llama's attention arithmetic, twice the value bytes. Needs one noise map per signal map (``noise_ratio``
+    1: the GQA rule needs as many query rows per key head for both maps). Same arguments and result as
+    :func:`sdpa_two_calls_attention`."""
+    if noise_ratio != 1:
+        raise ValueError(
+            f"the 'sdpa_repeated_value' kernel needs one noise map per signal map (noise_ratio 1, got {noise_ratio}): "
+            "choose 'sdpa_two_calls' for grouped differential attention."
+        )
+    b, t, hq, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    n, g = pair_stride, hkv // 2
+    # (B, G, 1, 2, S, d) expanded over the map c, then each head's two halves side by side: one copy
+    repeated = value.unflatten(1, (g, 1, 2)).expand(b, g, 2, 2, s, d).permute(0, 1, 2, 4, 3, 5).reshape(b, hkv, s, 2 * d)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key, repeated, scale=scaling, enable_gqa=True,
+                                         **_sdpa_mask(attention_mask, t))  # (B, 2H, T, 2d), rows (g, c, j)
+    first, second = out.unflatten(1, (g, 2, n)).unbind(2)
+    return torch.addcmul(first, lam, second, value=-1).permute(0, 3, 1, 2, 4).reshape(b, t, g * n, 2 * d)
+
+
 __all__ = [
     "BlockedDifferentialAttention",
     "HeadRMSNorm",
@@ -464,6 +592,13 @@ __all__ = [
     "differential_decode_attention",
     "pair_decode_attention",
     "needs_grad",
+    "ACCUMULATION_DTYPES",
+    "combine_maps",
+    "pack_value_groups",
+    "rows_decode_attention",
+    "sdpa_decode_maps",
+    "sdpa_repeated_value_attention",
+    "sdpa_two_calls_attention",
     "query_padding",
     "uses_causal_block_attention",
 ]

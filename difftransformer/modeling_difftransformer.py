@@ -54,7 +54,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -79,6 +78,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from . import triton_epilogue_difftransformer as epilogue
 from .compat_difftransformer import (
     ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE,
     CACHE_NAME,
@@ -87,18 +87,27 @@ from .compat_difftransformer import (
     accepts_old_cache_name,
     check_forward_arguments,
 )
-from .configuration_difftransformer import DiffTransformerConfig
+from .configuration_difftransformer import AUTO_MAP, DiffTransformerConfig  # noqa: F401 (AUTO_MAP: re-exported)
 from .kernels_difftransformer import (
+    ACCUMULATION_DTYPES,
     HeadRMSNorm,
     causal_block_attention,
+    combine_maps,
+    differential_decode_attention,
     differential_sdpa_attention,
     needs_grad,
+    pack_value_groups,
     pair_decode_attention,
     query_padding,
+    rows_decode_attention,
+    sdpa_decode_maps,
+    sdpa_repeated_value_attention,
+    sdpa_two_calls_attention,
     uses_causal_block_attention,
 )
 from .triton_difftransformer import differential_attention_triton
 from .triton_difftransformer import is_available as triton_runs_on
+from .triton_difftransformer import triton as _triton_module
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -173,12 +182,7 @@ def packed_sequences(position_ids, attention_mask, batch_size: int) -> bool:
     return find_packed_sequence_indices(position_ids.expand(batch_size, -1)) is not None
 
 
-def pack_groups(x: torch.Tensor) -> torch.Tensor:
-    """V1's keys or values as one ``2d``-wide head per group: ``(B, 2G, S, d)`` → ``(B, G, S, 2d)``, group g holding
-    heads ``[2g | 2g + 1]``. A view where the tensor is laid out per token (a projection, the paged cache), a copy where
-    it is laid out per head (dynamic and static caches)."""
-    b, hkv, s, d = x.shape
-    return x.transpose(1, 2).reshape(b, s, hkv // 2, 2 * d).transpose(1, 2)
+pack_groups = pack_value_groups  # V1's keys or values as one 2d-wide head per group, (B, 2G, S, d) → (B, G, S, 2d)
 
 
 def triton_differential_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
@@ -191,11 +195,107 @@ def triton_differential_attention(query, key, value, attention_mask, lam, scalin
     return differential_attention_triton(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask)
 
 
-# Devices on which V1's own kernels run under "sdpa" (tests change them to run another device's dispatch on a CPU):
-# the blocked CPU kernel for prefill and training, the one-pass Triton kernel (where Triton is installed) for every
-# step. Elsewhere prefill and training keep the padded call, and decoding takes the decode kernel.
-BLOCKED_KERNEL_DEVICES = ("cpu",)
-TRITON_KERNEL_DEVICES = ("cuda",)
+def triton_installed() -> bool:
+    return _triton_module is not None
+
+
+def decode_kernel_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
+    """V1's matmul decode kernel (:func:`differential_decode_attention`) with the other kernels' arguments."""
+    return differential_decode_attention(query, key, value, lam, scaling, attention_mask, noise_ratio)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel selection (docs/model.md, "Kernels")
+# ----------------------------------------------------------------------------------------------------------------
+
+# The kernels a layer can run under attn_implementation="sdpa", by version: name → the function (query (B, T, 2H, d) as
+# projected, key/value (B, Hkv, S, d) as cached → the combined heads (B, T, H, w)), or None for transformers' attention
+# function (V1: one call with zero-padded queries over packed groups; V2: the standard call over 2H heads). Every other
+# attn_implementation, a paged cache and an additive float mask always take that call.
+V1_KERNELS: dict[str, Callable | None] = {
+    "sdpa_two_calls": sdpa_two_calls_attention,  # two stock SDPA calls, one per map, the 2d-wide value: 1.5x arithmetic
+    "sdpa_repeated_value": sdpa_repeated_value_attention,  # one SDPA call, the value repeated per key head: 1.5x
+    "triton": triton_differential_attention,  # the one-pass Triton kernel: 1.5x
+    "blocked": differential_sdpa_attention,  # CPU: A1 − λA2 materialised per block of queries, 1x; one token: decode
+    "decode_kernel": decode_kernel_attention,  # one token without autograd: both maps combined, then V once: 1x
+    "padded": None,  # transformers' attention function, zero-padded queries: 2x
+}
+V2_KERNELS: dict[str, Callable | None] = {
+    "standard": None,  # transformers' attention function over the 2H query heads
+    "rows_decode": pair_decode_attention,  # one token: the 2n heads of a KV head as the rows of one SDPA head
+    "causal_blocks": causal_block_attention,  # CPU float32 prompts of 256+ tokens: causal blocks skip hidden scores
+}
+KERNELS = {1: V1_KERNELS, 2: V2_KERNELS}
+FALLBACK_KERNEL = {1: "padded", 2: "standard"}
+# Kernels that serve only some calls; the others take the default choice.
+_DECODE_ONLY = ("decode_kernel", "rows_decode")
+WORKLOADS = ("prefill", "train", "decode")
+
+# The default choice, by version and device type ("other": any device not listed), set by measurement:
+# * CUDA, V1: the GPU check's attention micro-benchmark (docs/reports/2026-11-28-gpu-check.md, one H200, the 1B
+#   shape's 32 query / 8 KV heads of width 64, bf16): two SDPA calls 1.185 / 0.863 / 3.889 ms for prefill 1x8192,
+#   8x2048 and training 8x2048 against the one-pass Triton kernel's 2.871 / 1.653 / 10.55 and the padded call's
+#   1.270 / 1.106 / 4.491; decoding after 4096 tokens 0.186 ms at batch 1 (Triton 0.279) and 0.341 at batch 32
+#   (Triton 0.344). The repeated-value call and the decode kernel have not run on a GPU yet.
+# * CPU: docs/reports/2026-11-26-cpu-speed.md (the blocked and decode kernels; V2's causal blocks in float32).
+# * Elsewhere (not measured): the padded call for prompts and training, which SDPA's flash and memory-efficient kernels
+#   run without writing a map, and the decode kernel for one token.
+DEFAULT_KERNELS: dict[tuple[int, str], dict[str, str]] = {
+    (1, "cuda"): {"prefill": "sdpa_two_calls", "train": "sdpa_two_calls", "decode": "sdpa_two_calls"},
+    (1, "cpu"): {"prefill": "blocked", "train": "blocked", "decode": "decode_kernel"},
+    (1, "other"): {"prefill": "padded", "train": "padded", "decode": "decode_kernel"},
+    (2, "cpu"): {"prefill": "causal_blocks", "train": "causal_blocks", "decode": "rows_decode"},
+    (2, "other"): {"prefill": "standard", "train": "standard", "decode": "rows_decode"},
+}
+
+
+def select_kernel(diff_version: int, device_type: str, workload: str, dtype: torch.dtype | None = None) -> str:
+    """The kernel a ``diff_version`` layer runs by default under ``attn_implementation="sdpa"`` for ``workload``
+    (``"prefill"``: several query tokens without autograd, ``"train"``: with autograd, ``"decode"``: one token without
+    autograd) on ``device_type``: an entry of :data:`DEFAULT_KERNELS`. V2's causal blocks need float32 (other dtypes:
+    the standard call). ``model.set_differential_kernel`` overrides it (docs/model.md, "Kernels")."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    table = DEFAULT_KERNELS.get((diff_version, device_type)) or DEFAULT_KERNELS[(diff_version, "other")]
+    name = table[workload]
+    if name == "causal_blocks" and dtype not in (None, torch.float32):
+        return FALLBACK_KERNEL[diff_version]
+    return name
+
+
+def check_kernel_name(diff_version: int, name: str, noise_ratio: int = 1) -> None:
+    """Raise a ValueError naming the allowed values where ``name`` is not a kernel of ``diff_version`` (or "auto"), or
+    cannot run this model (the repeated-value call with grouped noise heads; Triton without triton installed)."""
+    allowed = ("auto", *KERNELS[diff_version])
+    if name not in allowed:
+        raise ValueError(f"differential kernel {name!r} is not one of diff_version={diff_version}'s: {', '.join(allowed)}")
+    if name == "sdpa_repeated_value" and noise_ratio != 1:
+        raise ValueError(
+            f"differential kernel 'sdpa_repeated_value' needs one noise map per signal map (noise_ratio 1, this model "
+            f"has {noise_ratio}); allowed here: {', '.join(n for n in allowed if n != name)}"
+        )
+    if name == "triton" and not triton_installed():
+        raise ValueError("differential kernel 'triton' needs the triton package (pip install triton) and a CUDA device")
+
+
+def computed_from_parameters(owner: nn.Module, slot: str, params, compute: Callable[[], torch.Tensor], extra=None):
+    """``compute()``, a tensor derived from ``params`` alone (V1's λ, the per-head norm's scaled weight), computed once
+    and kept on ``owner`` until one of the parameters changes: recomputed when a parameter was written in place (its
+    version counter: optimiser steps, ``load_state_dict``, ``init``) or replaced (another storage, device or dtype; the
+    kept entry holds the old storages, so their addresses cannot be reused meanwhile). Computed every call where
+    autograd records it (training), under ``torch.compile`` (one fused kernel there) and for parameters that are not
+    plain tensors (DTensor, quantized). Writes through ``param.data`` bypass the version counter: call
+    ``model.clear_differential_cache()`` after such a write. The decode step then launches nothing for it."""
+    if needs_grad(*params) or torch.compiler.is_compiling() or any(type(p.data) is not torch.Tensor for p in params):
+        return compute()
+    key = (extra, *((p.data_ptr(), p._version, p.dtype, p.device) for p in params))
+    kept = owner.__dict__.get(slot)
+    if kept is not None and kept[0] == key:
+        return kept[2]
+    with torch.no_grad():
+        value = compute()
+    owner.__dict__[slot] = (key, [p.untyped_storage() for p in params], value)
+    return value
 
 
 class DiffTransformerHeadRMSNorm(nn.Module):
@@ -209,12 +309,33 @@ class DiffTransformerHeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
-    def forward(self, heads: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(self, heads: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``heads`` ``(..., 2d)``; the result in ``dtype`` (default: the heads' own; a kernel may hand over float32
+        heads of a bfloat16 model). Without autograd: one ``rms_norm`` on float32 rows with the weight times ``scale``
+        kept from call to call (:func:`computed_from_parameters`), plus the casts a narrower dtype needs."""
+        dtype = dtype or heads.dtype
         if needs_grad(heads, self.weight):
-            return HeadRMSNorm.apply(heads, self.weight, scale, self.eps)
-        dtype = torch.promote_types(heads.dtype, torch.float32)
-        weight = self.weight.to(dtype) * scale
-        return F.rms_norm(heads.to(dtype), (heads.shape[-1],), weight, self.eps).to(heads.dtype)
+            return HeadRMSNorm.apply(heads.to(dtype), self.weight, scale, self.eps)
+        acc = ACCUMULATION_DTYPES.get(heads.dtype, heads.dtype)
+        return F.rms_norm(heads.to(acc), (heads.shape[-1],), self.scaled_weight(scale, acc), self.eps).to(dtype)
+
+    def scaled_weight(self, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """``scale · w`` in ``dtype``, kept from call to call (:func:`computed_from_parameters`)."""
+        return computed_from_parameters(self, "_scaled_weight", (self.weight,), lambda: self.weight.to(dtype) * scale,
+                                        extra=(scale, dtype))
+
+    def combined(self, first, second, lam, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """The decode step's epilogue, ``scale · RMSNorm(O1 − λ·O2) ⊙ w`` for one token, from the two maps' outputs
+        ``(B, G, n, 2d)`` and ``(B, G, m, 2d)`` (:func:`sdpa_decode_maps`), in float32, written in ``dtype`` as
+        ``(B, 1, H, 2d)``: one Triton kernel where it runs (triton_epilogue_difftransformer.py), else one combine into
+        float32 rows, one ``rms_norm`` and a cast."""
+        b, g, n, width = first.shape
+        acc = ACCUMULATION_DTYPES.get(first.dtype, first.dtype)
+        weight = self.scaled_weight(scale, acc)
+        if epilogue.runs(first.device):
+            return epilogue.v1_combine_norm(first, second, lam, weight, self.eps, dtype).view(b, 1, g * n, width)
+        heads = combine_maps(first, second, lam, out=torch.empty(b, g, n, width, dtype=acc, device=first.device))
+        return F.rms_norm(heads, (width,), weight, self.eps).to(dtype).view(b, 1, g * n, width)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -312,18 +433,52 @@ class DiffTransformerAttention(nn.Module):
             attn_output = differential_combine(attn_output, lam_out, self.pair_stride, dim=2, noise_ratio=self.noise_ratio)
         return attn_output
 
-    def uses_own_sdpa_kernel(self, query, attention_mask, cache) -> bool:
-        """Whether this call may run one of the package's own kernels instead of transformers' sdpa function: under
-        ``"sdpa"`` only, and never with an additive float mask (a user's 4-D mask) or continuous batching (its paged
-        cache and packed sequences). The subclasses choose the kernel."""
-        if self.config._attn_implementation != "sdpa" or isinstance(cache, PagedAttentionCache):
-            return False
-        return attention_mask is None or attention_mask.dtype == torch.bool
+    # The kernel this layer runs: "auto" (select_kernel's choice per call) or a name of KERNELS[diff_version] that the
+    # user chose (model.set_differential_kernel); last_kernel: the kernel of the last call outside torch.compile.
+    kernel: str = "auto"
+    last_kernel: str | None = None
 
-    @staticmethod
-    def is_decode_step(query, *tensors) -> bool:
-        """One new token per sequence and no autograd through the attention inputs."""
-        return query.shape[1] == 1 and not needs_grad(query, *tensors)
+    def kernel_for(self, query, key, value, attention_mask, lam, cache, kwargs) -> str:
+        """The kernel of this call, a name of ``KERNELS[diff_version]`` (docs/model.md, "Kernels"): the one function
+        that decides, for both versions.
+
+        Transformers' attention function (``FALLBACK_KERNEL``) runs under every attn_implementation but ``"sdpa"``,
+        with an additive float mask (a user's 4-D mask) and with continuous batching (its paged cache). Otherwise the
+        layer's ``kernel`` (set by ``model.set_differential_kernel``), else :func:`select_kernel`'s choice for the
+        workload: decode (one token, no autograd), train (autograd) or prefill. A kernel that serves only some calls
+        (the decode kernels; V2's causal blocks: float32 CPU prompts of 256+ tokens without a mask) leaves the others
+        to the default choice."""
+        version = self.diff_version
+        if (
+            self.config._attn_implementation != "sdpa"
+            or isinstance(cache, PagedAttentionCache)
+            or (attention_mask is not None and attention_mask.dtype != torch.bool)
+        ):
+            return self._ran(FALLBACK_KERNEL[version])
+        grad = needs_grad(query, key, value, lam)
+        workload = "train" if grad else "decode" if query.shape[1] == 1 else "prefill"
+        default = select_kernel(version, query.device.type, workload, query.dtype)
+        name = default if self.kernel == "auto" else self.kernel
+        if not self._serves(name, workload, query, key, attention_mask, kwargs):
+            name = default if self._serves(default, workload, query, key, attention_mask, kwargs) else FALLBACK_KERNEL[version]
+        if name == "triton" and not triton_runs_on(query.device):
+            raise ValueError(
+                f"differential kernel 'triton' cannot run on {query.device} (it needs CUDA and the triton package, or "
+                "TRITON_INTERPRET=1): call model.set_differential_kernel('auto') or another kernel."
+            )
+        return self._ran(name)
+
+    def _serves(self, name, workload, query, key, attention_mask, kwargs) -> bool:
+        if name in _DECODE_ONLY:
+            return workload == "decode"
+        if name == "causal_blocks":
+            return kwargs.get("is_causal") is not False and uses_causal_block_attention(query.transpose(1, 2), key, attention_mask)
+        return True
+
+    def _ran(self, name: str) -> str:
+        if not torch.compiler.is_compiling():
+            self.last_kernel = name
+        return name
 
 
 # vLLM's Transformers backend gives each layer one call of its attention function, backed by an attention layer that
@@ -368,30 +523,16 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         self.subln = DiffTransformerHeadRMSNorm(2 * d, eps=config.subln_eps)
 
     def lambda_full(self) -> torch.Tensor:
-        """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``, a float32 scalar for this layer (float64 under ``.double()``)."""
-        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
-        q1, k1, q2, k2 = (p.to(dtype) for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
+        """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``, a float32 scalar for this layer (float64 under ``.double()``).
+        Kept from call to call without autograd until a λ vector changes (:func:`computed_from_parameters`): a decode
+        step launches nothing for it."""
+        params = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        return computed_from_parameters(self, "_lambda", params, lambda: self._lambda_from(*params))
+
+    def _lambda_from(self, *params) -> torch.Tensor:
+        dtype = torch.promote_types(params[0].dtype, torch.float32)
+        q1, k1, q2, k2 = (p.to(dtype) for p in params)
         return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
-
-    def own_kernel(self, query, key, value, attention_mask, lam, cache) -> Callable | None:
-        """V1's own kernel for this call under ``"sdpa"``, or None where the padded call runs.
-
-        * Where Triton runs (CUDA with triton installed): the one-pass kernel, for prefill, training and decoding,
-          eager or under ``torch.compile`` (the kernel is a set of PyTorch custom ops, ``torch.ops.difftransformer``,
-          which compiled graphs keep as opaque calls without graph breaks).
-        * On CPU: :func:`differential_sdpa_attention` (block by block for prompts and training, the decode kernel for
-          one token).
-        * Elsewhere: the decode kernel for one token without autograd; prefill and training keep the padded call,
-          which CUDA's flash / memory-efficient SDPA kernels run without writing any map.
-        """
-        if not self.uses_own_sdpa_kernel(query, attention_mask, cache):
-            return None
-        device = query.device.type
-        if device in TRITON_KERNEL_DEVICES and triton_runs_on(query.device):
-            return triton_differential_attention
-        if device in BLOCKED_KERNEL_DEVICES or self.is_decode_step(query, key, value, lam):
-            return differential_sdpa_attention
-        return None
 
     @accepts_old_cache_name
     def forward(
@@ -406,7 +547,13 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
             cache = PackedGroupsPagedCache(cache)  # up to 5.23 the attention function writes it: as packed groups
         query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, Hkv, S, d)
         lam = self.lambda_full()
-        kernel = self.own_kernel(query, key, value, attention_mask, lam, cache)
+        name = self.kernel_for(query, key, value, attention_mask, lam, cache, kwargs)
+        kernel = V1_KERNELS[name]
+        if name == "sdpa_two_calls" and query.shape[1] == 1 and not needs_grad(query, key, value, lam):
+            # one token: two SDPA calls, then the combine and the per-head norm in one epilogue
+            maps = sdpa_decode_maps(query, key, value, attention_mask, self.scaling, self.pair_stride, self.noise_ratio)
+            attn_output = self.subln.combined(*maps, lam, scale=1.0 - self.lambda_init, dtype=query.dtype)
+            return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1)), None, lam
         if kernel is not None:
             attn_output = kernel(query, key, value, attention_mask, lam, self.scaling, self.pair_stride, self.noise_ratio)  # (B, T, H, 2d)
             attn_weights = None
@@ -436,7 +583,7 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
                 **self.attention_kwargs(cache, kwargs),
             )
             attn_output = self.combine(attn_output, padded, lam)
-        attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
+        attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init, dtype=query.dtype)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
 
@@ -453,20 +600,6 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         self.pair_stride = self.noise_ratio  # q_proj rows are ordered (h, c); blocks [signal × r, noise] when grouped
         self.lambda_proj = DiffTransformerLambdaProjection(config.hidden_size, self.num_heads)
 
-    def own_sdpa_kernel(self, query, key, value, attention_mask, lam, cache, kwargs) -> torch.Tensor | None:
-        """The combined heads ``(B, T, H, d)`` from one of V2's own kernels under ``"sdpa"``, or None where
-        transformers' attention function runs: a decode step runs the 2n query heads of a KV head as the rows of one
-        SDPA head (the cache is read once, :func:`pair_decode_attention`); a float32 prompt of 256+ tokens runs causal
-        attention in query blocks, which skips most hidden scores (:func:`causal_block_attention`)."""
-        if not self.uses_own_sdpa_kernel(query, attention_mask, cache):
-            return None
-        if self.is_decode_step(query, key, value, lam):
-            return pair_decode_attention(query, key, value, lam, self.scaling, attention_mask, self.noise_ratio)
-        heads = query.transpose(1, 2)  # (B, 2H, T, d)
-        if kwargs.get("is_causal") is not False and uses_causal_block_attention(heads, key, attention_mask):
-            return self.combine(causal_block_attention(heads, key, value, self.scaling).transpose(1, 2), query, lam)
-        return None
-
     @accepts_old_cache_name
     def forward(
         self,
@@ -477,8 +610,15 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, G, S, d)
-        lam = torch.sigmoid(self.lambda_proj(hidden_states))  # (B, T, H)
-        attn_output, attn_weights = self.own_sdpa_kernel(query, key, value, attention_mask, lam, cache, kwargs), None
+        logits = self.lambda_proj(hidden_states)  # (B, T, H): λ = sigmoid(logits)
+        kernel, attn_output, attn_weights = self.kernel_for(query, key, value, attention_mask, logits, cache, kwargs), None, None
+        if kernel == "rows_decode":  # the 2n query heads of a KV head as the rows of one SDPA head, then the pairs
+            attn_output, lam = rows_decode_attention(query, key, value, logits, self.scaling, attention_mask, self.noise_ratio)
+        else:
+            lam = torch.sigmoid(logits)
+        if kernel == "causal_blocks":
+            heads = causal_block_attention(query.transpose(1, 2), key, value, self.scaling)  # (B, 2H, T, d)
+            attn_output = self.combine(heads.transpose(1, 2), query, lam)
         if attn_output is None:
             # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by
             # reading its forward's source for that lookup and call (and the scale from `scaling=self.scaling`).
@@ -614,17 +754,6 @@ class DiffTransformerCausalLMOutputWithPast(CausalLMOutputWithPast):
 
 # V1's λ vectors and per-head norm, V2's λ projection: what only a differential checkpoint holds.
 _DIFFERENTIAL_PARAM = re.compile(r"self_attn\.(lambda_[qk][12]|subln\.weight|lambda_proj\.weight)$")
-_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "gguf_file", "proxies")
-
-
-def _source_model_type(path, kwargs) -> str | None:
-    """``model_type`` of the config that ``from_pretrained(path, **kwargs)`` would read, or None where it cannot be
-    read (transformers then raises its own error)."""
-    try:
-        config_dict, _ = PreTrainedConfig.get_config_dict(path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
-    except (OSError, ValueError):
-        return None
-    return config_dict.get("model_type")
 
 
 class DiffTransformerPreTrainedModel(PreTrainedModel):
@@ -658,48 +787,42 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         elif hasattr(module, "init_own_weights"):  # modules whose init transformers does not know (Motif's PolyNorm)
             module.init_own_weights()
 
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """As transformers': tensors the checkpoint lacks are initialised by ``_init_weights`` and named in the load
-        report (``output_loading_info=True``). Only the one mistake that would silently change the function is
-        refused, with a pointer to the converter: a checkpoint of another architecture.
+    # Loading a checkpoint of another architecture is refused by the config's one read of it
+    # (DiffTransformerConfig.get_config_dict); the two checks below run inside transformers' loading, before any weight
+    # is read (tensor parallelism) and once the weights are (a checkpoint without differential tensors).
 
-        * The folder's ``config.json`` (or GGUF metadata) names another ``model_type``, e.g. a Llama folder loaded as
-          a DiffTransformer: V1 has a Llama's shapes, so its weights would load into differently-wired heads.
-        * The weights hold backbone tensors but none of the differential ones (V1's λ vectors and ``subln``, V2's
-          ``lambda_proj``): a non-differential checkpoint beside a difftransformer ``config.json``.
-        """
-        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        if path is not None and not isinstance(kwargs.get("config"), PreTrainedConfig):
-            found = _source_model_type(path, kwargs)
-            if found not in (None, cls.config_class.model_type):
-                raise ValueError(
-                    f"{path} holds a {found!r} checkpoint, not a {cls.config_class.model_type!r} one. Convert it first, "
-                    f"e.g. `difftransformer-convert --from llama --diff-version 2 --input {path} --output OUT` (exact for "
-                    "Llama-family models; see docs/convert.md for every source format)."
-                )
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        missing = set(info["missing_keys"])
-        backbone = [k for k, _ in model.base_model.named_parameters()]
-        prefix = "" if model.base_model is model else model.base_model_prefix + "."
-        loaded = [k for k in backbone if prefix + k not in missing]
-        differential = [k for k in backbone if _DIFFERENTIAL_PARAM.search(k)]
-        if loaded and all(prefix + k in missing for k in differential):
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Before transformers shards the new model and loads weights into the shards: a tensor-parallel size must
+        divide the KV groups (a shard holds whole groups, since both maps of a differential head read one group)."""
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        groups = model.config.num_kv_groups
+        if mesh_manager is not None and groups % tp_size:
             raise ValueError(
-                f"The checkpoint of {path} has {len(loaded)} backbone tensors but none of the differential-attention ones "
+                f"tp_size={tp_size} must divide the number of KV groups ({groups} = num_key_value_heads"
+                f"{' / 2' if model.config.diff_version == 1 else ''}): a tensor-parallel shard holds whole groups, since "
+                "both maps of a differential head read the same group."
+            )
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """As transformers' (its loading calls it with the load report), then: a checkpoint whose weights hold backbone
+        tensors but none of the differential ones (V1's λ vectors and ``subln``, V2's ``lambda_proj``) is a
+        non-differential checkpoint beside a difftransformer ``config.json``, and is refused. Tensors it merely lacks
+        are initialised by ``_init_weights`` and named in the report, as transformers does."""
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        missing = set(loading_info.missing_keys)
+        prefix = "" if self.base_model is self else self.base_model_prefix + "."
+        backbone = [prefix + k for k, _ in self.base_model.named_parameters()]
+        differential = [k for k in backbone if _DIFFERENTIAL_PARAM.search(k)]
+        loaded = [k for k in backbone if k not in missing]
+        if loaded and differential and all(k in missing for k in differential):
+            raise ValueError(
+                f"The checkpoint has {len(loaded)} backbone tensors but none of the differential-attention ones "
                 f"({', '.join(differential[:3])}, ...): it is not a difftransformer checkpoint (a plain Llama's?). "
                 "Convert the source model with `difftransformer-convert` (docs/convert.md) instead of loading its "
                 "weights into this class."
             )
-        tp_size = model.tp_size or 1
-        if model.config.num_kv_groups % tp_size:
-            raise ValueError(
-                f"tp_size={tp_size} must divide the number of KV groups ({model.config.num_kv_groups} = "
-                f"num_key_value_heads{' / 2' if model.config.diff_version == 1 else ''}): a tensor-parallel shard holds "
-                "whole groups, since both maps of a differential head read the same group."
-            )
-        return (model, info) if output_loading_info else model
 
     # Set on classes made outside this file (below): the class of this file whose code their folders carry.
     _remote_code_class = None
@@ -714,19 +837,42 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
             cls._remote_code_class = next(c for c in cls.__mro__ if c.__module__ == __name__)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """As transformers', with the folder's ``auto_map`` naming every Auto class (transformers records only the
-        class being saved), so that it loads as remote code through ``AutoModel``, ``AutoModelForCausalLM`` and the
-        other heads; and for classes made elsewhere (``_remote_code_class``), the code of this file."""
-        code_class = type(self) if type(self).__module__ == __name__ else self._remote_code_class
-        if code_class is None or code_class._auto_class is None:  # Motif's format, or no remote code asked for
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        module = __name__.rsplit(".", 1)[-1]
-        auto_map = {auto: f"{module}.{name}" for auto, name in AUTO_MAP.items()}
-        self.config.auto_map = {**auto_map, **(getattr(self.config, "auto_map", None) or {})}
-        result = super().save_pretrained(save_directory, *args, **kwargs)  # copies the code when code_class saves
-        if code_class is not type(self) and kwargs.get("is_main_process", True):
+        """As transformers'; for classes made elsewhere (``_remote_code_class``) the folder also gets the code of this
+        file, which transformers copies only for the class being saved. (The folder's ``auto_map`` names every Auto
+        class: the config writes it, ``DiffTransformerConfig.to_dict``.)"""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        code_class = self._remote_code_class
+        if code_class is not None and code_class._auto_class is not None and kwargs.get("is_main_process", True):
             custom_object_save(SimpleNamespace(__module__=__name__), save_directory)  # this file and its imports
         return result
+
+    def set_differential_kernel(self, kernel: str = "auto") -> None:
+        """Choose the attention kernel every layer runs under ``attn_implementation="sdpa"`` (docs/model.md,
+        "Kernels"): ``"auto"`` (the default: :func:`select_kernel`'s measured choice per device and workload) or a
+        name of ``KERNELS[diff_version]`` (V1: ``sdpa_two_calls``, ``sdpa_repeated_value``, ``triton``, ``blocked``,
+        ``decode_kernel``, ``padded``; V2: ``standard``, ``rows_decode``, ``causal_blocks``). A kernel that serves only
+        some calls leaves the others to the default; each layer's ``last_kernel`` names what its last call ran. Not
+        saved with the model (a choice for this machine, like ``attn_implementation``)."""
+        check_kernel_name(self.config.diff_version, kernel, self.config.noise_ratio)
+        for module in self.modules():
+            if isinstance(module, DiffTransformerAttention):
+                module.kernel = kernel
+
+    def kernel_plan(self) -> dict[str, str]:
+        """The kernel each workload (``prefill``, ``train``, ``decode``) runs by default on this model's device and
+        dtype under ``"sdpa"`` (before the per-call conditions of :meth:`DiffTransformerAttention.kernel_for`), or the
+        chosen one where :meth:`set_differential_kernel` set it."""
+        attn = next(m for m in self.modules() if isinstance(m, DiffTransformerAttention))
+        if attn.kernel != "auto":
+            return dict.fromkeys(WORKLOADS, attn.kernel)
+        return {w: select_kernel(self.config.diff_version, self.device.type, w, self.dtype) for w in WORKLOADS}
+
+    def clear_differential_cache(self) -> None:
+        """Forget the values kept from the parameters between calls (V1's λ, its per-head norm's scaled weight; see
+        ``computed_from_parameters``): needed only after writing parameters through ``param.data``."""
+        for module in self.modules():
+            for slot in ("_lambda", "_scaled_weight"):
+                module.__dict__.pop(slot, None)
 
     def layer_lambdas(self) -> torch.Tensor:
         """V1: the current λ of every layer, float32 tensor of shape ``(num_hidden_layers,)``.
@@ -880,15 +1026,10 @@ class DiffTransformerForTokenClassification(GenericForTokenClassification, DiffT
 # here, not in the package, so that it also holds for remote-code loading.
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("difftransformer", "DiffTransformerForCausalLM")
 
-AUTO_MAP = {
-    "AutoModel": "DiffTransformerModel",
-    "AutoModelForCausalLM": "DiffTransformerForCausalLM",
-    "AutoModelForSequenceClassification": "DiffTransformerForSequenceClassification",
-    "AutoModelForTokenClassification": "DiffTransformerForTokenClassification",
-    "AutoModelForQuestionAnswering": "DiffTransformerForQuestionAnswering",
-}
 
 __all__ = [
+    "KERNELS",
+    "select_kernel",
     "DiffTransformerPreTrainedModel",
     "DiffTransformerModel",
     "DiffTransformerForCausalLM",

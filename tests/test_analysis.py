@@ -18,7 +18,7 @@ def diff_model(layout, seed=0, **overrides):
     version, hq, hkv = LAYOUTS[layout]
     kwargs = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=hq,
                   num_key_value_heads=hkv, head_dim=8, diff_version=version, initializer_range=0.3,
-                  **({"lambda_std": 0.3} if version == 1 else {}))  # a V2 config refuses V1's fields
+                  **({"lambda_std": 0.3} if version == 1 else {}))  # V1-only field (a V2 config warns that it does not read it)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(DiffTransformerConfig(**kwargs)).eval()

@@ -68,7 +68,6 @@ def test_derived_sizes(layout):
         (dict(num_key_value_heads=8), ["num_noise_heads", "num_key_value_heads must be one of [2, 4]", "got 8"]),
         (dict(num_key_value_heads=3), ["num_key_value_heads", "even"]),
         (dict(diff_version=2, num_key_value_heads=4), ["num_key_value_heads must be one of [1, 2]"]),
-        (dict(lambda_init_layer_offset=-1, diff_version=2, num_key_value_heads=2), ["lambda_init_layer_offset", "diff_version=1"]),
         (dict(lambda_init_layer_offset=0.5), ["lambda_init_layer_offset"]),
     ],
 )
@@ -99,7 +98,7 @@ def test_one_noise_head_per_signal_head_is_todays_model(layout):
 
 
 # ----------------------------------------------------------------------------------------------- forward, backends
-BACKENDS = ["eager", "sdpa", "sdpa-non-cpu", "contract_sdpa"]
+BACKENDS = ["eager", "sdpa", "sdpa-non-cpu", "sdpa-two-calls", "contract_sdpa"]
 
 
 @pytest.fixture(autouse=True)
@@ -111,9 +110,11 @@ def _contract_sdpa_must_run(request):
 
 
 def _set_backend(model, backend, monkeypatch):
-    if backend == "sdpa-non-cpu":  # the dispatch of other devices: V1 prefill and training take the padded single call
-        monkeypatch.setattr(mdt, "BLOCKED_KERNEL_DEVICES", ())
-    model.set_attn_implementation(backend.removesuffix("-non-cpu"))
+    if backend == "sdpa-non-cpu":  # the fallback every other backend runs: V1's padded call, V2's standard call
+        model.set_differential_kernel(mdt.FALLBACK_KERNEL[model.config.diff_version])
+    elif backend == "sdpa-two-calls":  # CUDA's default for V1: two stock SDPA calls (V2: its default)
+        model.set_differential_kernel("sdpa_two_calls" if model.config.diff_version == 1 else "auto")
+    model.set_attn_implementation(backend.removesuffix("-non-cpu").removesuffix("-two-calls"))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -238,7 +239,7 @@ def test_decode_kernels_with_shared_noise_maps_equal_the_formula(version):
 
 # ---------------------------------------------------------------------------------------------------------- training
 @pytest.mark.parametrize("layout", ["v1_gda4", "v1_gda2_m2", "v2_gda4"])
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "sdpa-non-cpu"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "sdpa-non-cpu", "sdpa-two-calls"])
 def test_gradients_match_float64_reference(layout, backend, monkeypatch):
     """Every parameter gradient of a left-padded batch's loss (V1's blocked kernel and its backward under sdpa, the
     padded call of other devices, eager) against the float64 reference's autograd gradients; v1_gda2_m2 with Motif's
@@ -313,7 +314,7 @@ def bf16_training_case():
     return model, ids, mask, labels, exact, bounds
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "sdpa-non-cpu"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "sdpa-non-cpu", "sdpa-two-calls"])
 def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, backend, monkeypatch):
     """bf16 training of a GDA model through eager, V1's blocked kernel (its backward sums each noise map's r signal
     gradients) and the padded call of other devices: every parameter gradient, λ's included, within its bound."""

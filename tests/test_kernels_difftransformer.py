@@ -115,16 +115,18 @@ def _run(model, impl, ids, mask):
     return logits, generated, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no-padding"])
-@pytest.mark.parametrize("dispatch", ["cpu", "non-cpu"])
+V1_SDPA_KERNELS = [("auto", True), ("auto", False), ("padded", True), ("padded", False), ("sdpa_two_calls", True),
+                   ("sdpa_repeated_value", True)]
+
+
+@pytest.mark.parametrize(("kernel", "padded"), V1_SDPA_KERNELS, ids=[f"{k}-{'left-padded' if p else 'no-padding'}"
+                                                                     for k, p in V1_SDPA_KERNELS])
 @pytest.mark.parametrize("kv_heads", [4, 8, 2])  # n = 2, 1 and 4 differential heads per KV group
-def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, dispatch, padded, monkeypatch):
-    """Logits, greedy generations (dynamic and static cache) and every parameter gradient equal eager's. "non-cpu" runs
-    the dispatch of every other device on this CPU: prefill and training take the padded single call (what CUDA's
-    SDPA, flash and flex receive), decoding V1's packed kernel."""
+def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, kernel, padded, monkeypatch):
+    """Logits, greedy generations (dynamic and static cache) and every parameter gradient of every V1 kernel under
+    "sdpa" equal eager's: "auto" (on a CPU the blocked kernel, and the decode kernel for one token), the padded single
+    call (what every other backend receives), and the two stock-SDPA paths CUDA runs (model.set_differential_kernel)."""
     monkeypatch.setattr(kernels, "_BLOCK_ROWS", 16)  # several blocks at these lengths (and the minimum of 16 rows)
-    if dispatch == "non-cpu":
-        monkeypatch.setattr(mdt, "BLOCKED_KERNEL_DEVICES", ())
     calls = []
     original = kernels.blocked_differential_attention
     monkeypatch.setattr(kernels, "blocked_differential_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -135,8 +137,11 @@ def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, dispatch, padded, monkeyp
         mask[0, :3] = 0  # left padding
     ref = _run(model, "eager", ids, mask)
     calls.clear()
+    model.set_differential_kernel(kernel)
     fast = _run(model, "sdpa", ids, mask)
-    assert bool(calls) == (dispatch == "cpu")  # the blocked kernel ran exactly where it should
+    assert bool(calls) == (kernel == "auto")  # the blocked kernel ran exactly where it should
+    ran = {m.last_kernel for m in model.modules() if isinstance(m, mdt.DiffTransformerAttention)}
+    assert ran == {"blocked" if kernel == "auto" else kernel}  # the training step ran last
     valid = mask.bool()
     torch.testing.assert_close(fast[0][valid], ref[0][valid], rtol=1e-5, atol=1e-5)
     for cache in ("dynamic", "static"):
@@ -176,10 +181,11 @@ def bf16_training_case(request):
     return model, ids, mask, labels, exact, bounds
 
 
-def _bf16_grads(case, impl):
+def _bf16_grads(case, impl, kernel="auto"):
     model, ids, mask, labels, _, _ = case
     model = copy.deepcopy(model).train()
     model.set_attn_implementation(impl)
+    model.set_differential_kernel(kernel)
     model(ids, attention_mask=mask, labels=labels).loss.backward()
     return {k: p.grad.double() for k, p in model.named_parameters()}
 
@@ -191,14 +197,27 @@ def _outside_bounds(case, grads):
             if (g - exact[k]).abs().max().item() > bounds[k]}
 
 
-@pytest.mark.parametrize("path", ["eager", "sdpa", "sdpa-non-cpu"])
-def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, path, monkeypatch):
-    """bf16 training through every V1/V2 path (eager, V1's blocked kernel, and the padded call of other devices):
-    every parameter gradient, λ's included, within the bf16 error bound of the float64 reference."""
-    if path == "sdpa-non-cpu":
-        monkeypatch.setattr(mdt, "BLOCKED_KERNEL_DEVICES", ())
-    outside = _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, path.removesuffix("-non-cpu")))
+def _training_kernels(version):
+    """Every kernel of the version that trains (the decode kernels serve one token without autograd; Triton has its own
+    tests, tests/test_triton_*.py)."""
+    return [k for k in mdt.KERNELS[version] if k not in ("decode_kernel", "rows_decode", "triton")]
+
+
+@pytest.mark.parametrize("path", ["eager", "sdpa"])
+def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, path):
+    """bf16 training through eager and the default sdpa path (V1's blocked kernel on a CPU): every parameter gradient,
+    λ's included, within the bf16 error bound of the float64 reference."""
+    outside = _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, path))
     assert not outside, f"gradient errors in units of their bound: {outside}"
+
+
+def test_bfloat16_gradients_of_every_kernel_within_the_rounding_model(bf16_training_case):
+    """The same bound for every other kernel a user can choose (model.set_differential_kernel): V1's padded call, its
+    two stock-SDPA paths (CUDA's default), V2's standard call and causal blocks (float32 only: the standard call here)."""
+    version = bf16_training_case[0].config.diff_version
+    for kernel in _training_kernels(version):
+        outside = _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, "sdpa", kernel))
+        assert not outside, f"{kernel}: gradient errors in units of their bound: {outside}"
 
 
 def test_bfloat16_bounds_catch_a_wrong_kernel(bf16_training_case, monkeypatch):
@@ -233,20 +252,16 @@ def test_sdpa_with_a_float_mask_uses_transformers_sdpa_and_agrees():
     allowed = torch.ones(10, 10, dtype=torch.bool).tril()
     allowed[6:, 2] = False  # not a plain causal mask
     float_mask = torch.zeros(1, 1, 10, 10).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    calls = []
-    original = mdt.differential_sdpa_attention
+    layers = [m for m in model.modules() if isinstance(m, mdt.DiffTransformerAttention)]
     with torch.no_grad():
         model.set_attn_implementation("eager")
         ref = model(ids, attention_mask=float_mask).logits
         model.set_attn_implementation("sdpa")
-        try:
-            mdt.differential_sdpa_attention = lambda *a, **k: calls.append(1) or original(*a, **k)
-            out = model(ids, attention_mask=float_mask).logits
-            plain = model(ids).logits
-        finally:
-            mdt.differential_sdpa_attention = original
+        out = model(ids, attention_mask=float_mask).logits
+        assert {m.last_kernel for m in layers} == {"padded"}
+        plain = model(ids).logits
+        assert {m.last_kernel for m in layers} == {"blocked"}  # the plain call took the differential kernel
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert len(calls) == model.config.num_hidden_layers  # only the plain call took the differential kernel
     assert not torch.allclose(plain, out)
 
 
@@ -362,7 +377,7 @@ def test_v2_decode_steps_take_the_pair_kernel_and_equal_eager(monkeypatch):
     the general path."""
     calls = []
     original = kernels.pair_decode_attention
-    monkeypatch.setattr(mdt, "pair_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(kernels, "pair_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     model = _model(2, version=2).eval()
     ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)

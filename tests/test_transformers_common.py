@@ -70,23 +70,6 @@ with warnings.catch_warnings():  # markers of transformers' own CI (flash_attn_t
     TrainingTesterMixin = importlib.import_module(f"{PACKAGE}.test_training_mixin").TrainingTesterMixin
 ModelTesterMixin, ids_tensor = _common.ModelTesterMixin, _common.ids_tensor
 
-# The common tests' `_config_zero_init` sets every `*_std` field to 1e-10, `lambda_std` included; a V2 config refuses a
-# V1-only field set to anything but its unused default (configuration_difftransformer.VERSION_ONLY_FIELDS), so the
-# zeroing leaves the fields that the config's version does not read.
-_zero_init = _common._config_zero_init
-
-
-def _config_zero_init(config):
-    from difftransformer.configuration_difftransformer import VERSION_ONLY_FIELDS
-
-    unread = {name: unused for version, fields in VERSION_ONLY_FIELDS.items() if version != config.diff_version
-              for name, unused in fields.items()}
-    keys = type(config).__iter__
-    with mock.patch.object(type(config), "__iter__", lambda self: (k for k in keys(self) if k not in unread)):
-        return _zero_init(config)
-
-
-_common._config_zero_init = _config_zero_init
 if "GenerationTesterMixin" in MISSING_FROM_SDIST:
     MIXINS = (ModelTesterMixin, TrainingTesterMixin)
 else:

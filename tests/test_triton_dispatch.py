@@ -1,5 +1,5 @@
-"""V1 inside the model through the one-pass Triton kernel (what CUDA runs under ``attn_implementation="sdpa"`` where
-Triton is installed), on the CPU through Triton's interpreter: the modeling file's dispatch, its sdpa-convention
+"""V1 inside the model through the one-pass Triton kernel (``model.set_differential_kernel("triton")``; on CUDA the
+default is stock SDPA, docs/model.md "Kernels"), on the CPU through Triton's interpreter: the modeling file's dispatch, its sdpa-convention
 adapter and the kernel together, against the float64 reference, uncached greedy decoding and eager's gradients.
 
 The kernel's own tests (every gradient, masks, GQA factors, GDA, decode, dtypes) are tests/test_triton_difftransformer.py.
@@ -34,7 +34,8 @@ pytestmark = [
 
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
-    """Dispatch V1 to the Triton kernel on the CPU (as on CUDA), counting its calls."""
+    """Every V1 layer built here runs the Triton kernel (``model.set_differential_kernel("triton")``'s choice, as a
+    class default), counting its calls."""
     calls = []
     kernel = mdt.differential_attention_triton
 
@@ -42,7 +43,7 @@ def triton_on_cpu(monkeypatch):
         calls.append(tuple(query.shape))
         return kernel(query, *args, **kwargs)
 
-    monkeypatch.setattr(mdt, "TRITON_KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(mdt.DiffTransformerAttention, "kernel", "triton")
     monkeypatch.setattr(mdt, "differential_attention_triton", counted)
     return calls
 
@@ -72,9 +73,9 @@ def test_cached_greedy_decoding_equals_uncached(triton_on_cpu):
     model = _model("v1_gqa")
     ids, mask = left_padded_batch(model.config.vocab_size, [6, 4], seed=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(mdt, "TRITON_KERNEL_DEVICES", ())
-        ref = model.generate(ids, use_cache=False, **kwargs)
+    model.set_differential_kernel("auto")  # the CPU kernels
+    ref = model.generate(ids, use_cache=False, **kwargs)
+    model.set_differential_kernel("triton")
     for cache in ({}, {"cache_implementation": "static"}):
         triton_on_cpu.clear()
         assert torch.equal(model.generate(ids, **cache, **kwargs), ref), cache
@@ -125,7 +126,7 @@ def test_compiled_model_runs_the_kernel(monkeypatch):
     decode eager's sequence with its scores. Both compile with ``aot_eager`` (AOT autograd's graphs, run as eager runs
     their ops) for CI time: inductor's C++ for a whole decode step takes ~45 s on two cold CPU cores (it passes the same
     checks); tests/test_triton_difftransformer.py compiles the kernel's ops with inductor, gradients included."""
-    monkeypatch.setattr(mdt, "TRITON_KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(mdt.DiffTransformerAttention, "kernel", "triton")
 
     def no_padded_call(*args, **kwargs):
         raise AssertionError("V1 took the padded call instead of the Triton kernel")
