@@ -21,14 +21,17 @@ scipy is no dependency of the package or its tests.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 # Outcomes whose probability is within this relative tolerance of the observed one count as "as likely" (the
 # floating-point sums of equal probabilities differ in their last bits; scipy uses the same factor).
 _RELATIVE = 1 + 1e-7
-SPEARMAN_MAX_N = 14  # 2^14 subsets: the exact distribution stays cheap
+SPEARMAN_MAX_N = 14  # 2^14 subsets of arrays: the exact distribution stays cheap
 
 
 def binomial_two_sided(k: int, n: int, p: float = 0.5) -> float:
@@ -119,24 +122,35 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
         raise ValueError("spearman: a sample with every value equal has no rank correlation")
     observed = sum(a * b for a, b in zip(rx, ry))
     rho = (observed - n * mx * my) / math.sqrt(sxx * syy)
-    # counts[mask] = {sum of rx[i] * ry[j] over the first popcount(mask) positions i paired with the ranks in mask}
-    layer = {0: {0: 1}}
+    return rho, _spearman_p(tuple(rx), tuple(ry), observed)
+
+
+@functools.lru_cache(maxsize=64)
+def _spearman_p(rx: tuple[int, ...], ry: tuple[int, ...], observed: int) -> float:
+    """The share of the n! pairings of ``rx`` with a permutation of ``ry`` whose sum of products is at least as far
+    from its mean as ``observed``. Dynamic programming over the subsets of ``ry`` used by the first positions: one
+    array of counts per subset, indexed by the partial sum (exact integers: n! < 2^63 for n <= 20)."""
+    n = len(rx)
+    top = sum(sorted(rx)[i] * sorted(ry)[i] for i in range(n)) + 1
+    layer = {0: np.zeros(top, dtype=np.int64)}
+    layer[0][0] = 1
     for i in range(n):
-        nxt: dict[int, dict[int, int]] = {}
-        for mask, sums in layer.items():
+        nxt: dict[int, np.ndarray] = {}
+        for mask, counts in layer.items():
             for j in range(n):
                 if mask >> j & 1:
                     continue
-                target = nxt.setdefault(mask | 1 << j, {})
                 add = rx[i] * ry[j]
-                for s, count in sums.items():
-                    target[s + add] = target.get(s + add, 0) + count
+                target = nxt.get(mask | 1 << j)
+                if target is None:
+                    target = nxt[mask | 1 << j] = np.zeros(top, dtype=np.int64)
+                target[add:] += counts[: top - add]
         layer = nxt
     (full,) = layer.values()
-    centre = n * mx * my
-    distance = abs(observed - centre)
-    hits = sum(count for s, count in full.items() if abs(s - centre) >= distance - 1e-9)
-    return rho, hits / math.factorial(n)
+    centre = sum(rx) * sum(ry) / n
+    sums = np.arange(top)
+    hits = int(full[np.abs(sums - centre) >= abs(observed - centre) - 1e-9].sum())
+    return hits / math.factorial(n)
 
 
 def binomial_noise(accuracy: float, n: int) -> float:

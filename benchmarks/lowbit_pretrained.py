@@ -9,7 +9,9 @@ in a model whose logits have outliers. This script asks it of a pretrained model
   transformers' GGUF loader: a transformers Llama), and its upcycles by :mod:`difftransformer.convert` without
   fine-tuning: DIFF V2 (exact: every query head duplicated into a pair with λ = 0.5, the source's function) and
   DIFF V1 (approximate: the converter's default for SmolLM2's head layout, ``duplicate`` with calibrated output
-  scales). Both inherit the source's q and k projections, so their attention logits are copies of the source's;
+  scales). Both inherit the source's q and k projections: V2's attention logits are copies of the source's in
+  every layer (it computes the source's function), V1's in its first layer (its later layers see the approximate
+  conversion's outputs);
 * the quantization: :func:`difftransformer.lowbit.low_bit_attention` on the attention logits, symmetric, one scale
   per sequence and layer (``granularity="tensor"``), at ``--bits`` (16, 8, 6 and 4), and unquantized;
 * the measures: held-out perplexity on the demo's two held-out texts (``examples/upcycle.py``'s
@@ -40,6 +42,7 @@ import argparse
 import contextlib
 import keyword
 import math
+import os
 import random
 import re
 import statistics
@@ -48,14 +51,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+# `python benchmarks/lowbit_pretrained.py` (from the repository root) runs as
+# `python -m benchmarks.lowbit_pretrained`: the imports below need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.lowbit_pretrained", *sys.argv[1:]])
 
-from benchmarks import exact_tests, harness
+import torch  # noqa: E402
+
+from benchmarks import exact_tests, harness  # noqa: E402
 
 SCRIPT = "lowbit_pretrained.py"
 DEFAULT_OUT = "benchmarks/results/lowbit_pretrained_smollm2.json"
 MODELS = ("llama", "v2", "v1")
-LABELS = {"llama": "SmolLM2-135M-Instruct (Llama)", "v2": "DIFF V2 upcycle (exact)", "v1": "DIFF V1 upcycle (duplicate)"}
+LABELS = {"llama": "SmolLM2-135M-Instruct (Llama)", "v2": "DIFF V2 upcycle (exact)",
+          "v1": "DIFF V1 upcycle (duplicate)"}
 SHORT = {"llama": "Llama", "v2": "V2 upcycle", "v1": "V1 upcycle"}
 WORD_PIECE = re.compile(r"^ ?[A-Za-z_][A-Za-z0-9_]{3,}$")
 CHOICES = 4  # the answer and three distractors
@@ -347,7 +356,8 @@ def headline(report: dict) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama and its upcycles, small blocks (seconds)")
     p.add_argument("--bits", default="16,8,6,4", help="logit widths, comma-separated (each in [2, 24])")
     p.add_argument("--blocks", type=int, help="held-out blocks per text (default 8, smoke 2)")
