@@ -28,6 +28,7 @@ Nothing here depends on the CPU the tests run on.
 """
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -438,6 +439,277 @@ def test_decode_reads_each_group_once():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Choosing a configuration: pruning, autotuning, pinning, the sweep; the eager path's caches
+# ----------------------------------------------------------------------------------------------------------------------
+
+CPU = torch.device("cpu")  # _prune answers for a CPU device as for an H100 (the configurations are the GPU's)
+LLAMA_1B_TRAIN = tdt._Shape(8, 2048, 2048, 4, 4, 1, 64, torch.bfloat16, True, False, CPU)  # V1 layout of its heads
+H100 = (90, 227 * 1024)
+
+
+def cfg(warps, stages, **blocks):
+    return {**blocks, "num_warps": warps, "num_stages": stages}
+
+
+@pytest.fixture
+def unpinned():
+    yield
+    tdt.set_configs(None)
+
+
+def test_hopper_defaults_use_wgmma_tiles():
+    """At Llama-3.2-1B's shape in bf16 every listed configuration suits the launch, and each tuned kernel's default
+    gives its dots an M that is a multiple of 64, which Hopper's wgmma needs: 64 keys for dK/dV, 64 or more rows per
+    tile for the forward and dQ."""
+    for kind in ("forward", "dkdv", "dq"):
+        kept = tdt._prune(kind, tdt.LAUNCH_CONFIGS[kind], LLAMA_1B_TRAIN)
+        rows = kept[0]["BLOCK_N"] if kind == "dkdv" else kept[0]["BLOCK_T"] * kept[0]["UNITS"]
+        assert rows % 64 == 0, (kind, kept[0])
+    assert tdt._prune("dkdv", tdt.LAUNCH_CONFIGS["dkdv"], LLAMA_1B_TRAIN)[0]["BLOCK_N"] == 64
+
+
+@pytest.mark.parametrize(
+    "kind, config, change, kept",
+    [
+        pytest.param("dkdv", cfg(8, 2, BLOCK_T=32, BLOCK_N=64), {}, True, id="dkdv-64-keys-8-warps"),
+        pytest.param("dkdv", cfg(8, 2, BLOCK_T=16, BLOCK_N=32), {}, False, id="8-warps-for-a-small-tile"),
+        pytest.param("dkdv", cfg(4, 2, BLOCK_T=16, BLOCK_N=32), {}, True, id="4-warps-for-a-small-tile"),
+        pytest.param("forward", cfg(4, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {}, False, id="accumulators-too-many"),
+        pytest.param("forward", cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {"r": 2}, False, id="r2-triples-rows"),
+        pytest.param("forward", cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {"dtype": torch.float32}, False,
+                     id="float32-counts-double"),
+        pytest.param("forward", cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {"t": 40}, False, id="tile-over-queries"),
+        pytest.param("dkdv", cfg(8, 2, BLOCK_T=32, BLOCK_N=128), {"s": 100}, True, id="key-tile-within-bucket"),
+        pytest.param("dkdv", cfg(8, 2, BLOCK_T=32, BLOCK_N=128), {"s": 60}, False, id="key-tile-over-keys"),
+        pytest.param("forward", cfg(4, 3, BLOCK_T=32, BLOCK_N=32, UNITS=2), {"n": 1}, False, id="units-over-rows"),
+        pytest.param("decode", tdt.LAUNCH_CONFIGS["decode"][2], {}, True, id="decode-8-warps"),
+    ],
+)
+def test_pruning_rules(kind, config, change, kept):
+    """_keep's rules (see its docstring) on the 1B training shape: tiles within the problem, fp32 accumulators per
+    thread within _ACC_LIMIT (doubled for float32 inputs, tripled rows for r = 2), 8 warps only for tiles that need
+    them (decode exempt)."""
+    assert tdt._keep(kind, config, LLAMA_1B_TRAIN._replace(**change), *H100) is kept
+
+
+def test_pruning_shared_memory_and_fallbacks():
+    """Pipelined stages must fit shared memory (an sm_86 part has 99 KiB, not an H100's 227); the tile rules alone
+    are what the sweep times; _prune never returns nothing (the smallest entry stays) and keeps one entry for a
+    problem too small for timing to matter."""
+    three_stages = cfg(8, 3, BLOCK_T=128, BLOCK_N=64, UNITS=1)  # 3 × 32 KiB of K1, K2 and V tiles
+    assert tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, *H100)
+    assert not tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, 86, 64 * 1024)
+    small_tile_8_warps = cfg(8, 2, BLOCK_T=16, BLOCK_N=32)
+    assert tdt._keep("dkdv", small_tile_8_warps, LLAMA_1B_TRAIN, *H100, heuristics=False)
+    tiny = LLAMA_1B_TRAIN._replace(b=1, t=8, s=8)
+    assert tdt._prune("dkdv", tdt.LAUNCH_CONFIGS["dkdv"], tiny) == [small_tile_8_warps]
+    small = LLAMA_1B_TRAIN._replace(b=1, t=256, s=256)
+    assert len(tdt._prune("forward", tdt.LAUNCH_CONFIGS["forward"], small)) == 1
+
+
+def test_autotuner_prunes_as_the_host_does(monkeypatch):
+    """triton.autotune wraps each tuned kernel with _TUNE_KEYS (every name a kernel argument, so the key really
+    varies) and an early prune that applies _prune to the launch's own arguments: on a recorded launch at the 1B
+    shape (meta tensors: nothing runs) it keeps what the host keeps, and it keys on the length buckets."""
+    tuners = {kind: tdt._autotuner(kind) for kind in ("forward", "dkdv", "dq")}
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, args, kwargs))
+
+    monkeypatch.setattr(tdt, "_TUNING", {})
+    monkeypatch.setattr(tdt, "_jitted", lambda: {name: Recorder(name) for name in tdt._JIT_NAMES})
+    shape = LLAMA_1B_TRAIN._replace(b=6)
+    b, t, s, g, n, r, d = shape[:7]
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    query, key = torch.empty(b, t, g * 2 * n, d, **meta), torch.empty(b, 2 * g, s, d, **meta)
+    lam = torch.empty((), device="meta")
+    out, o2, lse1, lse2 = tdt._forward(query, key, key, lam, d**-0.5, n, r, None, True, save_stats=True)
+    tdt._backward(out, query, key, key, lam, out, o2, lse1, lse2, d**-0.5, n, r, None, True)
+    recorded = {name: (args, kwargs) for name, args, kwargs in launches}
+    for kind, tuner in tuners.items():
+        args, kwargs = recorded[tdt._KERNELS[kind]]
+        assert set(tdt._TUNE_KEYS) <= set(tuner.arg_names)
+        named = dict(zip(tuner.arg_names, args))
+        assert (named["t_bucket"], named["s_bucket"], named["b_bucket"]) == (2048, 2048, 8)
+        fixed = {k: v for k, v in kwargs.items() if k not in tdt._CONFIG_KEYS[kind] + ("num_warps", "num_stages")}
+        pruned = tuner.early_config_prune(tuner.configs, named, **fixed)
+        host = tdt._prune(kind, tdt.LAUNCH_CONFIGS[kind], shape._replace(device=query.device, b=8))
+        assert [tdt._config_dict(c) for c in pruned] == host
+
+
+def test_when_autotuning_happens(monkeypatch, unpinned):
+    """On a GPU (the interpreter switched off here) a problem big enough is autotuned unless a configuration is pinned
+    for it, autotuning is switched off (set_configs(..., autotune=False)), the tests' override applies, or the kernel
+    is decode's; tiny problems and the interpreter take the default."""
+    monkeypatch.setattr(tdt, "_TUNING", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    default = tdt._prune("dq", tdt.LAUNCH_CONFIGS["dq"], LLAMA_1B_TRAIN)[0]
+    assert tdt._pick("dq", LLAMA_1B_TRAIN) == (default, True, True)
+    assert tdt._pick("decode", LLAMA_1B_TRAIN._replace(t=1))[1] is False
+    assert tdt._pick("dq", LLAMA_1B_TRAIN._replace(t=64, s=64))[1] is False
+    pinned = cfg(4, 2, BLOCK_T=32, BLOCK_N=32, UNITS=1)
+    tdt.set_configs({"dq": [{"when": {"t_bucket": 2048, "dtype": "bfloat16"}, "config": pinned}]})
+    assert tdt._pick("dq", LLAMA_1B_TRAIN) == (pinned, False, True)
+    assert tdt._pick("dq", LLAMA_1B_TRAIN._replace(t=4096, s=4096))[1] is True  # the rule does not match
+    tdt.set_configs({}, autotune=False)
+    assert tdt._pick("dq", LLAMA_1B_TRAIN) == (default, False, True)
+    tdt.set_configs(None)
+    monkeypatch.setitem(tdt._TUNING, "dq", {"BLOCK_N": 16})
+    assert tdt._pick("dq", LLAMA_1B_TRAIN) == ({**default, "BLOCK_N": 16}, False, False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tdt, "_TUNING", {})
+    assert tdt._pick("dq", LLAMA_1B_TRAIN)[1] is False
+
+
+def test_pinned_configurations_are_launched(monkeypatch, unpinned):
+    """set_configs' rules, first match winning, decide each kernel's launch (the shape's plan records it) and the
+    result is the function's; unpinning drops the plans."""
+    monkeypatch.setattr(tdt, "_TUNING", {"preprocess": dict(BLOCK_T=16)})  # no tile override: the rules decide
+    small = cfg(4, 2, BLOCK_T=16, BLOCK_N=16, UNITS=1)
+    never = cfg(8, 3, BLOCK_T=128, BLOCK_N=128, UNITS=1)
+    tdt.set_configs({
+        "forward": [{"when": {"head_dim": 64}, "config": never}, {"when": {"head_dim": 16}, "config": small}],
+        "dq": small, "dkdv": {k: v for k, v in small.items() if k != "UNITS"},
+        "decode": dict(tdt.LAUNCH_CONFIGS["decode"][0], BLOCK_N=16),
+    })
+    monkeypatch.setattr(tdt, "_TUNING", {})  # plans are cached only without an override
+    query, key, value, lam = leaf_inputs(1, 40, 40, 1, 2, 1, 16)
+    check_forward_backward(query, key, value, lam, 2, 1)
+    with torch.no_grad():
+        tdt.differential_attention_triton(query[:, -1:], key, value, lam, 0.25, 2)
+    plans = {k[0]: v for k, v in tdt._PLANS.items()}
+    assert plans["forward"][0] == small and plans["dq"][0] == small and plans["dkdv"][0]["BLOCK_N"] == 16
+    assert plans["decode"]["config"]["BLOCK_N"] == 16
+    tdt.set_configs(None)
+    assert not tdt._PLANS
+
+
+@pytest.mark.parametrize(
+    "configs, match",
+    [
+        ({"fwd": {}}, "unknown kernel 'fwd'; kernels: forward, dkdv, dq, decode"),
+        ({"dq": {"BLOCK_T": 16}}, r"missing \['BLOCK_N', 'UNITS', 'num_warps', 'num_stages'\]"),
+        ({"dkdv": cfg(4, 2, BLOCK_T=16, BLOCK_N=16, UNITS=1)}, r"unknown \['UNITS'\]"),
+        ({"dq": cfg(4, 2, BLOCK_T=24, BLOCK_N=16, UNITS=1)}, r"\['BLOCK_T'\] must be an int >= 16 and a power of two"),
+        ({"dq": cfg(4, 2, BLOCK_T=8, BLOCK_N=16, UNITS=1)}, r"\['BLOCK_T'\] must be an int >= 16"),
+        ({"dq": [{"when": {"seq": 1}, "config": cfg(4, 2, BLOCK_T=16, BLOCK_N=16, UNITS=1)}]}, "'when'] may name"),
+        ({"dq": [{"config": cfg(4, 2, BLOCK_T=16, BLOCK_N=16, UNITS=1), "if": {}}]}, "must be {'when'"),
+        ({"dq": "fast"}, "must map to a configuration dict or a list of rules"),
+    ],
+)
+def test_set_configs_errors(configs, match, unpinned):
+    with pytest.raises(ValueError, match=match):
+        tdt.set_configs(configs)
+    assert tdt._PINNED["rules"] == {}
+
+
+def test_tuning_sweep_on_the_interpreter(monkeypatch, unpinned, tmp_path):
+    """The sweep's logic (its timings mean nothing here): every configuration that fits is launched, checked against
+    the first and timed; one that fails is recorded, not raised; the result is JSON, renders as a table, and its
+    "pinned" is a set_configs mapping (load_configs reads it back). A spent budget skips, and pins nothing."""
+    small = cfg(4, 2, BLOCK_T=16, BLOCK_N=16, UNITS=1)
+    broken = dict(small, UNITS=3)  # three noise rows per tile: tl.arange refuses a length that is not a power of two
+    monkeypatch.setitem(tdt.LAUNCH_CONFIGS, "forward", (small, dict(small, BLOCK_N=32), broken))
+    monkeypatch.setitem(tdt.LAUNCH_CONFIGS, "dkdv", (cfg(4, 2, BLOCK_T=16, BLOCK_N=16),))
+    monkeypatch.setitem(tdt.LAUNCH_CONFIGS, "dq", (small,))
+    problem = {"batch": 1, "queries": 20, "keys": 20, "groups": 1, "n": 3, "head_dim": 16}
+    shapes = [{"name": "prefill", "kernels": ["forward"], **problem},
+              {"name": "train", "kernels": ["dkdv", "dq"], **problem}]
+    result = json.loads(json.dumps(tdt.tuning_sweep(shapes, torch.float32, DEVICE, rep_ms=1.0, workers=0)))
+    forward = result["results"][0]
+    assert [row["error"] is None for row in forward["timings"]] == [True, True, False]
+    assert all(row["ms"] > 0 and row["agrees"] for row in forward["timings"][:2])
+    assert forward["best"] in (small, dict(small, BLOCK_N=32)) and forward["default"] == small
+    assert [e["kernel"] for e in result["results"]] == ["forward", "dkdv", "dq"]
+    table = tdt.format_sweep(result, every=True)
+    assert "prefill" in table and "train" in table and "ValueError" in table.split("forward")[1]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(result))
+    assert tdt.load_configs(path) == result["pinned"]
+    assert tdt._PINNED["rules"]["forward"][-1] == {"when": {}, "config": forward["best"]}
+    assert tdt._PINNED["autotune"] is False
+    spent = tdt.tuning_sweep(shapes[:1], torch.float32, DEVICE, budget_s=0.0, workers=0)
+    assert all(row["skipped"] for row in spent["results"][0]["timings"]) and spent["pinned"] == {}
+
+
+def test_validation_runs_once_per_signature(monkeypatch):
+    """The checks run once per input signature (shapes, strides, dtypes, devices, scalars, mask shape); an input that
+    fails them is never remembered (it fails every time); the memory is bounded."""
+    calls = []
+    validate = tdt._validate
+    monkeypatch.setattr(tdt, "_validate", lambda *args: calls.append(args[0].shape) or validate(*args))
+    monkeypatch.setattr(tdt, "_VALIDATED", {})
+    monkeypatch.setattr(tdt, "_VALIDATED_MAX", 2)
+    query, key, value, lam = make_inputs(1, 20, 20, 1, 2, 1, 16)
+    mask = (torch.arange(20) >= 3)[None, None, None, :].to(DEVICE)
+    with torch.no_grad():
+        first = tdt.differential_attention_triton(query, key, value, lam, 0.25, 2, attention_mask=mask)
+        again = tdt.differential_attention_triton(query, key, value, lam, 0.25, 2, attention_mask=mask)
+        assert len(calls) == 1
+        torch.testing.assert_close(first, again, rtol=0, atol=0)
+        tdt.differential_attention_triton(query, key, value, lam, 0.25, 2)  # no mask: another signature
+        assert len(calls) == 2
+        for _ in range(2):
+            with pytest.raises(ValueError, match="pair_stride"):
+                tdt.differential_attention_triton(query, key, value, lam, 0.25, 0)
+        assert len(calls) == 4 and len(tdt._VALIDATED) == 2
+        tdt.differential_attention_triton(query[:, :10], key, value, lam, 0.25, 2)
+        assert len(calls) == 5 and len(tdt._VALIDATED) == 2
+
+
+def test_eager_inference_skips_the_dispatcher(monkeypatch):
+    """Without autograd, outside torch.compile and with no dispatch mode, a call runs the inference op's implementation
+    directly; under a dispatch mode (what FakeTensorMode and FlopCounterMode are) it goes through the op, which the
+    mode sees; both give the same output. With autograd the forward op (and its registered backward) runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    calls = []
+    for name in ("_OP_INFERENCE", "_OP_FORWARD"):
+        op = getattr(tdt, name)
+        monkeypatch.setattr(tdt, name, lambda *args, op=op, name=name: calls.append(name) or op(*args))
+    query, key, value, lam = make_inputs(1, 20, 20, 1, 2, 1, 16)
+    with torch.no_grad():
+        direct = tdt.differential_attention_triton(query, key, value, lam, 0.25, 2)
+        assert calls == []
+        with Spy():
+            dispatched = tdt.differential_attention_triton(query, key, value, lam, 0.25, 2)
+    assert calls == ["_OP_INFERENCE"] and torch.ops.difftransformer.diff_attn_v1_inference.default in ops
+    torch.testing.assert_close(direct, dispatched, rtol=0, atol=0)
+    tracked = tdt.differential_attention_triton(query, key, value, lam.clone().requires_grad_(), 0.25, 2)
+    assert calls == ["_OP_INFERENCE", "_OP_FORWARD"] and tracked.grad_fn is not None
+    torch.testing.assert_close(direct, tracked.detach(), rtol=0, atol=0)
+
+
+def test_launch_plans_are_cached_per_shape(monkeypatch):
+    """A shape's configuration is picked once (then its cached plan launches), again for another shape."""
+    monkeypatch.setattr(tdt, "_TUNING", {})
+    monkeypatch.setattr(tdt, "_PLANS", {})
+    picks = []
+    pick = tdt._pick
+    monkeypatch.setattr(tdt, "_pick", lambda kind, shape: picks.append(kind) or pick(kind, shape))
+    query, key, value, lam = make_inputs(1, 20, 20, 1, 2, 1, 16)
+    with torch.no_grad():
+        first = tdt.differential_attention_triton(query, key, value, lam, 0.25, 2)
+        again = tdt.differential_attention_triton(query, key, value, lam, 0.25, 2)
+        assert picks == ["forward"]
+        tdt.differential_attention_triton(query[:, :12], key[:, :, :12], value[:, :, :12], lam, 0.25, 2)
+        assert picks == ["forward", "forward"] and len(tdt._PLANS) == 2
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Errors and availability
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -508,7 +780,8 @@ def test_kernels_compile_for_h100(monkeypatch):
     """Every kernel, launched exactly as the host code launches it in the GPU's tile configuration (bf16, grouped
     differential attention with a mask: the most code paths; decode with key splits), compiles for an H100 (sm_90)
     through Triton's front end, LLVM and its bundled ptxas. No GPU is needed; this catches what the interpreter cannot
-    (tl.dot's tile minimums, layouts, types)."""
+    (tl.dot's tile minimums, layouts, types). The default tiles of the forward, dK/dV (64 keys) and dQ give Hopper's
+    wgmma the 64-row operands it needs: their PTX uses it."""
     from triton.backends import backends
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -553,7 +826,8 @@ def test_kernels_compile_for_h100(monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default; set to silence 3.9's notice about it
     kernels = jitted()  # the GPU's decoration (the next interpreted call decorates for the interpreter again)
     types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.uint8: "*u8"}
-    for name, args, kwargs in launches:
+    wgmma = set()
+    for index, (name, args, kwargs) in enumerate(launches):
         fn = kernels[name]
         values = dict(zip(fn.arg_names, args), **kwargs)
         signature, constexprs = {}, {}
@@ -569,6 +843,9 @@ def test_kernels_compile_for_h100(monkeypatch):
         source = ASTSource(fn, signature, constexprs)
         compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm.get("cubin"), name
+        if "wgmma.mma_async" in compiled.asm["ptx"]:
+            wgmma.add(index)
+    assert {0, 2, 3} <= wgmma, "the forward, dK/dV and dQ defaults should use wgmma on sm_90"
 
 
 def test_double_backward_is_refused():
