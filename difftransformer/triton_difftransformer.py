@@ -31,17 +31,27 @@ The kernels (one file, in the layout of Liger-Kernel's ``ops/`` files and Triton
   rows (noise row, position)). Each K/V block is loaded once and serves both maps: two online softmaxes (running
   maximum and sum per row, float32), both maps times the 2d-wide value block, and ``O = acc1/l1 − λ·acc2/l2`` at the
   end. Blocks above the causal diagonal are skipped; blocks wholly below it run without any masking; the boolean mask
-  is loaded tile by tile when given. The noise map is computed once for its r signal maps.
+  is loaded tile by tile when given (once for both maps when r = 1: their tiles hold the same positions). The noise map
+  is computed once for its r signal maps.
 * decode (one query token, no autograd): the same kernel with all of a group's n + m rows in one program's tiles, so
   every cache byte is read once per group, split over the keys (flash-decoding) when the batch has too few groups to
   fill the GPU, and ``_diff_attn_decode_combine`` merging the splits.
 * backward (flash-attention style, recomputing each map from its saved per-row log-sum-exp; no T×S map is stored):
   ``_diff_attn_bwd_preprocess`` computes ``δ1 = rowsum(dO ∘ O1)`` and ``δ2 = rowsum(dO' ∘ O2)`` with
   ``O1 = O + λ·O2`` and ``dO'`` the sum of dO over a noise row's r signal heads; ``_diff_attn_bwd_dkdv`` owns a block
-  of keys of one group and loops over every query row of the group (all n + m heads), so key and value gradients are
-  summed over the group's heads in registers (deterministic, no atomics); ``_diff_attn_bwd_dq`` owns query rows like
-  the forward.
-  Map 1 back-propagates ``dO``, map 2 ``−λ·dO'``; ``dλ = −Σ δ2`` over every noise row.
+  of keys of one group and loops over every query row of the group (one noise row and its r signal rows at a time,
+  all n + m heads in series), so key and value gradients are summed over the group's heads in registers
+  (deterministic, no atomics); ``_diff_attn_bwd_dq`` owns query rows like the forward. Map 1 back-propagates ``dO``,
+  map 2 ``−λ·dO'``; ``dλ = −Σ δ2`` over every noise row. With one noise row per signal row (r = 1, so ``dO' = dO``)
+  both use the combined form of the CPU kernel (kernels_difftransformer.py): dK/dV forms ``D = P1 − λ·P2`` per row
+  block and takes ``dV = Dᵀ·dO`` in one product, and one 2d-wide ``V·dOᵀ`` serves both maps' ``dS`` (in dK/dV and in
+  dQ); r > 1 keeps the maps apart (each noise row's ``dO'`` is its own sum).
+
+Arithmetic, per (query row, key) pair of one map: the forward is 1.5× a Llama's attention (both maps' scores equal a
+same-shape Llama's ``QKᵀ``; both maps times the 2d-wide value are twice its ``PV``), against 2× for the zero-padded
+single call. The backward recomputes scores twice (once for key/value gradients, once for query gradients), as
+Triton's fused-attention tutorial does; at r = 1, per signal/noise row pair and key, dK/dV multiplies 8·d (both maps'
+scores 2d, dV 2d, ``V·dOᵀ`` 2d, dK1 and dK2 2d) where the maps taken apart would take 12·d, and dQ 6·d instead of 8·d.
 
 Memory saved for the backward: the inputs and the output (references: the projections and the next operation keep
 them too, unless that operation saves a converted copy), the per-row log-sum-exp of both maps (float32,
@@ -49,18 +59,43 @@ them too, unless that operation saves a converted copy), the per-row log-sum-exp
 (``(B, T, G·m, 2d)`` in the input dtype: the size of the output when r = 1, 1/r of it otherwise), from which
 ``O1 = O + λ·O2`` is rebuilt for ``δ1``. Without it the backward would need a third pass over keys and values.
 
-Arithmetic: both maps' scores together are a same-shape Llama's ``QKᵀ`` (the Llama has 2H query heads of width d);
-both maps times the 2d-wide value are twice a Llama's ``PV``: 1.5× a Llama's attention arithmetic, against 2× for the
-zero-padded single call. Under autograd the backward recomputes scores twice (once for key/value gradients, once for
-query gradients), as Triton's fused-attention tutorial does.
+Launch configurations (``LAUNCH_CONFIGS``; none of them timed on a GPU yet: :func:`tuning_sweep` is what picks them).
+Each kernel has a list of configurations (query positions ``BLOCK_T``, keys ``BLOCK_N``, noise rows per program
+``UNITS``, ``num_warps``, ``num_stages``), in order of preference. On a GPU the forward, dK/dV and dQ kernels are
+autotuned with ``triton.autotune``, as Triton's tutorial does on Hopper: ``_keep`` prunes each list per launch (tiles
+within the problem; the fp32 accumulators a thread holds within half its registers; 8 warps only for tiles whose state
+needs them, the tutorial's "no 8-warp tiles under 128×128" measured in state rather than area, since these tiles carry
+two maps and a 2d-wide value; the pipelined tiles within shared memory; float32 counting double), and the autotuning
+key is the head dim, every tensor's dtype, causal, mask, noise ratio, noise rows, groups and the power-of-two buckets
+of the batch, query and key lengths. Every tuned kernel only writes its outputs (never accumulates into them), so the
+autotuner's repeated launches leave them right. A shape's choice is cached with its grid (its launch plan), so
+autotuning's per-call work runs once per shape. Nothing is timed under the interpreter (each list's first suitable
+entry runs; the tests pick configurations explicitly through ``_TUNING``), for problems too small for it to matter,
+while a CUDA graph is being captured (timing would break the capture: the default runs, the shape is tuned later), for
+decode (its first suitable entry), or where :func:`set_configs` pinned a choice (``set_configs(..., autotune=False)``
+turns autotuning off everywhere else). Autotuning compiles every configuration of the list at a key's first launch:
+seconds per configuration, once per process (Triton caches the binaries on disk, not the choice;
+``TRITON_CACHE_AUTOTUNING=1`` keeps the choice too), which :func:`set_configs` with a sweep's result avoids.
 
-The host code runs as three PyTorch custom ops (``torch.library.custom_op``, namespace ``difftransformer``), eager
-and compiled alike: ``diff_attn_v1_forward`` (output, ``O2`` and both log-sum-exps: what the backward needs; its
-autograd formula is ``diff_attn_v1_backward``, which returns the gradients of q, k, v and λ) and
-``diff_attn_v1_inference`` (no autograd: the decode path for one query token, else the forward without statistics).
-Their fake implementations give the outputs' shapes, dtypes and strides, so ``torch.compile(fullgraph=True)`` traces
-them without graph breaks and inductor (CUDA graphs included) calls them as opaque kernels. The backward op is not
-differentiable (a second-order gradient raises).
+The defaults on sm_90 for 16-bit inputs give every dot an M that is a multiple of 64, so that Triton uses Hopper's
+wgmma (tiles of 32 rows fall back to mma.sync): 64 keys for dK/dV (8 warps), 128 query rows per map for the forward
+and dQ. Registers, from compiling each entry for sm_90 (Triton 3.9, its bundled CUDA 13 ptxas; d = 64, bf16, r = 1):
+the forward's two 2d-wide accumulators of 128 rows each fit 8 warps without spilling; the dK/dV kernel holds dK1, dK2
+and dV (keys × 4d in fp32) and its K1, K2 and V tiles, and every 64-key configuration spills some registers (about
+200–900 bytes per thread, fewer with 8 warps and with the combined form, more with 64 query positions per step or
+r = 2), where the previous 32-key tile (no wgmma, kept in the list to compare) spills none. Whether wgmma's throughput
+outweighs those spills is what the sweep measures.
+
+The host code runs as three PyTorch custom ops (``torch.library.custom_op``, namespace ``difftransformer``):
+``diff_attn_v1_forward`` (output, ``O2`` and both log-sum-exps: what the backward needs; its autograd formula is
+``diff_attn_v1_backward``, which returns the gradients of q, k, v and λ) and ``diff_attn_v1_inference`` (no autograd:
+the decode path for one query token, else the forward without statistics). Their fake implementations give the
+outputs' shapes, dtypes and strides (which no launch configuration changes), so ``torch.compile(fullgraph=True)``
+traces them without graph breaks and inductor (CUDA graphs included) calls them as opaque kernels: the kernels are
+picked and autotuned when the compiled graph first runs them, in inductor's warm-up run under CUDA graphs. The
+backward op is not differentiable (a second-order gradient raises). An eager call without autograd (nothing compiling,
+no dispatch mode active, plain tensors) calls the inference op's implementation directly, skipping the dispatcher; a
+call's inputs are validated once per signature (shapes, strides, dtypes, devices, the scalars; a bounded cache).
 
 Triton is optional: without it (or without a CUDA device, unless ``TRITON_INTERPRET=1``) :func:`is_available` is
 False, the module still imports and nothing here runs. The kernels are decorated with ``triton.jit`` on first use,
@@ -147,7 +182,7 @@ LAUNCH_CONFIGS: dict[str, tuple[dict, ...]] = {
         dict(BLOCK_N=32, num_warps=4, num_stages=4, min_split_blocks=4, max_units=32),
     ),
 }
-# The one kernel not tuned: the backward's row reductions (memory-bound, a few µs).
+# The one kernel not tuned: the backward's row reductions (memory-bound; one small launch per backward).
 _PREPROCESS_CONFIG = dict(BLOCK_T=32, num_warps=4)
 _TUNED_KINDS = ("forward", "dkdv", "dq")
 _CONFIG_KEYS = {"forward": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
@@ -1740,8 +1775,10 @@ def differential_attention_triton(query, key, value, lam, scaling, pair_stride, 
     One query token without autograd takes the decode path (the group's cache read once for all its rows); otherwise
     the forward kernel, with the flash-attention-style backward when any input requires grad.
     """
-    b, t, s, g, n, m, d, mask = _validated(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask,
-                                           is_causal)
+    # Under torch.compile the checks are traced once per graph anyway (and a traced cache would only add guards).
+    checks = _validate if torch.compiler.is_compiling() else _validated
+    b, t, s, g, n, m, d, mask = checks(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask,
+                                       is_causal)
     if b == 0 or t == 0 or s == 0:
         return query.new_zeros(b, t, g * n, 2 * d)
     query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
