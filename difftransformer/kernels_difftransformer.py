@@ -33,7 +33,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import triton_epilogue_difftransformer as epilogue
+from .triton_epilogue_difftransformer import runs as epilogue_runs
+from .triton_epilogue_difftransformer import v2_sigmoid_combine
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +86,14 @@ def rows_decode_attention(query, key, value, logits, scaling, attention_mask=Non
     """V2's decode step from the λ logits ``z = x W_λᵀ`` ``(B, 1, H)``: :func:`pair_decode_attention` with
     ``λ = sigmoid(z)``. Returns the heads ``(B, 1, H, d)`` and λ ``(B, 1, H)``. Where Triton runs and nothing compiles,
     the sigmoid and the pair combine are one kernel (triton_epilogue_difftransformer.py) after the SDPA call."""
-    if not epilogue.runs(query.device):
+    if not epilogue_runs(query.device):
         lam = torch.sigmoid(logits)
         return pair_decode_attention(query, key, value, lam, scaling, attention_mask, noise_ratio), lam
     b, _, hq, d = query.shape
     g = key.shape[1]
     attended = F.scaled_dot_product_attention(query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask,
                                               scale=scaling)  # (B, G, rows, d)
-    return epilogue.v2_sigmoid_combine(attended, logits, noise_ratio)
+    return v2_sigmoid_combine(attended, logits, noise_ratio)
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:

@@ -78,7 +78,6 @@ from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from . import triton_epilogue_difftransformer as epilogue
 from .compat_difftransformer import (
     ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE,
     CACHE_NAME,
@@ -108,6 +107,8 @@ from .kernels_difftransformer import (
 from .triton_difftransformer import differential_attention_triton
 from .triton_difftransformer import is_available as triton_runs_on
 from .triton_difftransformer import triton as _triton_module
+from .triton_epilogue_difftransformer import runs as epilogue_runs
+from .triton_epilogue_difftransformer import v1_combine_norm
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -332,8 +333,8 @@ class DiffTransformerHeadRMSNorm(nn.Module):
         b, g, n, width = first.shape
         acc = ACCUMULATION_DTYPES.get(first.dtype, first.dtype)
         weight = self.scaled_weight(scale, acc)
-        if epilogue.runs(first.device):
-            return epilogue.v1_combine_norm(first, second, lam, weight, self.eps, dtype).view(b, 1, g * n, width)
+        if epilogue_runs(first.device):
+            return v1_combine_norm(first, second, lam, weight, self.eps, dtype).view(b, 1, g * n, width)
         heads = combine_maps(first, second, lam, out=torch.empty(b, g, n, width, dtype=acc, device=first.device))
         return F.rms_norm(heads, (width,), weight, self.eps).to(dtype).view(b, 1, g * n, width)
 

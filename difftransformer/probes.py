@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .modeling_difftransformer import CACHE_NAME
+from .compat_difftransformer import CACHE_NAME
 
 PROBES = ("niah", "mqar", "icl")
 SCORINGS = ("logits", "generate")

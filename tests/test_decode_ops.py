@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, triton_difftransformer  # noqa: E402
+from difftransformer import kernels_difftransformer as kernels  # noqa: E402
 from difftransformer import modeling_difftransformer as mdt  # noqa: E402
 from difftransformer import triton_epilogue_difftransformer as epilogue  # noqa: E402
 
@@ -38,6 +39,8 @@ NO_KERNEL = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.de
              torch.ops.aten._unsafe_view.default, torch.ops.aten.promote_types.default,
              torch.ops.aten.result_type.Tensor, torch.ops.aten.result_type.Scalar}
 ONE_KERNEL_ON_CUDA = {F.scaled_dot_product_attention, F.rms_norm, torch.rms_norm}
+# The decode epilogues (one Triton launch each), where the model's files call them.
+LAUNCHES = ((mdt, "v1_combine_norm"), (kernels, "v2_sigmoid_combine"))
 
 
 class LayerOps(TorchDispatchMode):
@@ -93,9 +96,9 @@ def _decode_step_ops(model, layers, dtype, cache_implementation, monkeypatch=Non
     """Per layer, the operations of one decode step after a left-padded prompt of 6 tokens."""
     counter = LayerOps()
     if monkeypatch is not None:
-        for name in ("v1_combine_norm", "v2_sigmoid_combine"):
-            launch = getattr(epilogue, name)
-            monkeypatch.setattr(epilogue, name, lambda *a, _f=launch, _n=name, **k: _fenced(counter, _n, _f, *a, **k))
+        for module, name in LAUNCHES:
+            launch = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _f=launch, _n=name, **k: _fenced(counter, _n, _f, *a, **k))
     hooks = [h for i, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "layer", i)),
         layer.register_forward_hook(lambda m, a, o: setattr(counter, "layer", None)))]
@@ -167,9 +170,9 @@ def test_decode_with_the_epilogues_equals_uncached_greedy_decoding(cuda_choices,
     ref = model.generate(ids, use_cache=False, **kwargs)
     model.set_attn_implementation("sdpa")
     launches = []
-    for name in ("v1_combine_norm", "v2_sigmoid_combine"):
-        launch = getattr(epilogue, name)
-        cuda_choices.setattr(epilogue, name, lambda *a, _f=launch, _n=name, **k: launches.append(_n) or _f(*a, **k))
+    for module, name in LAUNCHES:
+        launch = getattr(module, name)
+        cuda_choices.setattr(module, name, lambda *a, _f=launch, _n=name, **k: launches.append(_n) or _f(*a, **k))
     for cache in ("dynamic", "static"):
         launches.clear()
         out = model.generate(ids, cache_implementation=cache, **kwargs)

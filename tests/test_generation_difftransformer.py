@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-from difftransformer import CACHE_NAME, DiffTransformerForCausalLM
+from difftransformer import DiffTransformerForCausalLM
+from difftransformer.compat_difftransformer import CACHE_NAME
 from difftransformer.testing_utils import left_padded_batch, tiny_config
 from utils_difftransformer import CONTRACT_CALLS
 

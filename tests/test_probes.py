@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from difftransformer import CACHE_NAME, DiffTransformerConfig, DiffTransformerForCausalLM, probes
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, probes
+from difftransformer.compat_difftransformer import CACHE_NAME
 from difftransformer.data import corpus_texts, train_tokenizer
 
 
