@@ -190,7 +190,7 @@ def prefill_workload(model, batch: int, seq: int) -> Callable[[], float]:
     """One prompt forward as ``generate`` runs it: fresh DynamicCache, logits for the last position only."""
     from transformers import DynamicCache
 
-    from difftransformer import CACHE_NAME
+    from difftransformer.modeling_difftransformer import CACHE_NAME  # the cache keyword of this transformers
 
     ids = _ids(batch, seq, model.config.vocab_size, device=model.device)
 
@@ -219,12 +219,15 @@ class _StepClock:
 
 
 def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: str = "dynamic",
-                    compiled: bool = False, on_first_token: Callable[[], object] | None = None) -> Callable[[], float]:
+                    compiled: bool = False, on_first_token: Callable[[], object] | None = None,
+                    compile_options: dict | None = None) -> Callable[[], float]:
     """Greedy ``generate``; returns the seconds of the ``new_tokens − 1`` decode steps (prefill excluded).
 
     ``cache``: ``"dynamic"`` or ``"static"``; ``compiled`` (static only) passes a ``CompileConfig`` with
-    ``_compile_all_devices = True`` so that ``generate`` compiles the decode step on CPU too. ``on_first_token`` is
-    called where the timed part begins.
+    ``_compile_all_devices = True`` so that ``generate`` compiles the decode step on CPU too; ``compile_options``
+    overrides its fields (e.g. ``{"backend": "eager", "mode": None}``: Dynamo without Inductor, what the GPU check's
+    CPU smoke run uses to reach the compiled path in seconds). ``on_first_token`` is called where the timed part
+    begins.
     """
     from transformers import CompileConfig, LogitsProcessorList
 
@@ -235,7 +238,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     if compiled:
-        compile_config = CompileConfig(fullgraph=False)
+        compile_config = CompileConfig(**{"fullgraph": False} | (compile_options or {}))
         compile_config._compile_all_devices = True
         kwargs["compile_config"] = compile_config
     else:

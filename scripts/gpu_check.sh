@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The prepared GPU check (docs/performance.md, "GPU check"): on a machine with one CUDA GPU and no network,
-# install the carried wheels, then run benchmarks/gpu_check.py: every attention backend's correctness against a
-# float64 reference on the device, and speed against a same-shape Llama. Under 8 minutes; writes gpu_check.json,
-# gpu_check.txt (one line per check, then the speed tables) and gpu_check.log into the output folder.
+# The prepared GPU check (docs/performance.md, "The GPU check"): on a machine with one CUDA GPU and no network, install
+# the carried wheels, then run `python -m benchmarks.gpu_check`: in this order, speed at Llama-3.2-1B's shape against a
+# same-shape Llama (compiled decoding included), one layer's attention by every candidate kernel (with the SDPA backend
+# each ran), the Triton tuning sweep, every attention backend's correctness against a float64 reference. About 9
+# minutes (GPU_CHECK_BUDGET, 520 s, then the row under way finishes); writes gpu_check.json, gpu_check.txt (tables and
+# one line per check) and gpu_check.log into the output folder.
 #
 # Usage:  bash scripts/gpu_wheels.sh                 # here, once: downloads the wheels into .whl/
-#         GIT_COMMIT=<sha> bash scripts/gpu_check.sh [OUT_DIR] [-- gpu_check.py options, e.g. --only speed]
+#         GIT_COMMIT=<sha> bash scripts/gpu_check.sh [OUT_DIR] [-- gpu_check options, e.g. --only checks]
 #
 # OUT_DIR: the argument, else $OUT (set by the device tool; what is written there comes back), else
 # benchmarks/results/. GIT_COMMIT (and GIT_DIRTY=0/1) name the code where the copy has no .git; else `git rev-parse`;
-# the report also holds a digest of the package's sources (`python benchmarks/gpu_check.py --digest` here).
-# GPU_CHECK_BUDGET: seconds after which no further row starts (default 420); GPU_CHECK_TIMEOUT: hard limit of the
-# Python run (default 440; the report is rewritten after every row, so a cut-short run keeps what it measured).
+# the report also holds a digest of the package's sources (`python -m benchmarks.gpu_check --digest` here).
+# GPU_CHECK_BUDGET: seconds after which no further row starts (default 520); GPU_CHECK_TIMEOUT: hard limit of the
+# Python run (default 550; the report is rewritten after every row, so a cut-short run keeps what it measured).
+# GPU_CHECK_WHEELS: the folder of carried wheels (default .whl); GPU_CHECK_SITE: where they are installed (/tmp/site).
 set -uo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -34,12 +37,15 @@ echo "gpu_check.sh: $(date -u +%FT%TZ), output in $OUT_DIR, python $($PY --versi
 
 # 1. The carried wheels (no network there): into $SITE, ahead of the machine's own packages on the path.
 shopt -s nullglob
-wheels=(.whl/*.whl)
+WHEELS_DIR=${GPU_CHECK_WHEELS:-.whl}
+wheels=("$WHEELS_DIR"/*.whl)
 if [ ${#wheels[@]} -eq 0 ]; then
-    echo "WARNING: no wheels in .whl/ (run scripts/gpu_wheels.sh here and carry .whl): using the machine's packages"
+    echo "WARNING: no wheels in $WHEELS_DIR/ (run scripts/gpu_wheels.sh here and carry .whl):" \
+        "using the machine's packages"
 else
     echo "installing ${#wheels[@]} wheels into $SITE: ${wheels[*]##*/}"
-    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"; then
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            "${wheels[@]}"; then
         echo "pip failed: unpacking the wheels instead (a wheel is a zip of the installed files)"
         "$PY" - "$SITE" "${wheels[@]}" <<'EOF'
 import sys, zipfile
@@ -49,7 +55,8 @@ EOF
     fi
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
-# 2. The package itself from this working tree (never pip-installed: its dependencies are the machine's).
+# 2. The package itself from this working tree (never pip-installed: its dependencies are the machine's), and
+#    benchmarks/ as a package of the root (`python -m benchmarks.gpu_check`).
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
@@ -81,12 +88,13 @@ except Exception as exc:  # the check is informative only
 EOF
 
 # 5. The check: a time budget inside, a hard timeout outside; on a timeout the summary is written from the report.
-BUDGET=${GPU_CHECK_BUDGET:-420}
-timeout --kill-after=10 "${GPU_CHECK_TIMEOUT:-440}" "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" --budget "$BUDGET" "$@"
+BUDGET=${GPU_CHECK_BUDGET:-520}
+timeout --kill-after=10 "${GPU_CHECK_TIMEOUT:-550}" \
+    "$PY" -m benchmarks.gpu_check --out "$OUT_DIR" --budget "$BUDGET" "$@"
 rc=$?
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    echo "gpu_check.py ran past its timeout (rc $rc): writing the summary of what the report holds"
-    "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" --summarize
+    echo "benchmarks.gpu_check ran past its timeout (rc $rc): writing the summary of what the report holds"
+    "$PY" -m benchmarks.gpu_check --out "$OUT_DIR" --summarize
 fi
 rm -f "$OUT_DIR/gpu_check.json.tmp"
 echo "gpu_check.sh: done, rc $rc (0: every check passed or was skipped; 1: a check failed or raised)"

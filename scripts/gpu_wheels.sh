@@ -2,19 +2,22 @@
 # Download, here, the wheels scripts/gpu_check.sh installs on the GPU machine, which has no network at all.
 #
 # The GPU machine has Python 3.12, torch 2.11 (CUDA 13.0), transformers 5.17, huggingface_hub 1.33, safetensors 0.8.0,
-# accelerate 1.15 and triton. The package needs transformers>=5.19,<6: 5.23.0 (CI's pin when this was written) is
-# carried. Its own requirements (METADATA Requires-Dist; transformers checks tokenizers, regex, huggingface-hub,
-# safetensors, accelerate, ... at import) are met there: huggingface-hub>=1.31,<3 by 1.33, safetensors>=0.8.0 by
-# 0.8.0, and tokenizers>=0.23.1,<0.24 and regex>=2025.10.22 are what transformers 5.17 itself requires. The machine's
-# tokenizers and regex versions were never listed, so CI's tokenizers 0.23.3 and regex 2026.11.19 come along anyway
-# (4 MB): one missing or stale package would otherwise cost the whole GPU run. One version of each, about 16 MB.
+# accelerate 1.15, triton 3.6 and no flash-attn. The package needs transformers>=5.19,<6: CI's pin
+# (requirements-dev.txt's transformers==X) is carried. Its own requirements (METADATA Requires-Dist; transformers
+# checks tokenizers, regex, huggingface-hub, safetensors, accelerate, ... at import) are met there:
+# huggingface-hub>=1.31,<3 by 1.33, safetensors>=0.8.0 by 0.8.0, and tokenizers>=0.23.1,<0.24 and regex>=2025.10.22
+# are what transformers 5.17 itself requires. The machine's tokenizers and regex versions were never listed, so CI's
+# tokenizers 0.23.3 and regex 2026.11.19 come along anyway (4 MB): one missing or stale package would otherwise cost
+# the whole GPU run. One version of each, about 16 MB.
 #
 # Usage: bash scripts/gpu_wheels.sh    (writes .whl/ at the repository root; carry it: run(carry=[".whl"]))
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # liger-kernel: pure Python over the machine's torch and Triton (the GPU check's `liger` checks).
-WHEELS=(transformers==5.23.0 tokenizers==0.23.3 regex==2026.11.19 liger-kernel==0.8.5)
+TRANSFORMERS=$(sed -n 's/^transformers==\([0-9.]*\).*/\1/p' requirements-dev.txt)
+[ -n "$TRANSFORMERS" ] || { echo "no transformers==X pin in requirements-dev.txt" >&2; exit 1; }
+WHEELS=("transformers==$TRANSFORMERS" tokenizers==0.23.3 regex==2026.11.19 liger-kernel==0.8.5)
 PYTHON=${PYTHON:-python3}
 
 mkdir -p .whl
