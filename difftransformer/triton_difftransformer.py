@@ -970,42 +970,51 @@ def _device_limits(device) -> tuple[int, int]:
 
 def _keep(kind: str, cfg: dict, shape: _Shape, arch: int, smem: int, heuristics: bool = True) -> bool:
     """Whether configuration ``cfg`` of kernel ``kind`` suits a launch (``arch``: compute capability; ``smem``: shared
-    memory per block). Rules: no tile larger than the problem needs (a query tile within the query length's bucket, a
-    key tile within the keys', no more noise rows per program than a group has); the fp32 accumulators a thread holds
-    at most _ACC_LIMIT values (of its 255 registers; operands, score tiles and addresses need the rest); 8 warps only
-    for tiles whose accumulators would take more than half that on 4 warps (Triton's tutorial drops 8-warp tiles under
-    128×128 on Hopper: a small tile spread over 8 warps gives each too little work; these tiles carry two maps and a
-    2d-wide value, so the measure is their state, not their area); the pipelined tiles (num_stages of them) within
-    shared memory. float32 inputs count double (their operands are twice as wide and their products run without
-    tensor cores). The decode launch is memory-bound: only the tile and memory rules apply to it. ``heuristics=False``
-    applies only the tile and memory rules (what tuning_sweep times, so that it measures the others too)."""
+    memory per block). Tile and memory rules: no tile larger than the problem needs (a query tile within the query
+    length's bucket, a key tile within the keys', no more noise rows per program than a group has); the tiles held in
+    shared memory within ``smem`` (an upper bound: what a program keeps plus num_stages copies of what a step loads).
+    Heuristics (``heuristics=False`` skips them: tuning_sweep times what they drop too, to test them): the fp32
+    accumulators a thread holds at most _ACC_LIMIT values (of its 255 registers; operands, score tiles and addresses
+    need the rest); 8 warps only for tiles whose accumulators would take more than half that on 4 warps (Triton's
+    tutorial drops 8-warp tiles under 128×128 on Hopper, a small tile spread over 8 warps giving each too little work;
+    these tiles carry two maps and a 2d-wide value, so the measure is their state, not their area). float32 inputs
+    count double (their operands are twice as wide and their products run without tensor cores). The decode launch is
+    memory-bound: only the tile and memory rules apply to it."""
     d_pad, r_pad, m = _head_pad(shape.d), _next_pow2(shape.r), shape.n // shape.r
     elt = 4 if shape.dtype == torch.float32 else 2
-    bn = cfg["BLOCK_N"]
+    bn, stages = cfg["BLOCK_N"], cfg["num_stages"]
     if bn > _bucket(shape.s):
         return False
+    # Shared memory, an upper bound (compiled sizes, sm_90, Triton 3.6 and 3.9, were 40-100% of it): the tiles a
+    # program keeps for its whole run plus num_stages copies of what each loop step loads.
+    kv_tiles = 4 * bn * d_pad * elt  # K1, K2 (keys × d) and V (keys × 2d)
     if kind == "decode":
         units = min(max(_next_pow2(m), _MIN_DOT), cfg["max_units"])
         acc = (r_pad + 1) * units * 2 * d_pad  # both maps' 2d-wide accumulators
-        staged = 4 * bn * d_pad * elt  # K1, K2 and the 2d-wide V of a block
+        shared = (r_pad + 1) * units * d_pad * elt + kv_tiles  # its loads are not multi-buffered
     else:
         bt, units = cfg["BLOCK_T"], cfg.get("UNITS", 1)
         if bt > _bucket(shape.t) or (units > 1 and units > m):
             return False
         if kind == "dkdv":
             acc = 4 * bn * d_pad  # dK1, dK2 (keys × d) and dV (keys × 2d)
-            staged = (r_pad + 1) * bt * 3 * d_pad * elt  # a step's query rows (d wide) and dO rows (2d wide)
+            step = ((r_pad + 1) + 2 * r_pad) * bt * d_pad * elt  # a step's query rows (d) and dO rows (2d)
+            shared = kv_tiles + stages * step
         else:
-            rows = (r_pad + 1) * units * bt  # signal and noise rows of a tile
+            rows_n = units * bt
+            rows = (r_pad + 1) * rows_n  # signal and noise rows of a tile
             acc = rows * (2 * d_pad if kind == "forward" else d_pad)
-            staged = 4 * bn * d_pad * elt
+            resident = rows * d_pad * elt  # Q1, Q2
+            if kind == "dq":  # dO of the signal rows and, for r > 1, the noise rows' summed dO'
+                resident += (r_pad + (r_pad > 1)) * rows_n * 2 * d_pad * elt
+            shared = resident + stages * kv_tiles
     acc *= elt // 2
     if heuristics and kind != "decode":
         if acc / (32 * cfg["num_warps"]) > _ACC_LIMIT:
             return False
         if cfg["num_warps"] > 4 and acc / (32 * 4) <= _ACC_LIMIT / 2:
             return False
-    return cfg["num_stages"] * staged <= smem
+    return shared <= smem
 
 
 def _prune(kind: str, configs, shape: _Shape) -> list:

@@ -458,9 +458,11 @@ def unpinned():
 
 
 def test_hopper_defaults_use_wgmma_tiles():
-    """At Llama-3.2-1B's shape in bf16 every listed configuration suits the launch, and each tuned kernel's default
-    gives its dots an M that is a multiple of 64, which Hopper's wgmma needs: 64 keys for dK/dV, 64 or more rows per
-    tile for the forward and dQ."""
+    """At Llama-3.2-1B's shape in bf16 on an H100 every listed configuration fits (the sweep times them all), and each
+    tuned kernel's default gives its dots an M that is a multiple of 64, which Hopper's wgmma needs: 64 keys for
+    dK/dV, 64 or more rows per tile for the forward and dQ."""
+    for kind in ("forward", "dkdv", "dq", "decode"):
+        assert all(tdt._keep(kind, c, LLAMA_1B_TRAIN, *H100, heuristics=False) for c in tdt.LAUNCH_CONFIGS[kind])
     for kind in ("forward", "dkdv", "dq"):
         kept = tdt._prune(kind, tdt.LAUNCH_CONFIGS[kind], LLAMA_1B_TRAIN)
         rows = kept[0]["BLOCK_N"] if kind == "dkdv" else kept[0]["BLOCK_T"] * kept[0]["UNITS"]
@@ -496,7 +498,7 @@ def test_pruning_shared_memory_and_fallbacks():
     """Pipelined stages must fit shared memory (an sm_86 part has 99 KiB, not an H100's 227); the tile rules alone
     are what the sweep times; _prune never returns nothing (the smallest entry stays) and keeps one entry for a
     problem too small for timing to matter."""
-    three_stages = cfg(8, 3, BLOCK_T=128, BLOCK_N=64, UNITS=1)  # 3 × 32 KiB of K1, K2 and V tiles
+    three_stages = cfg(8, 3, BLOCK_T=128, BLOCK_N=64, UNITS=1)  # 32 KiB of Q tiles, 3 × 32 KiB of K1, K2, V
     assert tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, *H100)
     assert not tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, 86, 64 * 1024)
     small_tile_8_warps = cfg(8, 2, BLOCK_T=16, BLOCK_N=32)
