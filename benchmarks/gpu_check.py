@@ -1175,8 +1175,10 @@ def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.n
     runs = {kind: _row_workload(group, m, spec, plan, profile, hooks[kind]) for kind, m in models.items()}
     compiled: dict[str, dict] = {}
     if group == "decode_compiled":
+        from torch._dynamo.utils import counters
+
         for kind, run in runs.items():
-            calls = []
+            calls, graphs = [], counters["stats"]["unique_graphs"]
             for _ in range(2):
                 start = time.perf_counter()
                 run()
@@ -1184,7 +1186,9 @@ def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.n
                 calls.append(time.perf_counter() - start)
             compiled[kind] = {"first_call_s": round(calls[0], 2), "second_call_s": round(calls[1], 2),
                               "compile_s": round(max(0.0, calls[0] - calls[1]), 2),
+                              # generate() took its compiled call, and Dynamo compiled graphs for this batch
                               "compiled_path": hasattr(models[kind], "_compiled_call"),
+                              "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
                               "compile_options": {"fullgraph": False} | profile.compile_options}
             rec.log(f"{rec.stamp()} COMPILED {kind} {spec['item']}: first call {calls[0]:.1f} s, "
                     f"second {calls[1]:.1f} s")
@@ -1234,12 +1238,28 @@ def _models_of(group: str, s: SpeedShape, profile: Profile, notes: list[str]) ->
     if group.startswith("train") and "diffllama" in s.models and profile.device.startswith("cuda"):
         gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         if gib < TRAIN_ALL_MIN_GIB:
-            note = (f"DiffLlama is left out of the training rows: every model's AdamW state is held at once and "
-                    f"{len(s.models)} models do not fit {gib:.0f} GiB with a training step")
+            note = (f"DiffLlama is left out of the training rows (and waits in CPU memory meanwhile): every model's "
+                    f"AdamW state is held at once and {len(s.models)} models do not fit {gib:.0f} GiB with a training "
+                    "step")
             if note not in notes:
                 notes.append(note)
             return tuple(k for k in s.models if k != "diffllama")
     return s.models
+
+
+def _place(built: dict[str, torch.nn.Module], kinds: tuple[str, ...], device: str) -> None:
+    """The models of a row on ``device``; on CUDA, models a row leaves out (DiffLlama in training on a smaller card)
+    wait in CPU memory, so that their weights do not take the GPU memory the others' training needs."""
+    if not device.startswith("cuda"):
+        return
+    moved = False
+    for kind, model in built.items():
+        where = device if kind in kinds else "cpu"
+        if model.device.type != torch.device(where).type:
+            model.to(where)
+            moved = True
+    if moved:
+        _free(device)
 
 
 def run_speed(rec: Recorder, profile: Profile) -> None:
@@ -1283,6 +1303,7 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
                     if not built:
                         with torch.device(device):  # random init on the device: fast for the 1B-class shape
                             built.update({m: bench.build_model(m, s.shape, dtype).to(device) for m in s.models})
+                    _place(built, kinds, device)
                     models = {k: built[k] for k in kinds}
                     if group == "memory":
                         rows = memory_rows(models, plan)
@@ -1678,7 +1699,8 @@ def doc_table_compile(datas: list[dict], opts: dict) -> list[str]:
         for kind, stats in row["models"].items():
             lines.append(f"| {row['item']} | {_name(kind)} | {stats['first_call_s']:.1f} s | "
                          f"{stats['second_call_s']:.1f} s | {stats['compile_s']:.1f} s | "
-                         f"{stats['tokens_per_s']:.0f} tok/s | {'yes' if stats['compiled_path'] else 'NO'} |")
+                         f"{stats['tokens_per_s']:.0f} tok/s | {'yes' if stats['compiled_path'] else 'NO'}, "
+                         f"{stats.get('graphs_compiled', '?')} graphs |")
     return lines
 
 
