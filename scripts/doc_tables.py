@@ -418,6 +418,144 @@ def render_headline(datas: list[dict], opts: dict) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The README's results table: a row per result, a column per model, one number per cell
+# ----------------------------------------------------------------------------------------------------------------
+
+MODEL_COLUMNS = {"llama": "Llama", "v1": "DIFF V1", "v2": "DIFF V2"}
+Row = tuple[str, dict[str, str]]  # (result, {model: value}); a model without a value shows "–"
+
+
+def readme_rows_gpu(data: dict) -> list[Row]:
+    """Time over the Llama's at Llama-3.2-1B's shape (the paired median ratio)."""
+    rows = {r["item"]: r for r in data["speed"]["shapes"]["llama-3.2-1b"]["results"] if "models" in r}
+    gpu = data["meta"].get("gpu") or "GPU"
+
+    def ratios(item):
+        models = rows[item]["models"]
+        return {k: f"{(m.get('paired_ratio') or m['ratio']):.2f}" for k, m in
+                (("llama", models["llama"]), ("v1", models["ours_v1"]), ("v2", models["ours_v2"]))}
+
+    where = f"{gpu}, bf16, Llama-3.2-1B's shape"
+    return [(f"GPU prefill 8×2048, time × Llama ({where})", ratios("prefill 8x2048")),
+            (f"GPU training step 8×2048, time × Llama ({where})", ratios("train 8x2048")),
+            (f"GPU decode at batch 1 (dynamic cache), time × Llama ({where})", ratios("decode b1 dynamic"))]
+
+
+def readme_rows_cpu(data: dict) -> list[Row]:
+    """Time over the Llama's, one thread, fp32: the package's CPU kernels against the Llama's stock SDPA."""
+    def ratios(item):
+        return {"llama": "1.00", "v1": _ratio(_row(data, item), "ours_v1"), "v2": _ratio(_row(data, item), "ours_v2")}
+
+    return [("CPU prefill 1×2048, time × Llama (fp32, one thread)", ratios("prefill 1x2048")),
+            ("CPU decode at batch 1, time × Llama (fp32, one thread)", ratios("decode b1 dynamic")),
+            ("CPU training step 4×512, time × Llama (fp32, one thread)", ratios("train 4x512"))]
+
+
+def readme_rows_smollm2(data: dict) -> list[Row]:
+    p = _row(data, "prefill 1x512")
+    return [("SmolLM2-135M and its upcycles: CPU prefill 1×512, time × SmolLM2",
+             {"llama": "1.00", "v1": _ratio(p, "upcycle_v1"), "v2": _ratio(p, "upcycle_v2")})]
+
+
+def readme_rows_upcycle(datas: list[dict]) -> list[Row]:
+    """Both upcycles' held-out perplexity on code over their source's, after their fine-tuning."""
+    cells = {"llama": "1.000"}
+    for data in datas:
+        cells[f"v{data['student']['diff_version']}"] = f"{data['ratio_to_teacher']['after']['validation']:.3f}"
+    return [("SmolLM2-135M-Instruct upcycled: held-out perplexity on code × the source's, after distillation", cells)]
+
+
+def readme_rows_compare_upcycled(data: dict) -> list[Row]:
+    after = {name: phases["after"]["ppl_validation"]["mean"] for name, phases in data["summary"].items()}
+    seeds = len(data["meta"]["seeds"])
+    return [(f"The same fine-tuning for SmolLM2 and its upcycles ({seeds} seeds): held-out perplexity on code",
+             {k: f"{after[k]:.2f}" for k in MODEL_COLUMNS if k in after})]
+
+
+def readme_rows_quantized(data: dict) -> list[Row]:
+    eight = max(r["ratio"] for r in data["rows"] if "8" in r["scheme"])
+    return [("SmolLM2's V2 upcycle loaded with 8-bit weights: perplexity × unquantized (worst of 3 libraries)",
+             {"v2": f"{eight:.3f}"})]
+
+
+def readme_rows_retrieval(data: dict) -> list[Row]:
+    """Retrieval with distractors (benchmarks/retrieval_lowbit.py, every seed of its files): in how many seeds each
+    model learned needle retrieval (held-out accuracy 0.9 or more at the trained lengths), and what 4-bit attention
+    logits (per tensor) cost the runs that learned each task (accuracy lost, mean)."""
+    from benchmarks import retrieval_lowbit as rl
+
+    metrics = rl.retrieval_metrics(data)
+    needle = metrics[next(k for k in metrics if k.startswith("needle accuracy, trained"))]
+    seeds = sorted({r["seed"] for r in data["runs"]})
+
+    def by_model(fn):
+        return {m: [fn(r) for r in data["runs"] if r["model"] == m] for m in MODEL_COLUMNS}
+
+    learned = {m: f"{sum(v >= 0.9 for v in vals)}/{len(vals)}" for m, vals in by_model(needle).items() if vals}
+    rows = [(f"Retrieval with distractors, trained from scratch ({len(seeds)} paired seeds): seeds whose model learned "
+             "needle retrieval", learned)]
+    for task, name in (("needle", "needle"), ("mqar", "MQAR")):
+        def lost(r, task=task):
+            acc = r["lowbit"]["accuracy"]
+            return (acc["none"][task]["accuracy"] - acc["logits/tensor/4"][task]["accuracy"]
+                    if acc["none"][task]["accuracy"] >= 0.9 else None)
+
+        cells = {m: f"{sum(v) / len(v):.2f}" for m, vals in by_model(lost).items() if (v := [x for x in vals if x is not None])}
+        rows.append((f"… {name} accuracy lost to 4-bit attention logits (mean over the runs that learned it)", cells))
+    return rows
+
+
+# What reads each script's numbers (a script not listed defines ``readme_rows(data)`` itself, in benchmarks/).
+README_ROW_FUNCTIONS: dict[str, Callable] = {
+    "gpu_check.py": readme_rows_gpu, "bench.py": readme_rows_cpu, "compare_upcycled.py": readme_rows_compare_upcycled,
+    "quantized_perplexity.py": readme_rows_quantized, "retrieval_lowbit.py": readme_rows_retrieval,
+}
+# The README's rows, in order: the result files (several: combined by one function) and the page with the full table.
+README_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("benchmarks/results/gpu_check_h200_2026-11-28_speed.json",), "docs/reports/2026-11-28-gpu-check.md"),
+    (("benchmarks/results/bench_t1cpu_fp32.json",), "docs/reports/2026-11-26-cpu-speed.md"),
+    (("benchmarks/results/bench_smollm2_t1cpu_fp32_avx2_reps11.json",), "docs/reports/2026-11-26-cpu-speed.md"),
+    (("benchmarks/results/upcycle_smollm2_v1/report.json", "benchmarks/results/upcycle_smollm2_v2/report.json"),
+     "docs/reports/2026-11-26-upcycling.md"),
+    (("benchmarks/results/compare_upcycled_smollm2/results.json",), "docs/reports/2026-11-26-upcycling.md"),
+    (("benchmarks/results/quantized_perplexity_smollm2_v2.json",), "docs/reports/2026-11-27-quantized-loading.md"),
+    (("benchmarks/results/retrieval_lowbit/results.json", "benchmarks/results/retrieval_lowbit_seeds34/results.json"),
+     "docs/reports/2026-11-27-retrieval-lowbit.md"),
+)
+
+
+def readme_rows(paths: tuple[str, ...], datas: list[dict]) -> list[Row]:
+    """The rows of one entry of README_ROWS: by the files' script (``README_ROW_FUNCTIONS``, or the script's own
+    ``readme_rows``; several files of one benchmark run in parallel are joined by its ``combined``)."""
+    script = datas[0]["provenance"]["script"]
+    if script == "bench.py" and datas[0]["shape"].get("num_hidden_layers") == 30:
+        return readme_rows_smollm2(datas[0])
+    if script.startswith("upcycle"):
+        return readme_rows_upcycle(datas)
+    if script in README_ROW_FUNCTIONS and len(datas) == 1:
+        return README_ROW_FUNCTIONS[script](datas[0])
+    import importlib
+
+    module = importlib.import_module("benchmarks." + script.removesuffix(".py"))
+    joined = module.combined(datas) if len(datas) > 1 else datas[0]
+    return (README_ROW_FUNCTIONS.get(script) or module.readme_rows)(joined)
+
+
+def render_readme(datas: list[dict], opts: dict) -> list[str]:
+    """The README's results table (``<!-- table: readme -->``): README_ROWS, a row per result and a column per model
+    (one number per cell, "–" where a model has none), and the page with the full table, its command, commit, machine
+    and versions."""
+    by_path = dict(zip(opts["files"], datas))
+    lines = ["| result | " + " | ".join(MODEL_COLUMNS.values()) + " | details |", "|---" * (len(MODEL_COLUMNS) + 2) + "|"]
+    for paths, link in README_ROWS:
+        page = os.path.basename(link).removesuffix(".md")
+        for label, cells in readme_rows(paths, [by_path[p] for p in paths]):
+            values = " | ".join(cells.get(k, "–") for k in MODEL_COLUMNS)
+            lines.append(f"| {label} | {values} | [{page}]({link}) |")
+    return lines
+
+
 def render_bench_targets(datas: list[dict], opts: dict) -> list[str]:
     """``bench.TARGETS`` (same-shape models) and the upcycles' targets, as a table (no result file: the code's own
     constants)."""
@@ -447,7 +585,7 @@ RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench": render_bench, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
     "vllm": render_vllm, "upcycle": render_upcycle, "upcycle-perplexity": render_upcycle_perplexity,
     "v1-init": render_v1_init, "compare-upcycled": render_compare_upcycled,
-    "compare-small": render_compare_small, "headline": render_headline,
+    "compare-small": render_compare_small, "headline": render_headline, "readme": render_readme,
 }
 
 
@@ -480,7 +618,7 @@ class Block:
     def render(self, root: str = _ROOT) -> list[str]:
         datas = [load(f, root) for f in self.files]
         lines = renderer(self.renderer)(datas, self.opts | {"files": self.files, "rows": self.rows or self.files})
-        if self.renderer == "headline" or not self.files:  # the README's rows link to their pages; constants have none
+        if self.renderer in ("headline", "readme") or not self.files:  # the README's rows link to their pages; constants have none
             return lines
         lines = lines + [""]
         sentences = [provenance_sentence(f, d, root) for f, d in zip(self.files, datas)]
@@ -504,6 +642,8 @@ def parse_blocks(doc: str, lines: list[str]) -> list[Block]:
                              "module:function)")
         rows = [w for w in rest if "=" not in w]
         files = [f for w in rows for f in w.split("+")]
+        if name == "readme":  # the README's files are listed in README_ROWS, not in its short marker
+            files = [f for paths, _ in README_ROWS for f in paths]
         opts = dict(w.split("=", 1) for w in rest if "=" in w)
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == END), None)
         if end is None:
