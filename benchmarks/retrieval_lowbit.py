@@ -22,8 +22,13 @@ Outputs in ``--out``: ``results.json`` (every run, the per-seed / mean / paired-
 
 Resumable: each (seed, model) result is written into ``results.json`` as soon as it is done, and a rerun with the same
 setting skips what is there (``--resume``, the default). Presets: ``default`` (single-threaded CPU, at most two
-CPU-hours for three models x three seeds), ``gpu`` (larger model and data, five seeds) and ``smoke`` (seconds; the
-tests run it). Every flag overrides its preset's value.
+CPU-hours for three models x three seeds), ``gpu`` (larger model and data, ten seeds), ``lr_grid`` (issue 42's
+learning-rate grid: 20,000 steps, seeds 5 to 8, stopping once both tasks hold 90%; scripts/retrieval_lr_grid.sh) and
+``smoke`` (seconds; the tests run it). Every flag overrides its preset's value. Run from the repository root:
+``python -m benchmarks.retrieval_lowbit``.
+
+The docs' tables and the report's summary are rendered from the results files (``doc_table_*``, ``doc_summary``,
+``headline``; scripts/doc_tables.py), every difference with an exact test (:mod:`benchmarks.exact_tests`).
 """
 
 from __future__ import annotations
@@ -38,13 +43,14 @@ import statistics
 import sys
 import time
 
-import torch
+# `python benchmarks/retrieval_lowbit.py` (from the repository root) runs as
+# `python -m benchmarks.retrieval_lowbit`: the imports below need the root on sys.path, where `python -m` puts it.
+if __name__ == "__main__" and not __package__:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.retrieval_lowbit", *sys.argv[1:]])
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script: `benchmarks.*` needs the repository root
-    sys.path.insert(0, _ROOT)
+import torch  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import exact_tests, harness  # noqa: E402
 from benchmarks.compare_small import build_configs, build_model  # noqa: E402
 from difftransformer import retrieval_tasks as rt  # noqa: E402
 
@@ -517,8 +523,12 @@ def markdown_tables(report: dict, metrics: list[str] | None = None) -> str:
 
 # ----------------------------------------------------------------------------------------------- docs
 
-# The report's tables and the README's row (scripts/doc_tables.py renders them from results.json: a table block
+# The report's tables, its summary and the README's row (scripts/doc_tables.py renders them from results.json: a block
 # `<!-- table: benchmarks.retrieval_lowbit:doc_table_retrieval benchmarks/results/retrieval_lowbit/results.json -->`).
+# Each difference they state carries an exact test (benchmarks/exact_tests.py): at five seeds, or three runs against
+# three, an approximation would misstate it.
+
+LEARNED = 0.9  # a run learned a task where its held-out accuracy on it reaches this
 
 
 def combined(datas: list[dict]) -> dict:
@@ -556,28 +566,55 @@ def _paired(report: dict, model: str, fn) -> str:
     return f"{_mean_std(diffs)} [{min(diffs):+.{digits}f}, {max(diffs):+.{digits}f}]"
 
 
+def _unpaired(report: dict, model: str, fn) -> str:
+    """``model``'s runs against the Llama's, unpaired: the difference of their means and the exact rank-sum test (the
+    comparison a filter that leaves few paired seeds still allows)."""
+    mine, llama = list(_seeds_of(report, model, fn).values()), list(_seeds_of(report, "llama", fn).values())
+    if not mine or not llama:
+        return "–"
+    digits = 0 if all(isinstance(v, int) for v in mine + llama) else 2
+    p = exact_tests.rank_sum(mine, llama)
+    return (f"{statistics.mean(mine) - statistics.mean(llama):+.{digits}f}, p = {exact_tests.format_p(p)} "
+            f"({len(mine)} vs {len(llama)})")
+
+
 def _mean_over(groups: dict, keys) -> float:
     return statistics.mean(groups[k]["accuracy"] for k in keys)
+
+
+def _queries(groups: dict, keys) -> int:
+    return sum(groups[k]["n"] for k in keys)
+
+
+def _length_groups(report: dict) -> dict:
+    """The held-out needle lengths and MQAR pair counts by region: trained (up to the training length), up to 1.5
+    times it, beyond that; MQAR pair counts whose sequence fits in the training length and the others."""
+    train_length = report["meta"]["setting"]["train_length"]
+    first = report["runs"][0]["eval"]
+    lengths = list(first["needle"]["by_length"])
+    pairs = list(first["mqar"]["by_pairs"])
+    return {"inside": [k for k in lengths if int(k) <= train_length],
+            "beyond": [k for k in lengths if int(k) > train_length],
+            "near": [k for k in lengths if train_length < int(k) <= 1.5 * train_length],
+            "far": [k for k in lengths if int(k) > 1.5 * train_length],
+            "pairs_in": [k for k in pairs if rt.mqar_length(int(k)) <= train_length],
+            "pairs_out": [k for k in pairs if rt.mqar_length(int(k)) > train_length]}
 
 
 def retrieval_metrics(report: dict) -> dict:
     """The report's retrieval rows: label → function of one run. Trained lengths are those up to the training length
     (MQAR: pair counts whose sequence fits in it, 16 pairs at the default preset, more than training's 12); the
     others are beyond training."""
-    train_length = report["meta"]["setting"]["train_length"]
-    first = report["runs"][0]["eval"]
-    inside = [k for k in first["needle"]["by_length"] if int(k) <= train_length]
-    beyond = [k for k in first["needle"]["by_length"] if int(k) > train_length]
-    pairs_in = [k for k in first["mqar"]["by_pairs"] if rt.mqar_length(int(k)) <= train_length]
-    pairs_out = [k for k in first["mqar"]["by_pairs"] if rt.mqar_length(int(k)) > train_length]
+    g = _length_groups(report)
     groups = {  # rows over an empty set of lengths or pair counts are left out
-        f"needle accuracy, trained lengths ({', '.join(inside)} tokens)": ("needle", "by_length", inside),
-        f"needle accuracy, longer contexts ({', '.join(beyond)} tokens)": ("needle", "by_length", beyond),
-        f"MQAR accuracy, within the training length ({', '.join(pairs_in)} pairs)": ("mqar", "by_pairs", pairs_in),
-        f"MQAR accuracy, longer ({', '.join(pairs_out)} pairs)": ("mqar", "by_pairs", pairs_out),
+        f"needle accuracy, trained lengths ({', '.join(g['inside'])} tokens)": ("needle", "by_length", g["inside"]),
+        f"needle accuracy, longer contexts ({', '.join(g['beyond'])} tokens)": ("needle", "by_length", g["beyond"]),
+        f"MQAR accuracy, within the training length ({', '.join(g['pairs_in'])} pairs)": ("mqar", "by_pairs",
+                                                                                         g["pairs_in"]),
+        f"MQAR accuracy, longer ({', '.join(g['pairs_out'])} pairs)": ("mqar", "by_pairs", g["pairs_out"]),
     }
     return {
-        **{label: (lambda r, t=task, g=group, k=keys: _mean_over(r["eval"][t][g], k))
+        **{label: (lambda r, t=task, grp=group, k=keys: _mean_over(r["eval"][t][grp], k))
            for label, (task, group, keys) in groups.items() if keys},
         "needle answer loss (nats, all lengths)": lambda r: r["eval"]["needle"]["overall"]["loss"],
         "steps to 90% validation accuracy, needle (censored at the run's end)":
@@ -586,11 +623,33 @@ def retrieval_metrics(report: dict) -> dict:
     }
 
 
-def _model_table(report: dict, rows: dict, value_fmt=_mean_std, counted: bool = False) -> list[str]:
+def _metric(report: dict, prefix: str):
+    metrics = retrieval_metrics(report)
+    return metrics[next(k for k in metrics if k.startswith(prefix))]
+
+
+def learned(report: dict, task: str):
+    """Whether a run learned ``task`` (needle: held-out accuracy at the trained lengths; MQAR: within the training
+    length) to :data:`LEARNED` or more."""
+    metric = _metric(report, "needle accuracy, trained" if task == "needle" else "MQAR accuracy, within")
+    return lambda r: metric(r) >= LEARNED
+
+
+def _learned_lowbit(task: str):
+    """Whether a run's unquantized accuracy on the low-bit set of ``task`` reaches :data:`LEARNED` (the low-bit
+    tables' filter: a model at chance has nothing to lose to quantization)."""
+    return lambda r: r["lowbit"]["accuracy"]["none"][task]["accuracy"] >= LEARNED
+
+
+def _model_table(report: dict, rows: dict, value_fmt=_mean_std, counted: bool = False,
+                 unpaired: bool = False) -> list[str]:
     """One row per quantity: per model mean ± std over its runs, and the paired difference to the Llama. ``counted``:
-    each cell names its number of runs (paired cells: the seeds where both models have one)."""
+    each cell names its number of runs (paired cells: the seeds where both models have one). ``unpaired``: also each
+    model's runs against the Llama's, unpaired (:func:`_unpaired`)."""
     models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
     head = ["quantity"] + [LABELS[m] for m in models] + [f"{LABELS[m]} − Llama (paired)" for m in models if m != "llama"]
+    if unpaired:
+        head += [f"{LABELS[m]} − Llama, unpaired runs (rank test)" for m in models if m != "llama"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def count(text, n):
@@ -601,6 +660,8 @@ def _model_table(report: dict, rows: dict, value_fmt=_mean_std, counted: bool = 
         llama = set(_seeds_of(report, "llama", fn))
         cells += [count(_paired(report, m, fn), len(set(_seeds_of(report, m, fn)) & llama))
                   for m in models if m != "llama"]
+        if unpaired:
+            cells += [_unpaired(report, m, fn) for m in models if m != "llama"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -611,11 +672,12 @@ def _learned_only(report: dict, opts: dict) -> tuple[dict, str]:
     if "learned" not in opts:
         return report, ""
     level = float(opts["learned"])
-    metrics = retrieval_metrics(report)
-    needle = metrics[next(k for k in metrics if k.startswith("needle accuracy, trained"))]
+    needle = _metric(report, "needle accuracy, trained")
     kept = [r for r in report["runs"] if needle(r) >= level]
     return report | {"runs": kept}, (f" Only the runs that learned needle retrieval (accuracy at the trained lengths "
-                                      f"{level:g} or more; in parentheses: runs, or seeds where both models did).")
+                                      f"{level:g} or more; in parentheses: runs, or seeds where both models did); "
+                                      "unpaired: each model's runs against the Llama's, difference of the means and "
+                                      "the exact rank-sum test.")
 
 
 def _seeds_line(report: dict) -> str:
@@ -626,89 +688,140 @@ def _seeds_line(report: dict) -> str:
             + ".")
 
 
+def _noise_line(report: dict) -> str:
+    """How many queries one run's accuracy rests on, per set, and the binomial noise that gives at accuracy 0.5."""
+    g, first = _length_groups(report), report["runs"][0]["eval"]
+    sets = {"needle, trained lengths": _queries(first["needle"]["by_length"], g["inside"]),
+            "needle, longer": _queries(first["needle"]["by_length"], g["beyond"]),
+            "MQAR, within": _queries(first["mqar"]["by_pairs"], g["pairs_in"]),
+            "MQAR, longer": _queries(first["mqar"]["by_pairs"], g["pairs_out"])}
+    return ("Binomial noise of one run's accuracy, √(p(1−p)/n), at most (p = 0.5): "
+            + ", ".join(f"{k} ±{exact_tests.binomial_noise(0.5, n):.3f} (n = {n})" for k, n in sets.items() if n) + ".")
+
+
 def doc_table_retrieval(datas: list[dict], opts: dict) -> list[str]:
     """Retrieval accuracy per model (held-out sets), its paired difference to the Llama, and when it was learned."""
     report = combined(datas)
-    return _model_table(report, retrieval_metrics(report)) + ["", _seeds_line(report)]
+    return _model_table(report, retrieval_metrics(report)) + ["", _seeds_line(report) + " " + _noise_line(report)]
 
 
 def doc_table_per_seed(datas: list[dict], opts: dict) -> list[str]:
-    """Per seed and model: retrieval accuracy at the trained lengths and when validation accuracy reached 90%."""
+    """Per seed and model: retrieval accuracy at the trained lengths (± the binomial noise of its queries) and when
+    validation accuracy reached 90%."""
     report = combined(datas)
-    metrics = retrieval_metrics(report)
-    needle = next(k for k in metrics if k.startswith("needle accuracy, trained"))
-    mqar = next(k for k in metrics if k.startswith("MQAR accuracy, within"))
+    g = _length_groups(report)
+    needle = _metric(report, "needle accuracy, trained")
+    mqar = _metric(report, "MQAR accuracy, within")
     steps = report["meta"]["setting"]["steps"]
     lines = ["| seed | model | needle accuracy, trained lengths | MQAR accuracy, within the training length | "
              "steps to 90% validation accuracy: needle / MQAR |", "|---|---|---|---|---|"]
     for r in sorted(report["runs"], key=lambda r: (r["seed"], MODELS.index(r["model"]))):
         reached = [steps_to(r["curves"], t, 0.9) for t in ("needle", "mqar")]
         shown = " / ".join(str(n) if n <= steps else "not reached" for n in reached)
-        lines.append(f"| {r['seed']} | {LABELS[r['model']]} | {metrics[needle](r):.2f} | {metrics[mqar](r):.2f} | "
-                     f"{shown} |")
-    return lines
+        cells = []
+        for value, n in ((needle(r), _queries(r["eval"]["needle"]["by_length"], g["inside"])),
+                         (mqar(r), _queries(r["eval"]["mqar"]["by_pairs"], g["pairs_in"]))):
+            cells.append(f"{value:.2f} ± {exact_tests.binomial_noise(value, n):.2f}")
+        lines.append(f"| {r['seed']} | {LABELS[r['model']]} | {cells[0]} | {cells[1]} | {shown} |")
+    return lines + ["", "± the binomial noise of the run's accuracy, √(p(1−p)/n) over its n held-out queries."]
 
 
 def doc_table_lowbit(datas: list[dict], opts: dict) -> list[str]:
     """Accuracy at the trained length with the attention logits or q and k quantized (``opts["task"]``: needle or
     mqar), per model, and the paired difference of the accuracy lost to quantization against the Llama's loss.
-    ``opts["learned"]`` (e.g. ``0.9``): only runs whose unquantized accuracy on that set reaches it (a model that
-    never learned the task has nothing to lose); each cell then names its number of runs, and a paired cell the seeds
-    where both models learned."""
+    Accuracy cells give the binomial noise of one run's accuracy at their mean. ``opts["learned"]`` (e.g. ``0.9``):
+    only runs whose unquantized accuracy on that set reaches it (a model that never learned the task has nothing to
+    lose); each cell then names its number of runs, a paired cell the seeds where both models learned, and unpaired
+    columns compare each model's learned runs with the Llama's (exact rank-sum test)."""
     report, task = combined(datas), opts.get("task", "needle")
     measure = opts.get("measure", "accuracy")  # or "loss": the answer loss (nats), and the loss added
     if measure not in ("accuracy", "loss"):
         raise ValueError(f"measure={measure!r}: allowed values are 'accuracy' and 'loss'")
     tags = list(report["runs"][0]["lowbit"]["accuracy"])
 
-    def acc(tag):
-        return lambda r: r["lowbit"]["accuracy"][tag][task]["accuracy"]
-
     def value(tag):
         return lambda r: r["lowbit"]["accuracy"][tag][task][measure]
 
     level = float(opts["learned"]) if "learned" in opts else None
     if level is not None:
-        report = report | {"runs": [r for r in report["runs"] if acc("none")(r) >= level]}
+        report = report | {"runs": [r for r in report["runs"]
+                                    if r["lowbit"]["accuracy"]["none"][task]["accuracy"] >= level]}
     models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
     change = "accuracy lost" if measure == "accuracy" else "loss added"
-    head = (["quantized", *[LABELS[m] for m in models]]
-            + [f"{LABELS[m]} − Llama: {change} (paired)" for m in models if m != "llama"])
+    others = [m for m in models if m != "llama"]
+    head = (["quantized", *[LABELS[m] for m in models]] + [f"{LABELS[m]} − Llama: {change} (paired)" for m in others]
+            + ([f"{LABELS[m]} − Llama: {change}, unpaired runs (rank test)" for m in others] if level is not None
+               else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    queries = report["runs"][0]["lowbit"]["accuracy"]["none"][task]["n"] if report["runs"] else 0
+
+    def cell(values) -> str:
+        values = list(values)
+        text = _mean_std(values)
+        if text == "–":
+            return text
+        notes = [str(len(values))] if level is not None else []
+        if measure == "accuracy":
+            notes.append(f"±{exact_tests.binomial_noise(statistics.mean(values), queries):.2f}")
+        return f"{text} ({'; '.join(notes)})"
 
     def counted(text, n):
         return text if level is None or text == "–" else f"{text} ({n})"
 
     sign = 1 if measure == "accuracy" else -1  # accuracy lost: before − after; loss added: after − before
     for tag in tags:
-        cells = [counted(_mean_std(v := _seeds_of(report, m, value(tag)).values()), len(v)) for m in models]
+        cells = [cell(_seeds_of(report, m, value(tag)).values()) for m in models]
         if tag == "none":
-            cells += ["–" for m in models if m != "llama"]
+            cells += ["–" for _ in others] * (2 if level is not None else 1)
         else:
             lost = lambda r, t=tag: sign * (value("none")(r) - value(t)(r))  # noqa: E731
             both = {m: len(set(_seeds_of(report, m, lost)) & set(_seeds_of(report, "llama", lost))) for m in models}
-            cells += [counted(_paired(report, m, lost), both[m]) for m in models if m != "llama"]
+            cells += [counted(_paired(report, m, lost), both[m]) for m in others]
+            if level is not None:
+                cells += [_unpaired(report, m, lost) for m in others]
         label = "nothing" if tag == "none" else tag.replace("/", ", ").replace("qk", "q and k") + " bits"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    note = (" Accuracy lost: unquantized minus quantized accuracy of the same model." if measure == "accuracy" else
+    note = (f" Accuracy lost: unquantized minus quantized accuracy of the same model; ± in a cell's parentheses: the "
+            f"binomial noise of one run's accuracy at the cell's mean (n = {queries} queries per run; a difference of "
+            "two accuracies has at most the sum of their noises)." if measure == "accuracy" else
             " Answer loss in nats; loss added: quantized minus unquantized loss of the same model.")
     if level is not None:
         note += (f" Only runs whose unquantized accuracy reaches {level:g} (in parentheses: runs, or seeds where both "
-                 "models did).")
+                 "models did); unpaired: each model's runs against the Llama's, difference of the means and the exact "
+                 "rank-sum test.")
     return lines + ["", _seeds_line(combined(datas)) + note]
 
 
+def _logits(r) -> list[dict]:
+    return r["lowbit"]["activations"]["logits"]
+
+
+def max_over_median(r) -> float:
+    """The largest over layers of (largest attention-logit magnitude / median magnitude): how coarse an absmax grid is
+    for a typical logit (the grid step is max / qmax)."""
+    return max(x["max"] / x["median"] for x in _logits(r))
+
+
+def top100_share(r) -> float:
+    """The smallest over layers of (100th largest magnitude / largest): near 1 means no few extreme logits."""
+    return min(x["top100"] / x["max"] for x in _logits(r))
+
+
 def doc_table_outliers(datas: list[dict], opts: dict) -> list[str]:
-    """Top activations: the largest attention logit and hidden-state magnitude over layers, and their kurtosis."""
+    """Top activations: the largest attention logit and hidden-state magnitude over layers, the logits' max / median
+    and 100th largest / largest, and their kurtosis."""
     everyone = combined(datas)
     report, note = _learned_only(everyone, opts)
     acts = lambda kind, key: lambda r: max(x[key] for x in r["lowbit"]["activations"][kind])  # noqa: E731
     rows = {"largest attention logit (magnitude)": acts("logits", "max"),
             "attention logits: 10th largest": acts("logits", "top10"),
+            "attention logits: largest / median magnitude (largest over layers)": max_over_median,
+            "attention logits: 100th largest / largest (smallest over layers)": top100_share,
             "attention logits: kurtosis (largest over layers)": acts("logits", "kurtosis"),
             "largest hidden-state magnitude": acts("hidden", "max"),
             "hidden states: kurtosis (largest over layers)": acts("hidden", "kurtosis")}
-    return _model_table(report, rows, counted=bool(note)) + ["", _seeds_line(everyone) + note]
+    return (_model_table(report, rows, counted=bool(note), unpaired=bool(note))
+            + ["", _seeds_line(everyone) + note])
 
 
 def doc_table_lens(datas: list[dict], opts: dict) -> list[str]:
@@ -721,8 +834,345 @@ def doc_table_lens(datas: list[dict], opts: dict) -> list[str]:
             "noise share (mean over heads)": lambda r: r["lens"]["noise_mean"],
             "answer share of the best head": lambda r: r["lens"]["answer_best_head"],
             "noise share of that head": lambda r: r["lens"]["noise_of_best_head"]}
-    return _model_table(report, rows, counted=bool(note)) + ["", _seeds_line(everyone) + " DIFF models: the differential "
-                                                            "map's positive mass; the Llama: its softmax map." + note]
+    return (_model_table(report, rows, counted=bool(note), unpaired=bool(note))
+            + ["", _seeds_line(everyone) + " DIFF models: the differential map's positive mass; the Llama: its softmax "
+               "map." + note])
+
+
+def _span(values, digits: int = 2) -> str:
+    """``min–max (n)`` of a model's runs (one value: itself)."""
+    values = sorted(values)
+    if not values:
+        return "–"
+    low, high = f"{values[0]:.{digits}f}", f"{values[-1]:.{digits}f}"
+    return f"{low if low == high else f'{low}–{high}'} ({len(values)})"
+
+
+def _steps_span(values: list[int], budget: int) -> str:
+    """``min–max (k of n runs; the others not within the budget)`` of steps to 90%."""
+    reached = sorted(v for v in values if v <= budget)
+    text = (f"{reached[0]:,}" if len(set(reached)) == 1 else f"{reached[0]:,}–{reached[-1]:,}") if reached else "never"
+    rest = len(values) - len(reached)
+    return f"{text} ({len(reached)} of {len(values)} runs" + (f"; {rest} not within {budget:,})" if rest else ")")
+
+
+def _choice_over(groups: dict, keys) -> float:
+    return statistics.mean(groups[k]["choice_accuracy"] for k in keys)
+
+
+def learned_rows(report: dict) -> dict[str, tuple[str, str, object, object]]:
+    """The comparisons of the runs that learned each task, and of the steps to 90% of every run: key → (label, kind
+    "accuracy" or "steps", the run filter, the value of a run)."""
+    g = _length_groups(report)
+    needle_runs, mqar_runs = learned(report, "needle"), learned(report, "mqar")
+    every = lambda r: True  # noqa: E731
+    chance = statistics.mean(1 / n for n in _ints(report["meta"]["setting"]["eval_needles"]))
+    by_length = lambda fn, keys: lambda r: fn(r["eval"]["needle"]["by_length"], keys)  # noqa: E731
+    by_pairs = lambda keys: lambda r: _mean_over(r["eval"]["mqar"]["by_pairs"], keys)  # noqa: E731
+    rows = {"trained": (f"needle accuracy, trained lengths ({', '.join(g['inside'])} tokens): runs that learned needle "
+                        "retrieval", "accuracy", needle_runs, by_length(_mean_over, g["inside"]))}
+    if g["near"]:
+        rows["near"] = (f"needle accuracy, up to 1.5 × the trained length ({', '.join(g['near'])} tokens): the same "
+                        "runs", "accuracy", needle_runs, by_length(_mean_over, g["near"]))
+    if g["far"]:
+        far = ", ".join(g["far"])
+        rows["far"] = (f"needle accuracy, beyond 1.5 × ({far} tokens): the same runs", "accuracy", needle_runs,
+                       by_length(_mean_over, g["far"]))
+        rows["far_choice"] = (f"needle multiple-choice accuracy among the needles' values, beyond 1.5 × ({far} tokens; "
+                              f"chance, 1 / needles averaged over the needle counts: {chance:.2f}): the same runs",
+                              "accuracy", needle_runs, by_length(_choice_over, g["far"]))
+    rows["mqar_in"] = (f"MQAR accuracy, within the training length ({', '.join(g['pairs_in'])} pairs): runs that "
+                       "learned MQAR", "accuracy", mqar_runs, by_pairs(g["pairs_in"]))
+    if g["pairs_out"]:
+        rows["mqar_out"] = (f"MQAR accuracy, longer ({', '.join(g['pairs_out'])} pairs): the same runs", "accuracy",
+                            mqar_runs, by_pairs(g["pairs_out"]))
+    for task, name in (("needle", "needle"), ("mqar", "MQAR")):
+        rows[f"steps_{task}"] = (f"steps to 90% validation accuracy, {name}: every run (one that never got there ranks "
+                                 "above every one that did)", "steps", every,
+                                 lambda r, t=task: steps_to(r["curves"], t, 0.9))
+    return rows
+
+
+def doc_table_learned(datas: list[dict], opts: dict) -> list[str]:
+    """The runs that learned each task, unpaired: per model the range of its runs (their number), and each DIFF
+    model's runs against the Llama's (exact rank-sum test); the steps to 90% of every run likewise."""
+    report = combined(datas)
+    budget = report["meta"]["setting"]["steps"]
+    models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
+    others = [m for m in models if m != "llama"]
+    lines = ["| quantity | " + " | ".join(LABELS[m] for m in models) + " | "
+             + " | ".join(f"{LABELS[m]} vs Llama (rank test)" for m in others) + " |",
+             "|---|" + "---|" * (len(models) + len(others))]
+    for label, kind, keep, value in learned_rows(report).values():
+        per = {m: [value(r) for r in report["runs"] if r["model"] == m and keep(r)] for m in models}
+        cells = [_steps_span(per[m], budget) if kind == "steps" else _span(per[m]) for m in models]
+        cells += [f"p = {exact_tests.format_p(exact_tests.rank_sum(per[m], per['llama']))}"
+                  if per[m] and per["llama"] else "–" for m in others]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines + ["", f"Ranges over runs (in parentheses: how many); learned: held-out accuracy {LEARNED:g} or more "
+                    "on the task. The rank-sum test is exact (every split of the pooled runs enumerated, midranks for "
+                    f"ties), two-sided; a run that never reached 90% within the {budget:,} steps ranks above every run "
+                    "that did (the same budget for all, so that is its true order)."]
+
+
+def outlier_rows(report: dict) -> list[dict]:
+    """Per run: whether it learned each task's low-bit set, its largest logit, max / median and top-100 share, and
+    what 4-bit logits (per tensor) cost it on each task (accuracy lost, loss added)."""
+    rows = []
+    for r in sorted(report["runs"], key=lambda r: (MODELS.index(r["model"]), r["seed"])):
+        acc = r["lowbit"]["accuracy"]
+        row = {"model": r["model"], "seed": r["seed"], "max": max(x["max"] for x in _logits(r)),
+               "ratio": max_over_median(r), "top100": top100_share(r)}
+        for task in ("needle", "mqar"):
+            row[f"{task}_learned"] = _learned_lowbit(task)(r)
+            row[f"{task}_lost"] = acc["none"][task]["accuracy"] - acc["logits/tensor/4"][task]["accuracy"]
+            row[f"{task}_added"] = acc["logits/tensor/4"][task]["loss"] - acc["none"][task]["loss"]
+        rows.append(row)
+    return rows
+
+
+def outlier_correlations(report: dict) -> dict:
+    """Per task, over the runs that learned its low-bit set: Spearman's ρ (exact p) of the 4-bit loss added with
+    max / median and with the largest logit."""
+    out = {}
+    for task in ("needle", "mqar"):
+        rows = [x for x in outlier_rows(report) if x[f"{task}_learned"]]
+        added = [x[f"{task}_added"] for x in rows]
+        out[task] = {"n": len(rows)}
+        for key in ("ratio", "max"):
+            try:
+                out[task][key] = exact_tests.spearman([x[key] for x in rows], added)
+            except ValueError:  # fewer than three runs, or no spread: no rank correlation
+                out[task][key] = None
+    return out
+
+
+def _rho(c: dict, key: str) -> str:
+    """``ρ = 0.80 (p = 0.0025)``, or why there is none."""
+    if c[key] is None:
+        return "ρ: too few runs"
+    return f"ρ = {c[key][0]:.2f} ({_p(c[key][1])})"
+
+
+def doc_table_outlier_runs(datas: list[dict], opts: dict) -> list[str]:
+    """Per run: the attention-logit statistics beside what 4-bit logits (per tensor) cost it, and the rank
+    correlation of the two over the runs that learned each task."""
+    report = combined(datas)
+    lines = ["| model | seed | learned (low-bit sets): needle / MQAR | largest logit | largest / median | "
+             "100th largest / largest | needle: accuracy lost / loss added | MQAR: accuracy lost / loss added |",
+             "|---|---|---|---|---|---|---|---|"]
+    for x in outlier_rows(report):
+        yes = lambda b: "yes" if b else "no"  # noqa: E731
+        lines.append(f"| {LABELS[x['model']]} | {x['seed']} | {yes(x['needle_learned'])} / {yes(x['mqar_learned'])} | "
+                     f"{x['max']:.1f} | {x['ratio']:.1f} | {x['top100']:.2f} | "
+                     f"{x['needle_lost']:+.2f} / {x['needle_added']:+.2f} | "
+                     f"{x['mqar_lost']:+.2f} / {x['mqar_added']:+.2f} |")
+    corr = outlier_correlations(report)
+    said = "; ".join(f"{name} ({c['n']} runs): max / median {_rho(c, 'ratio')}, largest logit {_rho(c, 'max')}"
+                     for name, c in (("needle", corr["needle"]), ("MQAR", corr["mqar"])))
+    return lines + ["", "Largest / median: over layers, the largest of (largest logit magnitude / median magnitude); "
+                    "100th largest / largest: the smallest over layers. Attention logits on the needle low-bit set; "
+                    "cost of 4-bit logits (one scale per tensor) on each task's low-bit set. Spearman's rank "
+                    "correlation with the loss added, over the runs that learned that task (exact permutation p): "
+                    + said + "."]
+
+
+def doc_calibration_reuse(datas: list[dict], opts: dict) -> list[str]:
+    """Whether the last calibration run (``datas[0]``, the Llama alone) is one of the reported runs (``datas[1:]``,
+    combined): the same seed's Llama with the same training losses at every logged step."""
+    calibration, report = datas[0], combined(datas[1:])
+    (run,) = calibration["runs"]
+    name = os.path.basename(opts["files"][0]) if "files" in opts else "the calibration run"
+    final = {r["seed"]: r for r in report["runs"] if r["model"] == run["model"]}
+    if run["seed"] not in final:
+        return [f"`{name}`: seed {run['seed']} is not among the reported runs."]
+    mine, theirs = run["curves"]["train_loss"], final[run["seed"]]["curves"]["train_loss"]
+    same = sum(a == b for a, b in zip(mine, theirs))
+    steps = run["curves"]["step"]
+    verdict = "is that run" if same == len(mine) <= len(theirs) else "is not that run"
+    model, seed, seeds = LABELS[run["model"]], run["seed"], len({r["seed"] for r in report["runs"]})
+    return [f"`{name}` ({model}, seed {seed}, {calibration['meta']['setting']['steps']:,} steps) and the reported "
+            f"{model} of seed {seed}: {same:,} of {len(mine):,} logged training losses (the mean of every 10 steps, to "
+            f"step {steps[-1]:,}) are equal to the bit. The calibration run {verdict}; the setting was frozen after "
+            f"it, so seed {seed} is both the seed the setting was chosen on and one of the {seeds} test seeds."]
+
+
+def summary_facts(report: dict) -> dict:
+    """The numbers of the report's summary (:func:`doc_summary`), from the runs: learned counts and their tests, steps
+    to 90% and their tests, accuracy of the runs that learned, the cost of 4-bit logits, and the outlier statistics."""
+    seeds = sorted({r["seed"] for r in report["runs"]})
+    budget = report["meta"]["setting"]["steps"]
+    facts: dict = {"seeds": len(seeds), "budget": budget, "lr": report["meta"]["setting"]["lr"]}
+    for task in ("needle", "mqar"):
+        did = {m: _seeds_of(report, m, learned(report, task)) for m in MODELS}
+        facts[f"learned_{task}"] = {m: sum(v.values()) for m, v in did.items()}
+        for m in ("v1", "v2"):
+            only_m = sum(did[m][s] and not did["llama"][s] for s in seeds)
+            only_llama = sum(did["llama"][s] and not did[m][s] for s in seeds)
+            k, j = facts[f"learned_{task}"][m], facts[f"learned_{task}"]["llama"]
+            facts[f"learned_{task}_{m}"] = {"fisher": exact_tests.fisher_exact(k, len(seeds) - k, j, len(seeds) - j),
+                                            "only": only_m, "only_llama": only_llama,
+                                            "mcnemar": exact_tests.mcnemar(only_m, only_llama)}
+        reach = lambda r, t=task: steps_to(r["curves"], t, 0.9)  # noqa: E731
+        steps = {m: _seeds_of(report, m, reach) for m in MODELS}
+        facts[f"steps_{task}"] = {m: sorted(v.values()) for m, v in steps.items()}
+        for m in ("v1", "v2"):
+            first = [steps[m][s] - steps["llama"][s] for s in seeds]
+            facts[f"steps_{task}_{m}"] = {"sign": exact_tests.sign_test([-d for d in first]),
+                                          "rank": exact_tests.rank_sum(list(steps[m].values()),
+                                                                       list(steps["llama"].values()))}
+    needle = learned(report, "needle")
+    both = [s for s in seeds
+            if all(needle(r) for r in report["runs"] if r["seed"] == s and r["model"] in ("llama", "v1"))]
+    facts["v1_llama_both_needle"] = [(s, steps_to(_run(report, "v1", s)["curves"], "needle", 0.9),
+                                      steps_to(_run(report, "llama", s)["curves"], "needle", 0.9)) for s in both]
+    facts["learned_rows"] = {}
+    for key, (label, kind, keep, value) in learned_rows(report).items():
+        if kind != "accuracy":
+            continue
+        per = {m: [value(r) for r in report["runs"] if r["model"] == m and keep(r)] for m in MODELS}
+        facts["learned_rows"][key] = {"values": per, **{f"p_{m}": exact_tests.rank_sum(per[m], per["llama"])
+                                                          for m in ("v1", "v2") if per[m] and per["llama"]}}
+    facts["chance"] = statistics.mean(1 / n for n in _ints(report["meta"]["setting"]["eval_needles"]))
+    rows = outlier_rows(report)
+    for task in ("needle", "mqar"):
+        kept = [x for x in rows if x[f"{task}_learned"]]
+        for key in ("lost", "added"):
+            per = {m: [x[f"{task}_{key}"] for x in kept if x["model"] == m] for m in MODELS}
+            facts[f"lowbit_{task}_{key}"] = {"values": per, **{f"p_{m}": exact_tests.rank_sum(per[m], per["llama"])
+                                                               for m in ("v1", "v2") if per[m] and per["llama"]}}
+    milder = [(r, tag, task) for r in report["runs"] for tag in r["lowbit"]["accuracy"] if tag.endswith(("/8", "/6"))
+              for task in ("needle", "mqar") if _learned_lowbit(task)(r)]
+    facts["lost_8_6_max"] = max((r["lowbit"]["accuracy"]["none"][task]["accuracy"]
+                                 - r["lowbit"]["accuracy"][tag][task]["accuracy"] for r, tag, task in milder),
+                                default=None)
+    learned_needle = {(x["model"], x["seed"]) for x in rows if needle(_run(report, x["model"], x["seed"]))}
+    facts["outliers"] = {
+        "max": {m: {x["seed"]: x["max"] for x in rows if x["model"] == m} for m in MODELS},
+        "ratio_learned": {m: [x["ratio"] for x in rows if x["model"] == m and (m, x["seed"]) in learned_needle]
+                          for m in MODELS},
+        "top100_min": min(x["top100"] for x in rows),
+        "learned_needle": learned_needle,
+        "correlations": outlier_correlations(report)}
+    return facts
+
+
+def _run(report: dict, model: str, seed: int) -> dict:
+    return next(r for r in report["runs"] if r["model"] == model and r["seed"] == seed)
+
+
+def _p(p: float | None) -> str:
+    return "p: too few runs" if p is None else f"p = {exact_tests.format_p(p)}"
+
+
+def _each(per: dict, digits: int = 2) -> str:
+    return ", ".join(f"{LABELS[m]} {_span(per[m], digits)}" for m in MODELS if per.get(m))
+
+
+def _versus(per: dict, model: str) -> str:
+    """How ``model``'s runs sit against the Llama's: below or above every one of them, or among them."""
+    mine, llama = per[model], per["llama"]
+    if not mine or not llama:
+        return "not comparable"
+    if max(mine) < min(llama):
+        return "below the Llama's in every run against every run"
+    if min(mine) > max(llama):
+        return "above the Llama's in every run against every run"
+    return "overlapping the Llama's"
+
+
+def _significance(*ps: float) -> str:
+    return "not significant" if min(ps) >= 0.05 else "significant at 0.05"
+
+
+def doc_summary(datas: list[dict], opts: dict) -> list[str]:
+    """The report's outcome, as bullets whose every number and every comparison word is computed here from the results
+    files (tests check the committed report against it): learned counts, steps to 90%, accuracy once learned, the
+    cost of 4-bit logits and the outlier statistics, each difference with its exact test."""
+    report = combined(datas)
+    f = summary_facts(report)
+    n, budget = f["seeds"], f["budget"]
+    v2, v1 = f["learned_needle_v2"], f["learned_needle_v1"]
+    counts = lambda c: ", ".join(f"{LABELS[m]} {c[m]}/{n}" for m in MODELS)  # noqa: E731
+    lines = [
+        f"- **Learned within the budget** ({budget:,} steps; held-out accuracy {LEARNED:g} or more): needle retrieval "
+        f"in {counts(f['learned_needle'])} seeds, MQAR in {counts(f['learned_mqar'])}. Needle retrieval, V2 against "
+        f"the Llama: Fisher's exact test {_p(v2['fisher'])}; McNemar's exact test on the seeds where only one of the "
+        f"two learned (V2 only: {v2['only']}, Llama only: {v2['only_llama']}) {_p(v2['mcnemar'])}. V1 against the "
+        f"Llama: Fisher {_p(v1['fisher'])}; V1 only: {v1['only']}, Llama only: {v1['only_llama']} (McNemar "
+        f"{_p(v1['mcnemar'])}). V2 against the Llama: {_significance(v2['fisher'], v2['mcnemar'])}; V1 against the "
+        f"Llama: {_significance(v1['fisher'], v1['mcnemar'])}. Under a fixed budget, \"learned\" is censored speed, "
+        "not a second finding.",
+    ]
+    steps, s2, sm, s2m = f["steps_needle"], f["steps_needle_v2"], f["steps_mqar"], f["steps_mqar_v2"]
+    faster, slower, p_sign = s2["sign"]
+    pairs = f["v1_llama_both_needle"]
+    both = "; ".join(f"seed {s}: V1 {a:,} steps, Llama {b:,}" for s, a, b in pairs)
+    lines.append(
+        "- **Steps to 90% validation accuracy**, needle retrieval: " + "; ".join(
+            f"{LABELS[m]} {_steps_span(steps[m], budget)}" for m in MODELS) + f". V2 got there before the Llama "
+        f"of the same seed in {faster} of {faster + slower} seeds (sign test {_p(p_sign)}); V2's runs against the "
+        "Llama's, unpaired, a run that never got there ranked above every run that did: exact rank-sum test "
+        f"{_p(s2['rank'])}. MQAR: " + "; ".join(f"{LABELS[m]} {_steps_span(sm[m], budget)}" for m in MODELS)
+        + f" (V2 against the Llama {_p(s2m['rank'])}). All at one learning rate ({f['lr']:g}), chosen by calibrating "
+        "the Llama alone. V1 against the Llama in the seeds where both learned needle retrieval: "
+        + (both or "none") + f" ({len(pairs)} seed{'' if len(pairs) == 1 else 's'}: too few for a test).")
+    rows = f["learned_rows"]
+    trained = rows["trained"]
+    said = [f"needle retrieval at the trained lengths {_each(trained['values'])} (V1 {_p(trained.get('p_v1'))}, V2 "
+            f"{_p(trained.get('p_v2'))})"]
+    if "mqar_out" in rows:
+        beyond = rows["mqar_out"]
+        said.append(f"MQAR beyond the trained pair counts: {_each(beyond['values'])}; V1's "
+                    f"{_versus(beyond['values'], 'v1')} ({_p(beyond.get('p_v1'))}), V2's "
+                    f"{_versus(beyond['values'], 'v2')} ({_p(beyond.get('p_v2'))})")
+    if "near" in rows:
+        said.append(f"needle retrieval up to 1.5 times the trained length: {_each(rows['near']['values'])}")
+    if "far" in rows:
+        said.append(f"beyond it, accuracy (the argmax over the whole vocabulary) {_each(rows['far']['values'])}, and "
+                    f"the multiple-choice accuracy among the needles' values {_each(rows['far_choice']['values'])}, "
+                    f"against a chance level of {f['chance']:.2f} (1 / needles, averaged over the needle counts)")
+    lines.append("- **Accuracy once learned** (the runs that learned the task, unpaired, exact rank-sum tests against "
+                 "the Llama): " + "; ".join(said) + ".")
+    acc_n, add_n, acc_m = f["lowbit_needle_lost"], f["lowbit_needle_added"], f["lowbit_mqar_lost"]
+    floor = _min_rank_p(acc_n)
+    lines.append(
+        "- **4-bit attention logits** (one scale per tensor; the runs whose unquantized accuracy on the task's low-bit "
+        f"set reaches {LEARNED:g}): needle accuracy lost {_each(acc_n['values']) or 'no run'}; answer loss added "
+        f"(nats) {_each(add_n['values']) or 'no run'}. V1's losses are {_versus(acc_n['values'], 'v1')} in accuracy "
+        f"({_p(acc_n.get('p_v1'))}) and {_versus(add_n['values'], 'v1')} in loss ({_p(add_n.get('p_v1'))}"
+        + (f"; with {len(acc_n['values']['v1'])} runs against {len(acc_n['values']['llama'])} no exact rank test can "
+           f"go below p = {exact_tests.format_p(floor)}" if floor is not None else "")
+        + f"); V2's {_versus(acc_n['values'], 'v2')} (accuracy {_p(acc_n.get('p_v2'))}, loss "
+        f"{_p(add_n.get('p_v2'))}). MQAR accuracy lost {_each(acc_m['values']) or 'no run'}: V2's "
+        f"{_versus(acc_m['values'], 'v2')} ({_p(acc_m.get('p_v2'))}), V1's {_versus(acc_m['values'], 'v1')} "
+        f"({_p(acc_m.get('p_v1'))})."
+        + (f" At 8 and 6 bits (logits or q and k, per tensor or per head) no run loses more than "
+           f"{f['lost_8_6_max']:.2f} of its accuracy on a task it learned." if f["lost_8_6_max"] is not None else ""))
+    o = f["outliers"]
+    never = sorted(((v, s) for s, v in o["max"]["llama"].items() if ("llama", s) not in o["learned_needle"]),
+                   reverse=True)
+    kept = {m: [v for s, v in o["max"][m].items() if (m, s) in o["learned_needle"]] for m in MODELS}
+    c = o["correlations"]
+    lines.append(
+        "- **Outliers.** Largest attention logit (magnitude) in the runs that learned needle retrieval: "
+        f"{_each(kept, 1) or 'no run'}; the Llama's in the seeds where it did not: "
+        + (", ".join(f"{v:.1f} (seed {s})" for v, s in never) or "none") + ". In every run and layer the 100th "
+        f"largest logit magnitude is at least {math.floor(o['top100_min'] * 100) / 100:.2f} of the largest (rounded "
+        "down): no few extreme values. The ratio "
+        "of the largest to the median magnitude (the largest over layers), which sets how coarse an absmax grid is for "
+        f"a typical logit, in the runs that learned needle retrieval: {_each(o['ratio_learned'], 1) or 'no run'}. "
+        "Against the 4-bit loss added, over the runs that learned each task (Spearman, exact permutation test): "
+        f"max / median on MQAR {_rho(c['mqar'], 'ratio')} ({c['mqar']['n']} runs), on needle retrieval "
+        f"{_rho(c['needle'], 'ratio')} ({c['needle']['n']} runs); the largest logit alone on MQAR "
+        f"{_rho(c['mqar'], 'max')}, on needle retrieval {_rho(c['needle'], 'max')}.")
+    return lines
+
+
+def _min_rank_p(entry: dict) -> float | None:
+    """The smallest two-sided p-value the exact rank-sum test can give for V1's runs against the Llama's."""
+    a, b = len(entry["values"]["v1"]), len(entry["values"]["llama"])
+    return exact_tests.rank_sum(list(range(a)), list(range(a, a + b))) if a and b else None
 
 
 def doc_table_calibration(datas: list[dict], opts: dict) -> list[str]:
@@ -741,33 +1191,126 @@ def doc_table_calibration(datas: list[dict], opts: dict) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------------------------- the learning-rate grid
+
+
+def grid_runs(datas: list[dict]) -> dict:
+    """The runs of the learning-rate grid's files (one per learning rate and seed, each the usual results file):
+    ``{(model, lr, seed): run}`` with each run's ``budget`` (its setting's steps). A run found twice is an error."""
+    runs: dict = {}
+    for data in datas:
+        setting = data["meta"]["setting"]
+        for r in data["runs"]:
+            key = (r["model"], float(setting["lr"]), r["seed"])
+            if key in runs:
+                raise ValueError(f"the grid's files hold the {r['model']} run of seed {r['seed']} at learning rate "
+                                 f"{setting['lr']:g} twice: each run must come from one file")
+            runs[key] = r | {"budget": setting["steps"]}
+    return runs
+
+
+def _median_steps(values: list[int], budget: int) -> float:
+    """The median of steps to 90%, a run that never got there counting as more than ``budget`` (infinity: a median
+    that involves such a run is itself "not reached")."""
+    return statistics.median(v if v <= budget else math.inf for v in values)
+
+
+def grid_cells(datas: list[dict]) -> dict:
+    """Per (model, learning rate): runs, how many learned both tasks and each (validation accuracy reached 90% within
+    the budget), the steps to 90% per task and on both (the later of the two; censored: above the budget) and their
+    medians; and each model's best learning rate (most runs that learned both; ties: the lower median steps on both,
+    then the lower rate)."""
+    cells: dict = {}
+    for (model, lr, seed), r in sorted(grid_runs(datas).items()):
+        budget = r["budget"]
+        steps = {t: steps_to(r["curves"], t, STOP_LEVEL) for t in STOP_TASKS}
+        steps["both"] = max(steps.values())
+        cell = cells.setdefault((model, lr), {"seeds": [], "budget": budget, "steps": {k: [] for k in steps},
+                                              "learned": {k: 0 for k in steps}})
+        if budget != cell["budget"]:
+            raise ValueError(f"{model} at learning rate {lr:g}: runs with different budgets ({cell['budget']} and "
+                             f"{budget} steps) cannot share a median")
+        cell["seeds"].append(seed)
+        for k, v in steps.items():
+            cell["steps"][k].append(v)
+            cell["learned"][k] += v <= budget
+    for cell in cells.values():
+        cell["median"] = {k: _median_steps(v, cell["budget"]) for k, v in cell["steps"].items()}
+    best = {}
+    for model in MODELS:
+        mine = [(lr, c) for (m, lr), c in cells.items() if m == model]
+        if mine:
+            best[model] = min(mine, key=lambda x: (-x[1]["learned"]["both"], x[1]["median"]["both"], x[0]))[0]
+    return {"cells": cells, "best": best}
+
+
+def _median_text(value: float, budget: int) -> str:
+    return f"> {budget:,}" if math.isinf(value) else f"{value:,.0f}"
+
+
+def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
+    """scripts/doc_tables.py's renderer of issue 42's learning-rate grid (the ``lr_grid`` preset's files, one per
+    learning rate and seed): per model and learning rate, the runs, the share that learned (both tasks, each task),
+    the median steps to 90%, each model's best rate marked; then V1 and V2 against the Llama, each at its best rate
+    (Fisher's exact test on learning both tasks, the exact rank-sum test on the steps to 90% on both)."""
+    grid = grid_cells(datas)
+    cells, best = grid["cells"], grid["best"]
+    lines = ["| model | learning rate | runs (seeds) | learned both tasks | learned needle | learned MQAR | median "
+             "steps to 90%: needle / MQAR / both |", "|---|---|---|---|---|---|---|"]
+    for (model, lr), c in sorted(cells.items(), key=lambda x: (MODELS.index(x[0][0]), x[0][1])):
+        n = len(c["seeds"])
+        mark = " **(best)**" if best.get(model) == lr else ""
+        medians = " / ".join(_median_text(c["median"][k], c["budget"]) for k in ("needle", "mqar", "both"))
+        lines.append(f"| {LABELS[model]} | {lr:g}{mark} | {n} ({', '.join(map(str, sorted(c['seeds'])))}) | "
+                     f"{c['learned']['both']}/{n} | {c['learned']['needle']}/{n} | {c['learned']['mqar']}/{n} | "
+                     f"{medians} |")
+    tests = []
+    if "llama" in best:
+        base = cells[("llama", best["llama"])]
+        for model in ("v1", "v2"):
+            if model not in best:
+                continue
+            c = cells[(model, best[model])]
+            k, n, j, m = c["learned"]["both"], len(c["seeds"]), base["learned"]["both"], len(base["seeds"])
+            fisher = exact_tests.fisher_exact(k, n - k, j, m - j)
+            rank = exact_tests.rank_sum(c["steps"]["both"], base["steps"]["both"])
+            tests.append(f"{LABELS[model]} at {best[model]:g} against the Llama at {best['llama']:g}: learned both "
+                         f"tasks {k}/{n} against {j}/{m} (Fisher's exact test {_p(fisher)}); steps to 90% on both, "
+                         f"median {_median_text(c['median']['both'], c['budget'])} against "
+                         f"{_median_text(base['median']['both'], base['budget'])} (exact rank-sum test {_p(rank)}).")
+    budgets = ", ".join(f"{b:,}" for b in sorted({c["budget"] for c in cells.values()}))
+    note = (f"Learned: validation accuracy reached 90% on the task within the run's budget ({budgets} steps; a run "
+            "stops early once both tasks have held 90% for three validations). Steps to 90%: the first validation at "
+            "90% or more; on both tasks, the later of the two. A median over runs counts a run that never got there "
+            "as more than the budget, so a median that involves one reads \"> budget\". Best learning rate of a "
+            "model: the most runs that learned both tasks; ties go to the lower median steps on both, then to the "
+            "lower rate. The tests compare each DIFF model at its best rate with the Llama at its own (unpaired; in "
+            "the rank test a run that never got there ranks above every run that did).")
+    return lines + ["", note] + (["", *tests] if tests else [])
+
+
 def headline(report: dict) -> tuple[str, str]:
     """The README's results row (scripts/doc_tables.py finds it by this script's name): in how many seeds each model
-    learned needle retrieval, in how many it got there before the Llama of the same seed, and what 4-bit logits cost
-    the runs that learned MQAR."""
-    metrics = retrieval_metrics(report)
-    needle = metrics[next(k for k in metrics if k.startswith("needle accuracy, trained"))]
-    seeds = sorted({r["seed"] for r in report["runs"]})
+    learned needle retrieval (and the test of V2 against the Llama), how often V2 got there first (its exact test, and
+    that one learning rate tuned for the Llama was used), and what 4-bit logits cost the runs that learned each task,
+    needle retrieval and MQAR."""
+    f = summary_facts(report)
+    n = f["seeds"]
+    learned = ", ".join(f"{LABELS[m]} {f['learned_needle'][m]}/{n}" for m in MODELS)
+    faster, slower, _ = f["steps_needle_v2"]["sign"]
+
+    def mean_lost(task):
+        per = f[f"lowbit_{task}_lost"]["values"]
+        return ", ".join(f"{LABELS[m]} {statistics.mean(per[m]):.2f}" if per[m] else f"{LABELS[m]} –" for m in MODELS)
+
     params = report["runs"][0]["params"]
-    learned = ", ".join(f"{LABELS[m]} {sum(v >= 0.9 for v in _seeds_of(report, m, needle).values())}/{len(seeds)}"
-                        for m in MODELS)
-    reach = lambda r: steps_to(r["curves"], "needle", 0.9)  # noqa: E731  (censored: past the end where never)
-    llama = _seeds_of(report, "llama", reach)
-    sooner = ", ".join(f"{LABELS[m]} {sum(v < llama[s] for s, v in _seeds_of(report, m, reach).items() if s in llama)}"
-                       f"/{len(seeds)}" for m in MODELS if m != "llama")
-
-    def acc(tag):
-        return lambda r: r["lowbit"]["accuracy"][tag]["mqar"]["accuracy"]
-
-    lost = []
-    for m in MODELS:
-        values = [acc("none")(r) - acc("logits/tensor/4")(r) for r in report["runs"]
-                  if r["model"] == m and acc("none")(r) >= 0.9]
-        lost.append(f"{LABELS[m]} {statistics.mean(values):.2f}" if values else f"{LABELS[m]} –")
     return (f"Retrieval with distractors and low-bit attention, trained from scratch ({round(params / 1000)}k "
-            f"parameters, {len(seeds)} paired seeds, CPU)",
-            f"needle retrieval learned (accuracy ≥ 0.9 at trained lengths) in {learned} seeds, sooner than the Llama "
-            f"in {sooner}; MQAR accuracy lost with 4-bit attention logits (runs that learned it): {', '.join(lost)}")
+            f"parameters, {n} paired seeds, CPU)",
+            f"needle retrieval learned (accuracy ≥ {LEARNED:g} at trained lengths) in {learned} seeds (V2 vs Llama: "
+            f"Fisher {_p(f['learned_needle_v2']['fisher'])}); DIFF V2 reached 90% before the Llama in {faster}/"
+            f"{faster + slower} seeds (exact rank test {_p(f['steps_needle_v2']['rank'])}; one learning rate, tuned on "
+            f"the Llama); accuracy lost with 4-bit attention logits (runs that learned the task): needle "
+            f"{mean_lost('needle')}; MQAR {mean_lost('mqar')}")
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -1,10 +1,12 @@
 """Synthetic retrieval tasks (difftransformer.retrieval_tasks) and benchmarks/retrieval_lowbit.py: the sequences hold
 what they claim, scoring reads the right positions, and the experiment runs end to end, pairs seeds and resumes."""
 
-import importlib.util
+import itertools
 import json
+import math
 import pathlib
 import random
+import re
 import statistics
 
 import pytest
@@ -111,10 +113,9 @@ def test_encode_labels_exactly_the_answers_and_score_reads_them():
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("retrieval_lowbit", ROOT / "benchmarks" / "retrieval_lowbit.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import retrieval_lowbit
+
+    return retrieval_lowbit
 
 
 def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
@@ -155,7 +156,11 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     plain = script.doc_table_lowbit([saved], {"task": "mqar"})
     assert len(plain) == 2 + len(saved["runs"][0]["lowbit"]["accuracy"]) + 2
     everyone = script.doc_table_lowbit([saved], {"task": "mqar", "learned": "0"})  # every run qualifies: counts added
-    assert everyone[3].split(" | ")[1] == plain[3].split(" | ")[1] + " (2)"
+    assert everyone[3].split(" | ")[1] == plain[3].split(" | ")[1].replace(" (±", " (2; ±")
+    cell = re.fullmatch(r"(\S+) ± \S+ \(±(\S+)\)", plain[3].split(" | ")[1])  # the binomial noise at the mean
+    n = saved["runs"][0]["lowbit"]["accuracy"]["none"]["mqar"]["n"]
+    assert float(cell[2]) == pytest.approx(math.sqrt(float(cell[1]) * (1 - float(cell[1])) / n), abs=0.006)
+    assert len(everyone[0].split(" | ")) == len(plain[0].split(" | ")) + 2  # the unpaired columns
     assert script.doc_table_lowbit([saved], {"task": "mqar", "learned": "2"})[0] == "| quantized |"  # none qualifies
     losses = script.doc_table_lowbit([saved], {"task": "needle", "measure": "loss"})
     r = saved["runs"][0]["lowbit"]["accuracy"]
@@ -164,14 +169,21 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     assert "loss added" in losses[0] and set(r) == {"none"} | {f"{t}/{g}/4" for t in script.TARGETS for g in script.GRANULARITIES}
     with pytest.raises(ValueError, match="measure='nats'"):
         script.doc_table_lowbit([saved], {"measure": "nats"})
-    assert len(script.doc_table_per_seed([saved], {})) == 2 + 6
+    assert len(script.doc_table_per_seed([saved], {})) == 2 + 6 + 2
+    # The summary and the unpaired tables render on any results, saying where there are too few runs to test.
+    summary = script.doc_summary([saved], {})
+    assert len(summary) == 5 and all(line.startswith("- **") for line in summary)
+    assert "ρ: too few runs" in summary[-1]  # no run learned: nothing to correlate
+    assert len(script.doc_table_learned([saved], {})) == 2 + len(script.learned_rows(saved)) + 2
+    assert sum(line.startswith("| ") for line in script.doc_table_outlier_runs([saved], {})) == 1 + 6
     for render in (script.doc_table_outliers, script.doc_table_lens):
         assert all(line.count("|") == 7 for line in render([saved], {}) if line.startswith("|"))
         kept = render([saved], {"learned": "0"})  # every run qualifies: the same values, each cell counting its runs
         assert kept[2].split(" | ")[1] == render([saved], {})[2].split(" | ")[1] + " (2)"
         assert render([saved], {"learned": "2"})[0] == "| quantity |"  # no run learned: no model column
     label, value = script.headline(saved)
-    assert "2 paired seeds" in label and "sooner than the Llama in DIFF V1" in value
+    assert "2 paired seeds" in label and "reached 90% before the Llama in" in value
+    assert "needle Llama" in value and "MQAR Llama" in value  # both tasks' 4-bit losses
     half = {k: v for k, v in saved.items() if k != "runs"}
     seed0, seed1 = ([r for r in saved["runs"] if r["seed"] == s] for s in (0, 1))
     assert script.combined([half | {"runs": seed0}, half | {"runs": seed1}])["runs"] == seed0 + seed1
@@ -252,3 +264,157 @@ def test_a_run_stops_once_both_tasks_hold_90_percent(script, monkeypatch):
     assert script.setting_of(stopped)["stop_held"] == 3
     assert "stop_held" not in script.setting_of(script.resolve_args(["--preset", "smoke"]))  # older settings keep ids
     assert script.resolve_args(["--preset", "lr_grid"]).stop_held == 3
+
+
+# ----------------------------------------------------------------------------------------------- the report
+
+
+REPORT = ROOT / "docs" / "reports" / "2026-11-27-retrieval-lowbit.md"
+RESULTS = ["benchmarks/results/retrieval_lowbit/results.json",
+           "benchmarks/results/retrieval_lowbit_seeds34/results.json"]
+
+
+def _block(doc: str, renderer: str) -> list[str]:
+    """The generated lines of the block of ``renderer`` in ``doc`` (without the Sources lines under it)."""
+    lines = doc.split("\n")
+    marker = f"<!-- table: benchmarks.retrieval_lowbit:{renderer} "
+    start = next(i for i, line in enumerate(lines) if line.startswith(marker))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "<!-- end table -->")
+    body = lines[start + 1 : end]
+    return body[: body.index("Sources:") - 1] if "Sources:" in body else body
+
+
+def _brute_rank_p(x, y) -> float:
+    """Two-sided rank-sum p by enumerating every split (ties: midranks), written out independently."""
+    pooled = sorted(x + y)
+    rank = {v: statistics.mean(i + 1 for i, w in enumerate(pooled) if w == v) for v in pooled}
+    ranks = [rank[v] for v in x + y]
+    mean = len(x) * (len(ranks) + 1) / 2
+    observed = abs(sum(ranks[: len(x)]) - mean)
+    sums = [sum(c) for c in itertools.combinations(ranks, len(x))]
+    return sum(abs(s - mean) >= observed - 1e-9 for s in sums) / len(sums)
+
+
+def _fmt(p: float) -> str:
+    return f"{min(p, 1.0):.2g}"
+
+
+def test_the_report_summary_is_the_one_its_json_gives(script):
+    """Issue 42: every number of the report's summary comes from the results files. The committed block equals what
+    doc_summary renders from them, and the headline counts and tests, recomputed here straight from the JSON (not
+    through the script's helpers), are the ones it states."""
+    datas = [json.loads((ROOT / path).read_text()) for path in RESULTS]
+    doc = REPORT.read_text()
+    summary = _block(doc, "doc_summary")
+    assert summary == script.doc_summary(datas, {}), "regenerate: python scripts/doc_tables.py --write " + str(REPORT)
+    runs = [r for d in datas for r in d["runs"]]
+    seeds = sorted({r["seed"] for r in runs})
+    text = "\n".join(summary)
+
+    def needle(r):  # held-out accuracy at the trained lengths (48 and 64 tokens)
+        return statistics.mean(r["eval"]["needle"]["by_length"][k]["accuracy"] for k in ("48", "64"))
+
+    learned = {m: {r["seed"] for r in runs if r["model"] == m and needle(r) >= 0.9} for m in ("llama", "v1", "v2")}
+    for model, label in (("llama", "Llama"), ("v1", "DIFF V1"), ("v2", "DIFF V2")):
+        assert f"{label} {len(learned[model])}/{len(seeds)}" in text
+    k, j, n = len(learned["v2"]), len(learned["llama"]), len(seeds)
+    tables = {a: math.comb(n, a) * math.comb(n, k + j - a) / math.comb(2 * n, k + j)
+              for a in range(max(0, k + j - n), min(n, k + j) + 1)}
+    fisher = sum(p for p in tables.values() if p <= tables[k] * (1 + 1e-7))
+    assert f"Fisher's exact test p = {_fmt(fisher)}" in text
+
+    def steps(r):  # the first validation at 90% needle accuracy; never: beyond the budget
+        hits = [s for s, a in zip(r["curves"]["eval_step"], r["curves"]["val_accuracy_by_task"]["needle"]) if a >= 0.9]
+        return hits[0] if hits else math.inf
+
+    by = {m: {r["seed"]: steps(r) for r in runs if r["model"] == m} for m in ("llama", "v2")}
+    first = sum(by["v2"][s] < by["llama"][s] for s in seeds)
+    assert f"V2 got there before the Llama of the same seed in {first} of {len(seeds)} seeds" in text
+    budget = datas[0]["meta"]["setting"]["steps"]
+    rank = _brute_rank_p([min(v, budget + 1) for v in by["v2"].values()],
+                         [min(v, budget + 1) for v in by["llama"].values()])
+    assert f"exact rank-sum test p = {_fmt(rank)}" in text
+    # 4-bit logits: the needle accuracy each learned run loses, and V1's runs against the Llama's
+    lost = {m: sorted(r["lowbit"]["accuracy"]["none"]["needle"]["accuracy"]
+                      - r["lowbit"]["accuracy"]["logits/tensor/4"]["needle"]["accuracy"]
+                      for r in runs if r["model"] == m and r["lowbit"]["accuracy"]["none"]["needle"]["accuracy"] >= 0.9)
+            for m in ("llama", "v1")}
+    assert f"needle accuracy lost Llama {lost['llama'][0]:.2f}–{lost['llama'][-1]:.2f} ({len(lost['llama'])})" in text
+    assert f"DIFF V1 {lost['v1'][0]:.2f}–{lost['v1'][-1]:.2f} ({len(lost['v1'])})" in text
+    assert f"in accuracy (p = {_fmt(_brute_rank_p(lost['v1'], lost['llama']))})" in text
+    # the README row names both tasks' 4-bit losses
+    label, value = script.headline(script.combined(datas))
+    assert "needle Llama" in value and "MQAR Llama" in value and "Fisher p = " in value
+
+
+def test_the_calibration_run_reused_as_a_test_run_is_named(script):
+    path = ROOT / "benchmarks/results/retrieval_lowbit/calibration/c11_E64_L2_T64_10k.json"
+    calibration = json.loads(path.read_text())
+    datas = [json.loads((ROOT / path).read_text()) for path in RESULTS]
+    (line,) = script.doc_calibration_reuse([calibration, *datas], {"files": ["c11.json"]})
+    final = next(r for r in datas[0]["runs"] if r["model"] == "llama" and r["seed"] == 0)
+    same = sum(a == b for a, b in zip(calibration["runs"][0]["curves"]["train_loss"], final["curves"]["train_loss"]))
+    assert f"{same:,} of {len(calibration['runs'][0]['curves']['train_loss']):,}" in line and "is that run" in line
+    changed = json.loads(json.dumps(calibration))
+    changed["runs"][0]["curves"]["train_loss"][5] += 1e-6
+    assert "is not that run" in script.doc_calibration_reuse([changed, *datas], {"files": ["c11.json"]})[0]
+
+
+# ----------------------------------------------------------------------------------------------- the learning-rate grid
+
+
+def _grid_file(lr: float, seed: int, hits: dict, budget: int = 1000, every: int = 100) -> dict:
+    """A results file of the grid (one learning rate, one seed): per model the validation step at which each task
+    first reaches 0.9 (None: never within the budget); a run stops three validations after both held."""
+    runs = []
+    for model, (needle, mqar) in hits.items():
+        steps, accs = [], {"needle": [], "mqar": []}
+        stopped = None
+        for step in range(0, budget + 1, every):
+            steps.append(step)
+            for task, hit in (("needle", needle), ("mqar", mqar)):
+                accs[task].append(0.95 if hit is not None and step >= hit else 0.2)
+            if needle is not None and mqar is not None and step >= max(needle, mqar) + 2 * every:
+                stopped = step
+                break
+        runs.append({"model": model, "seed": seed, "curves": {"eval_step": steps, "val_accuracy_by_task": accs,
+                                                              "stopped_at": stopped}})
+    return {"meta": {"setting": {"lr": lr, "steps": budget}}, "runs": runs}
+
+
+def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(script):
+    """Synthetic grid: the Llama learns both tasks in 2 of 4 seeds at 5e-4 and 4 of 4 at 1e-3; V2 in 4 of 4 at both
+    rates, sooner at 1e-3 (its best: a tie on learned runs broken by the median); V1 never learns MQAR at 1e-3."""
+    seeds = (5, 6, 7, 8)
+    plan = {  # (lr, seed) -> model -> (needle step, MQAR step)
+        (5e-4, 5): {"llama": (600, 700), "v1": (500, None), "v2": (300, 300)},
+        (5e-4, 6): {"llama": (None, 800), "v1": (None, None), "v2": (400, 300)},
+        (5e-4, 7): {"llama": (700, 600), "v1": (600, 600), "v2": (300, 400)},
+        (5e-4, 8): {"llama": (None, None), "v1": (None, None), "v2": (500, 500)},
+        **{(1e-3, s): {"llama": (400 + 100 * i, 500), "v1": (300, None), "v2": (200, 200 + 100 * (i % 2))}
+           for i, s in enumerate(seeds)},
+    }
+    datas = [_grid_file(lr, seed, hits) for (lr, seed), hits in plan.items()]
+    grid = script.grid_cells(datas)
+    cells, best = grid["cells"], grid["best"]
+    assert best == {"llama": 1e-3, "v1": 5e-4, "v2": 1e-3}
+    llama = cells[("llama", 5e-4)]
+    assert llama["learned"] == {"needle": 2, "mqar": 3, "both": 2} and llama["seeds"] == list(seeds)
+    assert math.isinf(llama["median"]["both"])  # two of four never: the median involves a censored run
+    assert cells[("v2", 1e-3)]["median"]["both"] == statistics.median([200, 300, 200, 300])
+    assert cells[("v1", 1e-3)]["learned"]["both"] == 0
+    lines = script.doc_table_lr_grid(datas, {})
+    rows = [line for line in lines if line.startswith("| DIFF V2 |")]
+    assert rows[1].startswith("| DIFF V2 | 0.001 **(best)** | 4 (5, 6, 7, 8) | 4/4 | 4/4 | 4/4 |")
+    assert "> 1,000" in next(line for line in lines if line.startswith("| Llama | 0.0005 |"))
+    v2 = next(line for line in lines if line.startswith("DIFF V2 at 0.001 against the Llama at 0.001"))
+    rank = _brute_rank_p([max(h) for s in seeds for h in [plan[(1e-3, s)]["v2"]]],
+                         [max(h) for s in seeds for h in [plan[(1e-3, s)]["llama"]]])
+    assert "4/4 against 4/4 (Fisher's exact test p = 1)" in v2 and f"(exact rank-sum test p = {_fmt(rank)})" in v2
+    v1 = next(line for line in lines if line.startswith("DIFF V1 at 0.0005"))
+    assert "learned both tasks 1/4 against 4/4" in v1  # V1's best rate: one seed learned both
+    with pytest.raises(ValueError, match="twice"):
+        script.grid_runs(datas + datas[:1])
+    other_budget = _grid_file(5e-4, 9, {"llama": (100, 100)}, budget=2000)
+    with pytest.raises(ValueError, match="different budgets"):
+        script.grid_cells(datas + [other_budget])

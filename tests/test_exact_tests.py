@@ -1,0 +1,106 @@
+"""benchmarks/exact_tests.py: every p-value is its null distribution summed exactly. Checked against enumerations
+written out here (every table, every split, every permutation), against closed forms, and against scipy where it is
+installed (scipy is no dependency of the package or its tests)."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from benchmarks import exact_tests as et
+
+
+def _two_sided(probabilities: dict, observed) -> float:
+    """Sum of the probabilities of every outcome no more likely than ``observed``."""
+    return sum(p for p in probabilities.values() if p <= probabilities[observed] * (1 + 1e-7))
+
+
+def test_binomial_sign_and_mcnemar_against_the_binomial_law():
+    for n, p in ((5, 0.5), (12, 0.3), (9, 0.75)):
+        law = {k: math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)}
+        for k in range(n + 1):
+            assert et.binomial_two_sided(k, n, p) == pytest.approx(min(1.0, _two_sided(law, k)), abs=1e-12)
+    assert et.binomial_two_sided(5, 5) == pytest.approx(2 / 32)  # five of five: one in sixteen
+    assert et.sign_test([1.0, -2.0, 0.0, 3.0, 4.0]) == (3, 1, et.binomial_two_sided(3, 4))  # the zero is dropped
+    assert et.mcnemar(2, 0) == pytest.approx(0.5)
+    assert et.mcnemar(0, 0) == 1.0
+    for bad in ((3, 2), (-1, 2)):
+        with pytest.raises(ValueError, match="binomial"):
+            et.binomial_two_sided(*bad)
+
+
+def test_fisher_exact_against_the_hypergeometric_law():
+    for a, b, c, d in ((5, 0, 3, 2), (1, 4, 4, 1), (0, 6, 3, 3), (2, 2, 2, 2)):
+        row, col, n = a + b, a + c, a + b + c + d
+        law = {x: math.comb(col, x) * math.comb(n - col, row - x) / math.comb(n, row)
+               for x in range(max(0, col - (n - row)), min(row, col) + 1)}
+        assert et.fisher_exact(a, b, c, d) == pytest.approx(min(1.0, _two_sided(law, a)))
+    assert et.fisher_exact(5, 0, 3, 2) == pytest.approx(4 / 9)  # five of five against three of five
+    with pytest.raises(ValueError, match="non-negative"):
+        et.fisher_exact(1, -1, 0, 0)
+
+
+def test_rank_sum_against_its_enumeration_with_ties():
+    assert et.rank_sum([1, 2, 3], [4, 5, 6]) == pytest.approx(2 / 20)  # the smallest p three against three
+    assert et.rank_sum([1, 2, 3, 4, 5], [6, 7, 8, 9, 9]) == pytest.approx(2 / 252)
+    rng = random.Random(0)
+    for _ in range(20):
+        x = [rng.choice((1, 2, 2, 3, 5)) for _ in range(rng.randint(1, 4))]
+        y = [rng.choice((2, 3, 3, 4, 9)) for _ in range(rng.randint(1, 4))]
+        pooled = x + y
+        ranks = et.midranks(pooled)
+        mean = len(x) * (len(pooled) + 1) / 2
+        sums = [sum(ranks[i] for i in chosen) for chosen in itertools.combinations(range(len(pooled)), len(x))]
+        observed = abs(sum(ranks[: len(x)]) - mean)
+        assert et.rank_sum(x, y) == pytest.approx(sum(abs(s - mean) >= observed - 1e-9 for s in sums) / len(sums))
+    assert et.midranks([3, 1, 3, 2]) == [3.5, 1.0, 3.5, 2.0]
+    with pytest.raises(ValueError, match="both samples"):
+        et.rank_sum([], [1])
+
+
+def test_spearman_against_every_permutation():
+    rng = random.Random(1)
+    for n in (3, 5, 7):
+        x = [rng.random() for _ in range(n)]
+        y = [a + rng.gauss(0, 0.3) for a in x]
+        y[0] = y[1]  # a tie
+        rho, p = et.spearman(x, y)
+        rx, ry = et.midranks(x), et.midranks(y)
+
+        def corr(a, b):
+            ma, mb = sum(a) / n, sum(b) / n
+            cov = sum((u - ma) * (v - mb) for u, v in zip(a, b))
+            return cov / math.sqrt(sum((u - ma) ** 2 for u in a) * sum((v - mb) ** 2 for v in b))
+
+        assert rho == pytest.approx(corr(rx, ry))
+        perms = [corr(rx, list(perm)) for perm in itertools.permutations(ry)]
+        assert p == pytest.approx(sum(abs(r) >= abs(rho) - 1e-9 for r in perms) / len(perms))
+    assert et.spearman([1, 2, 3, 4, 5], [2, 4, 6, 8, 10]) == (pytest.approx(1.0), pytest.approx(2 / 120))
+    with pytest.raises(ValueError, match="up to n"):
+        et.spearman(list(range(et.SPEARMAN_MAX_N + 1)), list(range(et.SPEARMAN_MAX_N + 1)))
+    with pytest.raises(ValueError, match="every value equal"):
+        et.spearman([1, 1, 1], [1, 2, 3])
+
+
+def test_the_same_values_as_scipy_where_it_is_installed():
+    stats = pytest.importorskip("scipy.stats")
+    rng = random.Random(2)
+    for _ in range(5):
+        k, n = rng.randint(0, 12), 12
+        assert et.binomial_two_sided(k, n, 0.4) == pytest.approx(stats.binomtest(k, n, 0.4).pvalue, rel=1e-9)
+        table = [rng.randint(0, 6) for _ in range(4)]
+        assert et.fisher_exact(*table) == pytest.approx(stats.fisher_exact([table[:2], table[2:]]).pvalue, rel=1e-9)
+        x, y = rng.sample(range(0, 40, 2), 4), rng.sample(range(1, 41, 2), 3)  # no ties: scipy's exact has none
+        assert et.rank_sum(x, y) == pytest.approx(stats.mannwhitneyu(x, y, method="exact").pvalue, rel=1e-9)
+        a = [rng.random() for _ in range(9)]
+        b = [rng.random() for _ in range(9)]
+        assert et.spearman(a, b)[0] == pytest.approx(stats.spearmanr(a, b).statistic, rel=1e-9)
+
+
+def test_binomial_noise_and_p_formatting():
+    assert et.binomial_noise(0.85, 120) == pytest.approx(math.sqrt(0.85 * 0.15 / 120))  # the issue's ±0.03
+    assert et.binomial_noise(1.0, 10) == 0.0
+    with pytest.raises(ValueError, match="n must be positive"):
+        et.binomial_noise(0.5, 0)
+    assert [et.format_p(p) for p in (1.0000000002, 0.4444, 0.0079365, 0.00012)] == ["1", "0.44", "0.0079", "1.2e-04"]
