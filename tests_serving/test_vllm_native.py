@@ -97,7 +97,9 @@ def build(name: str, folder):
     """The folder of model ``name`` and our model loaded from it (float32, eval)."""
     from transformers import AutoModelForCausalLM
 
-    import difftransformer  # noqa: F401  (registers the Auto classes, Motif's included)
+    from difftransformer.motif import register_motif
+
+    register_motif()  # the Auto classes load Motif's folders too (opt-in: docs/models.md)
 
     spec = dict(MODELS[name])
     seed = spec.pop("seed")
