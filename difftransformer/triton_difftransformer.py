@@ -186,8 +186,8 @@ LAUNCH_CONFIGS: dict[str, tuple[dict, ...]] = {
 _PREPROCESS_CONFIG = dict(BLOCK_T=32, num_warps=4)
 _TUNED_KINDS = ("forward", "dkdv", "dq")
 _CONFIG_KEYS = {"forward": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
-                "dq": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
                 "dkdv": ("BLOCK_T", "BLOCK_N", "num_warps", "num_stages"),
+                "dq": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
                 "decode": ("BLOCK_N", "num_warps", "num_stages", "min_split_blocks", "max_units", "splits"),
                 "preprocess": ("BLOCK_T", "num_warps")}
 
@@ -945,8 +945,10 @@ class _Shape(NamedTuple):
 _KERNELS = {"forward": "_diff_attn_fwd", "decode": "_diff_attn_fwd", "dkdv": "_diff_attn_bwd_dkdv",
             "dq": "_diff_attn_bwd_dq"}
 # The autotuning key (kernel arguments; triton.autotune adds every tensor argument's dtype): head dim, GDA's ratio and
-# noise rows, KV groups, causal, mask, and the power-of-two buckets of the batch, query and key lengths.
+# noise rows, KV groups, causal, mask, the power-of-two buckets of the batch, query and key lengths, and for the
+# forward whether it saves the backward's statistics.
 _TUNE_KEYS = ("HEAD_DIM", "R", "M_NOISE", "G", "IS_CAUSAL", "HAS_MASK", "t_bucket", "s_bucket", "b_bucket")
+_TUNE_KEYS_OF = {"forward": _TUNE_KEYS + ("SAVE_STATS",), "dkdv": _TUNE_KEYS, "dq": _TUNE_KEYS}
 _TUNE_MIN_WORK = 1 << 24  # score entries (B·G·m·T·S) below which nothing is timed: launch overhead dominates there
 _ACC_LIMIT = 128  # fp32 accumulator values per thread a tile may hold (of its 255 registers; see _keep)
 _PINNED: dict = {"rules": {}, "autotune": True}
@@ -1085,9 +1087,9 @@ def _autotuner(kind: str):
     if kind not in tuners:
         configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                                  num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in LAUNCH_CONFIGS[kind]]
-        tuners[kind] = triton.autotune(
-            configs, key=list(_TUNE_KEYS), prune_configs_by={"early_config_prune": partial(_prune_for_autotune, kind)},
-        )(_jitted()[_KERNELS[kind]])
+        prune = {"early_config_prune": partial(_prune_for_autotune, kind)}
+        tuners[kind] = triton.autotune(configs, key=list(_TUNE_KEYS_OF[kind]), prune_configs_by=prune)(
+            _jitted()[_KERNELS[kind]])
     return tuners[kind]
 
 
@@ -1289,17 +1291,18 @@ def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, 
 # Pinning configurations, and the sweep that measures them on a GPU
 # ----------------------------------------------------------------------------------------------------------------------
 
-_REQUIRED_KEYS = {"forward": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
-                  "dkdv": ("BLOCK_T", "BLOCK_N", "num_warps", "num_stages"),
-                  "dq": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
-                  "decode": ("BLOCK_N", "num_warps", "num_stages", "min_split_blocks", "max_units")}
+_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels with launch lists (what set_configs and the sweep name)
+
+
+def _required(kind: str) -> tuple:
+    return tuple(k for k in _CONFIG_KEYS[kind] if k != "splits")  # decode's "splits" is optional (a test hook)
 
 
 def _checked_config(kind: str, config, where: str) -> dict:
     if not isinstance(config, dict):
-        raise ValueError(f"{where} must be a dict of {', '.join(_REQUIRED_KEYS[kind])}, got {config!r}")
+        raise ValueError(f"{where} must be a dict of {', '.join(_required(kind))}, got {config!r}")
     unknown = sorted(set(config) - set(_CONFIG_KEYS[kind]))
-    missing = [k for k in _REQUIRED_KEYS[kind] if k not in config]
+    missing = [k for k in _required(kind) if k not in config]
     if unknown or missing:
         raise ValueError(f"{where}: {kind} configurations take {', '.join(_CONFIG_KEYS[kind])} (all but 'splits' "
                          f"required); unknown {unknown}, missing {missing}")
@@ -1328,8 +1331,8 @@ def set_configs(configs=None, *, autotune: bool = True) -> None:
     """
     rules = {}
     for kind, value in (configs or {}).items():
-        if kind not in _REQUIRED_KEYS:
-            raise ValueError(f"set_configs: unknown kernel {kind!r}; kernels: {', '.join(_REQUIRED_KEYS)}")
+        if kind not in _KINDS:
+            raise ValueError(f"set_configs: unknown kernel {kind!r}; kernels: {', '.join(_KINDS)}")
         entries = [{"config": value}] if isinstance(value, dict) else value
         if not isinstance(entries, (list, tuple)):
             raise ValueError(f"set_configs: {kind} must map to a configuration dict or a list of rules, got {value!r}")
@@ -1431,9 +1434,9 @@ def _sweep_plan(shapes, dtype, device) -> list:
         shape = _Shape(p["batch"], p["queries"], p["keys"], p["groups"], p["n"], p["noise_ratio"], p["head_dim"],
                        dtype, p["causal"], False, device)
         for kind in spec["kernels"]:
-            if kind not in _REQUIRED_KEYS:
+            if kind not in _KINDS:
                 raise ValueError(f"sweep problem {spec.get('name')!r}: unknown kernel {kind!r}; kernels: "
-                                 f"{', '.join(_REQUIRED_KEYS)}")
+                                 f"{', '.join(_KINDS)}")
             configs = LAUNCH_CONFIGS[kind]
             timed = [c for c in configs if _keep(kind, c, shape, arch, smem, heuristics=False)] or configs[-1:]
             plan.append((i, kind, shape, [(c, _keep(kind, c, shape, arch, smem)) for c in timed]))
@@ -1606,7 +1609,7 @@ def tuning_sweep(shapes=SWEEP_SHAPES, dtype=torch.bfloat16, device="cuda", rep_m
 def _pinned_from(results) -> dict:
     """set_configs rules from a sweep's results: each problem's best, then the kernel's best over all its problems."""
     pinned = {}
-    for kind in _REQUIRED_KEYS:
+    for kind in _KINDS:
         entries = [e for e in results if e["kernel"] == kind and e["best"] is not None]
         if not entries:
             continue

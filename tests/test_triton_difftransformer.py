@@ -510,8 +510,8 @@ def test_pruning_shared_memory_and_fallbacks():
 
 
 def test_autotuner_prunes_as_the_host_does(monkeypatch):
-    """triton.autotune wraps each tuned kernel with _TUNE_KEYS (every name a kernel argument, so the key really
-    varies) and an early prune that applies _prune to the launch's own arguments: on a recorded launch at the 1B
+    """triton.autotune wraps each tuned kernel with its key (_TUNE_KEYS_OF: every name a kernel argument, so the key
+    really varies) and an early prune that applies _prune to the launch's own arguments: on a recorded launch at the 1B
     shape (meta tensors: nothing runs) it keeps what the host keeps, and it keys on the length buckets."""
     tuners = {kind: tdt._autotuner(kind) for kind in ("forward", "dkdv", "dq")}
     launches = []
@@ -535,7 +535,7 @@ def test_autotuner_prunes_as_the_host_does(monkeypatch):
     recorded = {name: (args, kwargs) for name, args, kwargs in launches}
     for kind, tuner in tuners.items():
         args, kwargs = recorded[tdt._KERNELS[kind]]
-        assert set(tdt._TUNE_KEYS) <= set(tuner.arg_names)
+        assert set(tdt._TUNE_KEYS) <= set(tuner.keys) <= set(tuner.arg_names)
         named = dict(zip(tuner.arg_names, args))
         assert (named["t_bucket"], named["s_bucket"], named["b_bucket"]) == (2048, 2048, 8)
         fixed = {k: v for k, v in kwargs.items() if k not in tdt._CONFIG_KEYS[kind] + ("num_warps", "num_stages")}
