@@ -22,7 +22,7 @@ Outputs in ``--out``: ``results.json`` (every run, the per-seed / mean / paired-
 
 Resumable: each (seed, model) result is written into ``results.json`` as soon as it is done, and a rerun with the same
 setting skips what is there (``--resume``, the default). Presets: ``default`` (single-threaded CPU, at most two
-CPU-hours for three models x three seeds), ``gpu`` (larger model and data, ten seeds), ``lr_grid`` (issue 42's
+CPU-hours for three models x three seeds), ``gpu`` (larger model and data, ten seeds), ``lr_grid`` (the
 learning-rate grid: 20,000 steps, seeds 5 to 8, stopping once both tasks hold 90%; scripts/retrieval_lr_grid.sh) and
 ``smoke`` (seconds; the tests run it). Every flag overrides its preset's value. Run from the repository root:
 ``python -m benchmarks.retrieval_lowbit``.
@@ -75,7 +75,7 @@ PRESETS = {
         batch_size=64, steps=20000, train_needles="1,2,4,6,8,12", train_pairs="2,4,8,12,16,24",
         eval_lengths="64,128,160,192,256,512", eval_needles="2,4,8,12,16", eval_samples=16, eval_pairs="8,16,24,32,48",
         mqar_samples=32, lowbit_samples=12, lens_examples=25, seeds="0,1,2,3,4,5,6,7,8,9", threads=4, device="cuda"),
-    # Issue 42's learning-rate grid: the default recipe at 20,000 steps on seeds never used for calibration (nor by the
+    # The learning-rate grid: the default recipe at 20,000 steps on seeds never used for calibration (nor by the
     # default's runs, 0-4), one --lr per call; a run stops once both tasks' validation accuracy has been at 90% or more at
     # three validations in a row (1,000 steps at eval_every 500). scripts/retrieval_lr_grid.sh runs the grid.
     "lr_grid": _DEFAULT | dict(steps=20000, seeds="5,6,7,8", stop_held=3),
@@ -1249,7 +1249,7 @@ def _median_text(value: float, budget: int) -> str:
 
 
 def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
-    """scripts/doc_tables.py's renderer of issue 42's learning-rate grid (the ``lr_grid`` preset's files, one per
+    """scripts/doc_tables.py's renderer of the learning-rate grid (the ``lr_grid`` preset's files, one per
     learning rate and seed): per model and learning rate, the runs, the share that learned (both tasks, each task),
     the median steps to 90%, each model's best rate marked; then V1 and V2 against the Llama, each at its best rate
     (Fisher's exact test on learning both tasks, the exact rank-sum test on the steps to 90% on both)."""

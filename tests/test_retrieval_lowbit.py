@@ -300,7 +300,7 @@ def _fmt(p: float) -> str:
 
 
 def test_the_report_summary_is_the_one_its_json_gives(script):
-    """Issue 42: every number of the report's summary comes from the results files. The committed block equals what
+    """Every number of the report's summary comes from the results files. The committed block equals what
     doc_summary renders from them, and the headline counts and tests, recomputed here straight from the JSON (not
     through the script's helpers), are the ones it states."""
     datas = [json.loads((ROOT / path).read_text()) for path in RESULTS]
@@ -418,3 +418,24 @@ def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(s
     other_budget = _grid_file(5e-4, 9, {"llama": (100, 100)}, budget=2000)
     with pytest.raises(ValueError, match="different budgets"):
         script.grid_cells(datas + [other_budget])
+
+
+def test_the_documented_commands_parse(script):
+    """docs/analysis.md's commands of this study (python -m benchmarks.retrieval_lowbit / lowbit_pretrained) use flags
+    the scripts accept."""
+    import shlex
+
+    from benchmarks import lowbit_pretrained
+
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "analysis.md").read_text(), flags=re.S)
+    parsers = {"benchmarks.retrieval_lowbit": script.resolve_args,
+               "benchmarks.lowbit_pretrained": lowbit_pretrained.resolve_args}
+    seen = set()
+    for line in (line for b in blocks for line in b.strip().splitlines()):
+        argv = shlex.split(line, comments=True)
+        while argv and "=" in argv[0]:  # OMP_NUM_THREADS=1
+            argv.pop(0)
+        if argv[:2] == ["python", "-m"] and argv[2] in parsers:
+            parsers[argv[2]](argv[3:])
+            seen.add(argv[2])
+    assert seen == set(parsers)
