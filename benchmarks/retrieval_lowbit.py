@@ -912,7 +912,7 @@ def doc_table_learned(datas: list[dict], opts: dict) -> list[str]:
     return lines + ["", f"Ranges over runs (in parentheses: how many); learned: held-out accuracy {LEARNED:g} or more "
                     "on the task. The rank-sum test is exact (every split of the pooled runs enumerated, midranks for "
                     f"ties), two-sided; a run that never reached 90% within the {budget:,} steps ranks above every run "
-                    "that did (the same budget for all, so that is its true order)."]
+                    "that did (the same budget for all, so that is its true order). " + _noise_line(report)]
 
 
 def outlier_rows(report: dict) -> list[dict]:
