@@ -25,7 +25,8 @@ starts past its part's allowance or the budget, it is recorded as "skipped: time
    ``padded``) and are judged against the floor of the one their kernel computes. Every row is judged against
    ``GPU_TARGETS``; for a row that misses, a kernel-only profile of the missing models and of the Llama shows where
    the time goes (:func:`kernel_profile`). After the eager decode rows: kernel launches per decode step and layer of
-   every model (the host-bound question).
+   every model (the host-bound question). A model whose workload raises leaves its row with the reason; on a card
+   under ``TRAIN_ALL_MIN_GIB`` DiffLlama leaves the training rows (every model's optimizer state is held at once).
 2. ``attention``: one layer's attention at the 1B head counts by every candidate kernel (the Llama's SDPA call; V1's
    padded call, two SDPA calls, the repeated-value call, the decode kernel for decode rows, the Triton kernel), prefill
    1×8192 and 8×2048, training 8×2048 (forward and ``out.backward(dout)``), decode at batch 1 and 32 over 4096 keys;
@@ -134,13 +135,13 @@ ROUNDING_MODELS = {"bf16": RoundingModel, "fp16": Float16RoundingModel}
 
 PARTS = ("speed", "attention", "tuning", "checks")
 # Seconds each part may start rows in, from its own start (None: until the budget ends). Sized from the 2026-11-28
-# H200 run (docs/reports/2026-11-28-gpu-check.md): its 1B-shape eager rows took about 85 s for three models, its
-# one-layer attention rows 15 s, its correctness checks 252 s (most of them flex attention's compiles); compiled
+# H200 run (docs/reports/2026-11-28-gpu-check.md): its 1B-shape eager rows took 78 s for three models, its
+# one-layer attention rows 18 s, its correctness checks 252 s (most of them flex attention's compiles); compiled
 # decoding was measured at about 1.2 s per model and layer on 2026-11-26; the tuning sweep is meant to take ~90 s.
 PART_BUDGET_S = {"speed": 330.0, "attention": 40.0, "tuning": 100.0, "checks": None}
-# The whole run: no row or check starts past it. Under scripts/gpu_check.sh's hard timeout (GPU_CHECK_TIMEOUT, 550 s),
-# under the device tool's 10 minutes per command, and with start-up inside a 15-minute slot.
-DEFAULT_BUDGET_S = 520.0
+# The whole run: no row or check starts past it. Under scripts/gpu_check.sh's hard timeout (GPU_CHECK_TIMEOUT, 540 s),
+# under the 10 minutes one command may take on a GPU machine, and with start-up inside a 15-minute slot.
+DEFAULT_BUDGET_S = 510.0
 
 
 @dataclass
@@ -1164,15 +1165,33 @@ def _row_workload(group: str, model, spec: dict, plan: bench.Plan, profile: Prof
     return bench.train_workload(model, *spec["args"])
 
 
+class _Guarded:
+    """A workload that keeps its first exception instead of raising it, then returns NaN without running: a model that
+    cannot run a row (a kernel failing on this GPU, memory) costs that model its cells, not the others their row."""
+
+    def __init__(self, run: Callable[[], float]):
+        self.run, self.error = run, None
+
+    def __call__(self) -> float:
+        if self.error is not None:
+            return math.nan
+        try:
+            return self.run()
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"[:1000]
+            return math.nan
+
+
 def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.nn.Module], plan: bench.Plan,
                 profile: Profile) -> dict:
     """One speed row of ``group``: every model interleaved and paired (``harness.run_interleaved``, the first untimed
     call traced for the code record), annotated, judged; compiled rows first call each model twice untimed (compile
     and CUDA-graph capture) and report those calls' seconds; a row that misses a target gets kernel-only profiles of
-    the missing models and of the Llama."""
+    the missing models and of the Llama. A model whose workload raises leaves the row (``failed``: why); the row
+    fails only with the Llama."""
     device = profile.device
     hooks = {kind: _Hook() for kind in models}
-    runs = {kind: _row_workload(group, m, spec, plan, profile, hooks[kind]) for kind, m in models.items()}
+    runs = {kind: _Guarded(_row_workload(group, m, spec, plan, profile, hooks[kind])) for kind, m in models.items()}
     compiled: dict[str, dict] = {}
     if group == "decode_compiled":
         from torch._dynamo.utils import counters
@@ -1184,6 +1203,8 @@ def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.n
                 run()
                 _sync(device)
                 calls.append(time.perf_counter() - start)
+            if run.error is not None:
+                continue
             compiled[kind] = {"first_call_s": round(calls[0], 2), "second_call_s": round(calls[1], 2),
                               "compile_s": round(max(0.0, calls[0] - calls[1]), 2),
                               # generate() took its compiled call, and Dynamo compiled graphs for this batch
@@ -1193,10 +1214,16 @@ def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.n
             rec.log(f"{rec.stamp()} COMPILED {kind} {spec['item']}: first call {calls[0]:.1f} s, "
                     f"second {calls[1]:.1f} s")
     stats = harness.run_interleaved(runs, plan.reps, plan.warmup)
-    row = bench.with_ratios(spec, stats, unit="s") | {"group": group}
+    failed = {kind: run.error for kind, run in runs.items() if run.error is not None}
+    if "llama" in failed:
+        raise RuntimeError(f"the Llama's {spec['item']} raised: {failed['llama']}")
+    row = bench.with_ratios(spec, {k: v for k, v in stats.items() if k not in failed}, unit="s") | {"group": group}
+    if failed:
+        row["failed"] = failed
+        rec.log(f"{rec.stamp()} FAILED  {spec['item']}: " + "; ".join(f"{k}: {e[:200]}" for k, e in failed.items()))
     for kind, info in compiled.items():
         row["models"][kind] |= info
-    _annotate(row, spec, models, plan)
+    _annotate(row, spec, {k: m for k, m in models.items() if k not in failed}, plan)
     missed = [kind for kind, t in judge(row).items() if not t["met"]]
     if missed:
         row["profiles"] = {}
@@ -1207,7 +1234,7 @@ def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.n
                 continue
             try:
                 row["profiles"][kind] = kernel_profile(
-                    runs[kind], device, hooks[kind] if spec["family"] == "decode" else None, steps,
+                    runs[kind].run, device, hooks[kind] if spec["family"] == "decode" else None, steps,
                     models[kind].config.num_hidden_layers) | {"row_median_ms": row["models"][kind]["median"] * 1e3}
             except Exception as exc:  # the row stands without its profile
                 row["profiles"][kind] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -1920,6 +1947,8 @@ def summary_text(report: dict) -> str:
                   "memory) over the Llama's, paired [quartiles]; judged: against GPU_TARGETS"]
         lines += doc_table_speed([report], {"shape": name}) + [f"note: {n}" for n in shape.get("notes", [])]
         lines += [f"  ERROR {r['item']}: {r['error'][:300]}" for r in shape["results"] if "error" in r]
+        lines += [f"  FAILED {r['item']}: {_name(k)}: {e[:300]}" for r in shape["results"]
+                  for k, e in (r.get("failed") or {}).items()]
         if any(r.get("group") == "decode_compiled" and "error" not in r for r in shape["results"]):
             lines += ["", f"compiled decoding, {name}:"] + doc_table_compile([report], {"shape": name})
         if any(r.get("profiles") for r in shape["results"]):

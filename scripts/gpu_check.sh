@@ -3,7 +3,7 @@
 # the carried wheels, then run `python -m benchmarks.gpu_check`: in this order, speed at Llama-3.2-1B's shape against a
 # same-shape Llama (compiled decoding included), one layer's attention by every candidate kernel (with the SDPA backend
 # each ran), the Triton tuning sweep, every attention backend's correctness against a float64 reference. About 9
-# minutes (GPU_CHECK_BUDGET, 520 s, then the row under way finishes); writes gpu_check.json, gpu_check.txt (tables and
+# minutes (GPU_CHECK_BUDGET, 510 s, then the row under way finishes); writes gpu_check.json, gpu_check.txt (tables and
 # one line per check) and gpu_check.log into the output folder.
 #
 # Usage:  bash scripts/gpu_wheels.sh                 # here, once: downloads the wheels into .whl/
@@ -12,8 +12,8 @@
 # OUT_DIR: the argument, else $OUT (set by the device tool; what is written there comes back), else
 # benchmarks/results/. GIT_COMMIT (and GIT_DIRTY=0/1) name the code where the copy has no .git; else `git rev-parse`;
 # the report also holds a digest of the package's sources (`python -m benchmarks.gpu_check --digest` here).
-# GPU_CHECK_BUDGET: seconds after which no further row starts (default 520); GPU_CHECK_TIMEOUT: hard limit of the
-# Python run (default 550; the report is rewritten after every row, so a cut-short run keeps what it measured).
+# GPU_CHECK_BUDGET: seconds after which no further row starts (default 510); GPU_CHECK_TIMEOUT: hard limit of the
+# Python run (default 540; the report is rewritten after every row, so a cut-short run keeps what it measured).
 # GPU_CHECK_WHEELS: the folder of carried wheels (default .whl); GPU_CHECK_SITE: where they are installed (/tmp/site).
 set -uo pipefail
 
@@ -88,8 +88,8 @@ except Exception as exc:  # the check is informative only
 EOF
 
 # 5. The check: a time budget inside, a hard timeout outside; on a timeout the summary is written from the report.
-BUDGET=${GPU_CHECK_BUDGET:-520}
-timeout --kill-after=10 "${GPU_CHECK_TIMEOUT:-550}" \
+BUDGET=${GPU_CHECK_BUDGET:-510}
+timeout --kill-after=10 "${GPU_CHECK_TIMEOUT:-540}" \
     "$PY" -m benchmarks.gpu_check --out "$OUT_DIR" --budget "$BUDGET" "$@"
 rc=$?
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
