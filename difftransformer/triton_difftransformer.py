@@ -1373,6 +1373,12 @@ SWEEP_SHAPES = (
     {"name": "decode b32 s4096", "kernels": ["decode"], "batch": 32, "queries": 1, "keys": 4096},
 )
 _SWEEP_MODEL = {"groups": 4, "n": 4, "noise_ratio": 1, "head_dim": 64, "causal": True}
+# Tiny problems for a smoke run of the sweep under the interpreter (TRITON_INTERPRET=1, device="cpu"): its logic, not
+# its timings; the configurations whose tiles fit 24 tokens (seconds).
+SWEEP_SMOKE_SHAPES = tuple(
+    {"name": f"smoke {name}", "kernels": kernels, "batch": 1, "queries": t, "keys": 24, "groups": 1, "n": 2,
+     "head_dim": 16}
+    for name, kernels, t in (("prefill", ["forward"], 24), ("train", ["dkdv", "dq"], 24), ("decode", ["decode"], 1)))
 
 
 def _time_ms(fn, rep_ms: float, device) -> float:
@@ -1813,5 +1819,5 @@ def _direct_call(*tensors) -> bool:
     return all(x is None or type(x) is torch.Tensor for x in tensors)
 
 
-__all__ = ["LAUNCH_CONFIGS", "SWEEP_SHAPES", "differential_attention_triton", "format_sweep", "is_available",
+__all__ = ["LAUNCH_CONFIGS", "SWEEP_SHAPES", "SWEEP_SMOKE_SHAPES", "differential_attention_triton", "format_sweep", "is_available",
            "load_configs", "set_configs", "tuning_sweep"]

@@ -639,6 +639,16 @@ def test_tuning_sweep_on_the_interpreter(monkeypatch, unpinned, tmp_path):
     assert all(row["skipped"] for row in spent["results"][0]["timings"]) and spent["pinned"] == {}
 
 
+def test_tuning_sweep_smoke_shapes():
+    """SWEEP_SMOKE_SHAPES (what a smoke run of the GPU check can sweep on the interpreter): every configuration that
+    fits them runs, agrees with the first, and no kernel is left without a best configuration."""
+    result = tdt.tuning_sweep(tdt.SWEEP_SMOKE_SHAPES, torch.float32, DEVICE, rep_ms=1.0, workers=0)
+    assert [e["kernel"] for e in result["results"]] == ["forward", "dkdv", "dq", "decode"]
+    for entry in result["results"]:
+        assert entry["timings"] and entry["best"] is not None, entry["kernel"]
+        assert all(row["agrees"] and row["error"] is None for row in entry["timings"]), entry["kernel"]
+
+
 def test_validation_runs_once_per_signature(monkeypatch):
     """The checks run once per input signature (shapes, strides, dtypes, devices, scalars, mask shape); an input that
     fails them is never remembered (it fails every time); the memory is bounded."""
