@@ -182,7 +182,7 @@ COMPILE_S_PER_LAYER, COMPILE_BASE_S = 1.5, 20.0
 TRAIN_ALL_MIN_GIB = 100.0
 PROFILE_RESERVE_S = 4.0  # one kernel-only profile of one model's step
 ATTENTION_RESERVE_S = 12.0  # one attention row: every candidate, timed and profiled
-TUNING_RESERVE_S = 90.0  # the tuning sweep is one call: it starts only with this much time left
+TUNING_MIN_S = 30.0  # the tuning sweep starts only with this much of its part left (its own budget_s caps it)
 
 
 @dataclass
@@ -223,9 +223,9 @@ def gpu_profile(device: str = "cuda", budget_s: float = DEFAULT_BUDGET_S) -> Pro
 
 def smoke_profile(device: str = "cpu", budget_s: float = DEFAULT_BUDGET_S) -> Profile:
     """Tiny sizes on the CPU, fp32 and bf16, eager and sdpa, 3 rounding-model draws, one thread, one repetition: every
-    code path runs in seconds but GPU memory, Inductor and the tuning sweep. The compiled decode row runs at batch 1
-    through Dynamo with its "eager" backend (no Inductor, no CUDA graphs: compiling for real takes ~15 s per model on a
-    CPU)."""
+    code path runs in seconds but GPU memory and Inductor. The compiled decode row runs at batch 1 through Dynamo with
+    its "eager" backend (no Inductor, no CUDA graphs: compiling for real takes ~15 s per model on a CPU); the tuning
+    sweep runs its smoke problems on Triton's interpreter."""
     plan, shape = bench.smoke_plan_and_shape()
     plan = replace(plan, prefill_shapes=plan.prefill_shapes[:1], reps=1, warmup=0, clock="wall")
     return Profile(device=device, dtypes=("fp32", "bf16"), layouts=("v1_gqa", "v2_gqa"), rounding_draws=3, threads=1,
@@ -243,8 +243,7 @@ def smoke_profile(device: str = "cpu", budget_s: float = DEFAULT_BUDGET_S) -> Pr
                    budget_s=budget_s, part_budget_s={part: None for part in PARTS}, mode="smoke",
                    triton_head_dims=(16,), triton_cases=SMOKE_TRITON_CASES, attention_heads=(8, 4, 16),
                    attention_shapes=SMOKE_ATTENTION_SHAPES,
-                   skip_candidates={"triton": "skipped: smoke mode (Triton's CPU interpreter takes seconds per call)"},
-                   tuning="skipped: smoke mode (Triton's CPU interpreter cannot time kernels)")
+                   skip_candidates={"triton": "skipped: smoke mode (Triton's CPU interpreter takes seconds per call)"})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1571,33 +1570,69 @@ def profile_reps(profile: Profile) -> int:
 
 
 def run_tuning(rec: Recorder, profile: Profile) -> None:
-    """``tuning``: ``triton_difftransformer.tuning_sweep(dtype=bf16, device=...)`` (per kernel and shape, each
-    configuration's time and the best), where the module has it and the Triton kernel runs; "absent" or "skipped"
-    with the reason otherwise. One call: it starts only with ``TUNING_RESERVE_S`` of the part's time left."""
+    """``tuning``: ``triton_difftransformer.tuning_sweep`` (per kernel and problem, each launch configuration's time and
+    the best), where the module has it and the Triton kernel runs: on the GPU over its default problems (Llama-3.2-1B's
+    attention) in bf16, its own time capped by what is left of the part (``budget_s``); in smoke mode over the module's
+    ``SWEEP_SMOKE_SHAPES`` in fp32, in this process (the interpreter's times are not timings: only the sweep's logic
+    runs). "absent" or "skipped" with the reason otherwise. It starts only with ``TUNING_MIN_S`` of the part's time
+    left."""
+    import inspect
+
     from difftransformer import triton_difftransformer
 
     sweep = getattr(triton_difftransformer, "tuning_sweep", None)
+    smoke_shapes = getattr(triton_difftransformer, "SWEEP_SMOKE_SHAPES", None)
     start = time.perf_counter()
+    out: dict = {}
     if sweep is None:
         out = {"status": "absent", "reason": "absent: difftransformer.triton_difftransformer has no tuning_sweep"}
     elif profile.tuning:
         out = {"status": "skipped", "reason": profile.tuning}
+    elif profile.mode == "smoke" and smoke_shapes is None:
+        out = {"status": "skipped", "reason": "skipped: smoke mode, and the module has no SWEEP_SMOKE_SHAPES"}
     elif not triton_difftransformer.is_available(torch.device(profile.device)):
         out = {"status": "absent", "reason": "absent: the Triton kernel does not run here"}
-    elif not rec.budget.allows(TUNING_RESERVE_S):
+    elif not rec.budget.allows(TUNING_MIN_S):
         out = {"status": "skipped", "reason": "skipped: time budget"}
-    else:
+    if not out:
+        params = inspect.signature(sweep).parameters
+        kwargs: dict = {"dtype": DTYPES[profile.speed_dtype], "device": profile.device}
+        if profile.mode == "smoke":
+            kwargs["shapes"] = smoke_shapes
+            if "workers" in params:
+                kwargs["workers"] = 0  # no compile processes for a few interpreted kernels
+        if "budget_s" in params:
+            left = rec.budget.deadline_s - rec.budget.elapsed() - 5.0
+            default = params["budget_s"].default
+            kwargs["budget_s"] = max(5.0, min(left, default) if isinstance(default, (int, float)) else left)
         try:
-            out = {"status": "done", "result": sweep(dtype=DTYPES[profile.speed_dtype], device=profile.device)}
+            out = {"status": "done", "arguments": {k: str(v) if k == "dtype" else v for k, v in kwargs.items()
+                                                   if k != "shapes"} | {"shapes": "smoke" if "shapes" in kwargs
+                                                                        else "default"},
+                   "result": sweep(**kwargs)}
         except Exception as exc:
             out = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:1500],
                    "traceback": traceback.format_exc()[-1500:]}
     out["seconds"] = round(time.perf_counter() - start, 1)
     rec.report["tuning"] = out
     rec.log(f"{rec.stamp()} {out['status'].upper():7s} tuning sweep"
-            + (f": {out['reason']}" if "reason" in out else ""))
+            + (f": {out['reason']}" if "reason" in out else f" ({out['seconds']} s)"))
     rec.save()
     _free(profile.device)
+
+
+def tuning_text(tuning: dict) -> str:
+    """The tuning sweep's result as the module's own table (``format_sweep``), or its status and reason."""
+    head = f"tuning sweep: {tuning['status']}, {tuning.get('seconds', 0)} s"
+    if tuning.get("status") != "done":
+        return head + (f" ({tuning['reason'][:300]})" if tuning.get("reason") else "")
+    from difftransformer import triton_difftransformer
+
+    formatter = getattr(triton_difftransformer, "format_sweep", None)
+    try:
+        return head + "\n" + (formatter(tuning["result"]) if formatter else json.dumps(tuning["result"])[:3000])
+    except Exception as exc:  # a result the formatter does not know: the JSON holds it
+        return head + f" (format_sweep: {type(exc).__name__}: {exc})"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1966,8 +2001,7 @@ def summary_text(report: dict) -> str:
             lines += [f"  {row['item']}: {k} {why[:200]}" for k, why in (row.get("failed") or {}).items()]
     tuning = report.get("tuning")
     if tuning:
-        lines += ["", f"tuning sweep: {tuning['status']}, {tuning.get('seconds', 0)} s"
-                  + (f" ({tuning['reason'][:300]})" if tuning.get("reason") else "")]
+        lines += ["", tuning_text(tuning)]
     lines += ["", "checks: " + ", ".join(f"{k} {v}" for k, v in report["counts"].items())]
     tags = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "skipped": "SKIP", "absent": "ABSENT"}
     for c in report["checks"]:
