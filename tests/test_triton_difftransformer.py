@@ -2,8 +2,10 @@
 
 Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set by a module fixture and restored after: the
 kernel module decorates its kernels on first use, so the switch only has to be on when they first run). Sizes are tiny
-and the launch tiles are shrunk to 16 rows/keys so that every case crosses several tiles: blocks below the causal
-diagonal (no masks), blocks on it, partial blocks at the end.
+and the launch tiles are shrunk to 16 rows/keys (the module's ``_TUNING`` override) so that every case crosses several
+tiles: blocks below the causal diagonal (no masks), blocks on it, partial blocks at the end. The GPU's own launch
+configurations (LAUNCH_CONFIGS, which a GPU autotunes) each run too, on problems sized to their tiles. Nothing is
+autotuned here: the interpreter never times configurations.
 
 Error model (what every bound below is derived from). The reference is computed in float64 from the very inputs the
 kernel receives (for bf16/fp16 the rounded values), so the inputs' own rounding is not an error of the kernel; its
