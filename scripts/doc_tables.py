@@ -115,7 +115,9 @@ def provenance_sentence(path: str, data: dict, root: str = _ROOT) -> str:
     where = machine.get("gpu") or machine.get("cpu") or "machine not recorded"
     flags = machine.get("cpu_flags")
     capability = (data.get("machine") or {}).get("cpu_capability") or machine.get("cpu_capability")
-    if flags:
+    if machine.get("gpu"):  # the GPU ran it: the host CPU's flags say nothing about the result
+        pass
+    elif flags:
         where += f" ({', '.join(flags)})"
     elif capability:
         where += f" (torch's {capability} kernels)"
