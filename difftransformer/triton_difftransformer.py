@@ -949,30 +949,31 @@ _KERNELS = {"forward": "_diff_attn_fwd", "decode": "_diff_attn_fwd", "dkdv": "_d
 # forward whether it saves the backward's statistics.
 _TUNE_KEYS = ("HEAD_DIM", "R", "M_NOISE", "G", "IS_CAUSAL", "HAS_MASK", "t_bucket", "s_bucket", "b_bucket")
 _TUNE_KEYS_OF = {"forward": _TUNE_KEYS + ("SAVE_STATS",), "dkdv": _TUNE_KEYS, "dq": _TUNE_KEYS}
-_TUNE_MIN_WORK = 1 << 24  # score entries (B·G·m·T·S) below which nothing is timed: launch overhead dominates there
+# Score entries (B·G·m·T·S) below which nothing is timed: timing means compiling every configuration (seconds each),
+# which a problem this small (microseconds whatever its tiles) cannot win back.
+_TUNE_MIN_WORK = 1 << 24
 _ACC_LIMIT = 128  # fp32 accumulator values per thread a tile may hold (of its 255 registers; see _keep)
 _PINNED: dict = {"rules": {}, "autotune": True}
 _PLANS: dict = {}  # (kind, shape, extra) -> (config, grid): the launch plan of a shape once picked
 _PLANS_MAX = 512
-_DEVICE_LIMITS: dict = {}
+_SHARED_MEMORY: dict = {}
 
 
-def _device_limits(device) -> tuple[int, int]:
-    """(compute capability as 10·major + minor, shared memory per block in bytes). The interpreter, which exists to
-    check the GPU's configurations, answers as an H100 does."""
+def _shared_memory(device) -> int:
+    """Shared memory per block in bytes (what the GPU lets a kernel opt into). The interpreter, which exists to check
+    the GPU's configurations, answers as an H100 does."""
     if device.type != "cuda" or _interpreting():
-        return 90, 227 * 1024
+        return 227 * 1024
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_LIMITS:
+    if index not in _SHARED_MEMORY:
         props = torch.cuda.get_device_properties(index)
-        smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
-        _DEVICE_LIMITS[index] = (props.major * 10 + props.minor, smem)
-    return _DEVICE_LIMITS[index]
+        _SHARED_MEMORY[index] = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return _SHARED_MEMORY[index]
 
 
-def _keep(kind: str, cfg: dict, shape: _Shape, arch: int, smem: int, heuristics: bool = True) -> bool:
-    """Whether configuration ``cfg`` of kernel ``kind`` suits a launch (``arch``: compute capability; ``smem``: shared
-    memory per block). Tile and memory rules: no tile larger than the problem needs (a query tile within the query
+def _keep(kind: str, cfg: dict, shape: _Shape, smem: int, heuristics: bool = True) -> bool:
+    """Whether configuration ``cfg`` of kernel ``kind`` suits a launch on a GPU with ``smem`` bytes of shared memory
+    per block. Tile and memory rules: no tile larger than the problem needs (a query tile within the query
     length's bucket, a key tile within the keys', no more noise rows per program than a group has); the tiles held in
     shared memory within ``smem`` (an upper bound: what a program keeps plus num_stages copies of what a step loads).
     Heuristics (``heuristics=False`` skips them: tuning_sweep times what they drop too, to test them): the fp32
@@ -1022,8 +1023,8 @@ def _keep(kind: str, cfg: dict, shape: _Shape, arch: int, smem: int, heuristics:
 def _prune(kind: str, configs, shape: _Shape) -> list:
     """The configurations of ``configs`` that suit ``shape`` (_keep), in their order; never empty (the smallest stays
     where nothing suits); only the first where the problem is too small for timing to matter."""
-    arch, smem = _device_limits(shape.device)
-    kept = [c for c in configs if _keep(kind, c, shape, arch, smem)]
+    smem = _shared_memory(shape.device)
+    kept = [c for c in configs if _keep(kind, c, shape, smem)]
     if not kept:
         kept = [min(configs, key=lambda c: (c.get("BLOCK_T", 1) * c["BLOCK_N"], c["num_warps"], c["num_stages"]))]
     if kind in _TUNED_KINDS and shape.b * shape.g * (shape.n // shape.r) * shape.t * shape.s < _TUNE_MIN_WORK:
@@ -1433,7 +1434,7 @@ def _sweep_case(spec: dict, dtype, device):
 def _sweep_plan(shapes, dtype, device) -> list:
     """Per (problem, kernel): the configurations to time, each with whether _prune's heuristics would keep it. Every
     configuration that fits the problem and the device is timed, so the sweep also measures what the pruning drops."""
-    arch, smem = _device_limits(device)
+    smem = _shared_memory(device)
     plan = []
     for i, spec in enumerate(shapes):
         p = {**_SWEEP_MODEL, **spec}
@@ -1444,8 +1445,8 @@ def _sweep_plan(shapes, dtype, device) -> list:
                 raise ValueError(f"sweep problem {spec.get('name')!r}: unknown kernel {kind!r}; kernels: "
                                  f"{', '.join(_KINDS)}")
             configs = LAUNCH_CONFIGS[kind]
-            timed = [c for c in configs if _keep(kind, c, shape, arch, smem, heuristics=False)] or configs[-1:]
-            plan.append((i, kind, shape, [(c, _keep(kind, c, shape, arch, smem)) for c in timed]))
+            timed = [c for c in configs if _keep(kind, c, shape, smem, heuristics=False)] or configs[-1:]
+            plan.append((i, kind, shape, [(c, _keep(kind, c, shape, smem)) for c in timed]))
     return plan
 
 

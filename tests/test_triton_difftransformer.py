@@ -446,7 +446,7 @@ def test_decode_reads_each_group_once():
 
 CPU = torch.device("cpu")  # _prune answers for a CPU device as for an H100 (the configurations are the GPU's)
 LLAMA_1B_TRAIN = tdt._Shape(8, 2048, 2048, 4, 4, 1, 64, torch.bfloat16, True, False, CPU)  # V1 layout of its heads
-H100 = (90, 227 * 1024)
+H100 = 227 * 1024  # shared memory per block
 
 
 def cfg(warps, stages, **blocks):
@@ -464,7 +464,7 @@ def test_hopper_defaults_use_wgmma_tiles():
     tuned kernel's default gives its dots an M that is a multiple of 64, which Hopper's wgmma needs: 64 keys for
     dK/dV, 64 or more rows per tile for the forward and dQ."""
     for kind in ("forward", "dkdv", "dq", "decode"):
-        assert all(tdt._keep(kind, c, LLAMA_1B_TRAIN, *H100, heuristics=False) for c in tdt.LAUNCH_CONFIGS[kind])
+        assert all(tdt._keep(kind, c, LLAMA_1B_TRAIN, H100, heuristics=False) for c in tdt.LAUNCH_CONFIGS[kind])
     for kind in ("forward", "dkdv", "dq"):
         kept = tdt._prune(kind, tdt.LAUNCH_CONFIGS[kind], LLAMA_1B_TRAIN)
         rows = kept[0]["BLOCK_N"] if kind == "dkdv" else kept[0]["BLOCK_T"] * kept[0]["UNITS"]
@@ -493,18 +493,18 @@ def test_pruning_rules(kind, config, change, kept):
     """_keep's rules (see its docstring) on the 1B training shape: tiles within the problem, fp32 accumulators per
     thread within _ACC_LIMIT (doubled for float32 inputs, tripled rows for r = 2), 8 warps only for tiles that need
     them (decode exempt)."""
-    assert tdt._keep(kind, config, LLAMA_1B_TRAIN._replace(**change), *H100) is kept
+    assert tdt._keep(kind, config, LLAMA_1B_TRAIN._replace(**change), H100) is kept
 
 
 def test_pruning_shared_memory_and_fallbacks():
-    """Pipelined stages must fit shared memory (an sm_86 part has 99 KiB, not an H100's 227); the tile rules alone
+    """Pipelined stages must fit shared memory (an sm_86 part has 99 KiB, an H100 227); the tile rules alone
     are what the sweep times; _prune never returns nothing (the smallest entry stays) and keeps one entry for a
     problem too small for timing to matter."""
     three_stages = cfg(8, 3, BLOCK_T=128, BLOCK_N=64, UNITS=1)  # 32 KiB of Q tiles, 3 × 32 KiB of K1, K2, V
-    assert tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, *H100)
-    assert not tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, 86, 64 * 1024)
+    assert tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, H100)
+    assert not tdt._keep("forward", three_stages, LLAMA_1B_TRAIN, 99 * 1024)
     small_tile_8_warps = cfg(8, 2, BLOCK_T=16, BLOCK_N=32)
-    assert tdt._keep("dkdv", small_tile_8_warps, LLAMA_1B_TRAIN, *H100, heuristics=False)
+    assert tdt._keep("dkdv", small_tile_8_warps, LLAMA_1B_TRAIN, H100, heuristics=False)
     tiny = LLAMA_1B_TRAIN._replace(b=1, t=8, s=8)
     assert tdt._prune("dkdv", tdt.LAUNCH_CONFIGS["dkdv"], tiny) == [small_tile_8_warps]
     small = LLAMA_1B_TRAIN._replace(b=1, t=256, s=256)
