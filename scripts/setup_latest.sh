@@ -3,8 +3,8 @@
 # (torch, transformers, peft, accelerate, huggingface_hub, tokenizers, safetensors, ...), resolved now, not pinned: CI
 # runs the tests there so that the next upstream release that breaks the package turns CI red (docs/ecosystem.md,
 # "Tested versions"). torch is the registry's newest release, as a user's `pip install` gets it: a CUDA build (about
-# 5 GB in the venv; it runs on CPU). pip runs without the machine's configuration (PIP_CONFIG_FILE=/dev/null), which on
-# this project's machines caps torch at the CPU wheels on disk.
+# 5 GB in the venv; it runs on CPU). pip runs without the machine's configuration (PIP_CONFIG_FILE=/dev/null), which
+# may pin or cap torch (a constraints file, a local wheel directory): the newest releases are the registry's.
 #
 # Every run upgrades: an existing .venv-latest is brought to the newest releases again. Prints the versions it got.
 # Usage: bash scripts/setup_latest.sh   (PYTHON=python3.12 picks the interpreter)

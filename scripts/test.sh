@@ -6,10 +6,10 @@
 #               upstream release that breaks the package fails here), torch included (the registry's newest, a CUDA
 #               build), in .venv-latest (scripts/setup_latest.sh). Where only torch differs from the pins
 #               (scripts/newest_versions.py exits 4; requirements-dev.txt follows the newest of the rest), the core
-#               suite (CORE below: model, generation, caches, remote-code folders, conversions, PEFT, pipeline,
-#               Trainer, Motif-2 folders); where more differs (exit 3), also config, the other conversions and
-#               transformers' own common model tests; where nothing differs (exit 0), nothing: the pinned run ran
-#               the whole suite;
+#               suite (CORE of scripts/test_core.sh: model, generation, caches, remote-code folders, the Llama
+#               conversion, PEFT, pipeline, Trainer, Motif-2 folders); where more differs (exit 3), also config, the
+#               other conversions and transformers' own common model tests; where nothing differs (exit 0), nothing:
+#               the pinned run ran the whole suite;
 #   3. lowest:  the core suite on the lowest releases pyproject.toml declares (torch, transformers, accelerate, peft,
 #               safetensors, tokenizers: requirements-min.txt and pyproject.toml's lowest transformers), in .venv-min
 #               (scripts/setup_min.sh, built beside the pinned run);
@@ -46,10 +46,8 @@ print(' | '.join(found))"
 
 # .venv-vllm, .venv-min and .venv-latest (where needed) are set up beside .venv (pip keeps about one core busy each);
 # their logs follow.
-CORE=(tests/test_upstream_api.py tests/test_modeling_difftransformer.py tests/test_save_load_difftransformer.py
-      tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_remote_code_folders.py
-      tests/test_convert_llama.py tests/test_peft.py tests/test_pipeline.py tests/test_trainer.py tests/test_motif.py)
-CORE_K="not flex and not bfloat16 and not released_layer_shapes"
+# The core suite and its -k filter (CORE, CORE_K): one list, scripts/test_core.sh's (the quick test command).
+. scripts/test_core.sh
 # The serving run follows .venv-vllm's set-up in the same background job ("$logs/vllm.rc": the set-up's exit status).
 logs=$(mktemp -d)
 (

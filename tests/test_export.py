@@ -1,8 +1,8 @@
 """Export (difftransformer/export.py; docs/ecosystem.md, "Tools"): torch.export through transformers'
 ``TorchExportableModuleForDecoderOnlyLM`` (its StaticCache is built from the config: ``num_key_value_heads`` ×
 ``head_dim`` per layer) for V1 and V2, stepped as one program instance, gives generate()'s greedy tokens; the ONNX
-graph of torch's dynamo exporter, run by onnxruntime, gives the model's logits within float32 rounding; ExecuTorch
-through optimum-executorch where it installs."""
+graph of torch's dynamo exporter, run by onnxruntime, gives the model's logits within float32 rounding. ExecuTorch is
+not tested (README, "What is not tested")."""
 
 import math
 
@@ -59,14 +59,3 @@ def test_onnx_logits_within_float32_rounding(tmp_path, version):
         bound = 4 * (config.num_hidden_layers + 2) * math.sqrt(k) * 2.0**-24 * expected.abs().max().item()
         assert got.shape == expected.shape
         assert (got - expected).abs().max().item() <= bound, ((got - expected).abs().max().item(), bound)
-
-
-def test_executorch_through_optimum_executorch():
-    pytest.importorskip(
-        "optimum.executorch",
-        reason="optimum-executorch is not installed: its newest release (1.1.0) pins transformers==5.0.0rc1, below "
-               "this package's lowest supported transformers (5.19)")
-    from optimum.executorch import ExecuTorchModelForCausalLM  # noqa: F401  (runs where it installs)
-
-    pytest.fail("optimum-executorch installed: write the ExecuTorch round trip (export_for_decoding's program, "
-                "lowered with XNNPACK) here")

@@ -6,6 +6,7 @@ for the version."""
 import configparser
 import email
 import importlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 import difftransformer
 
@@ -72,6 +74,26 @@ def test_wheel_metadata_version_license_and_dependencies(wheel):
     assert metadata.get_payload().strip() == (REPO / "README.md").read_text().strip()  # the readme is the long description
 
 
+def test_extras_reach_the_wheel_with_their_platform_markers(wheel):
+    """Each extra installs, on each platform, what pyproject.toml declares for it there: Triton (Linux wheels only) is
+    part of the test extra on Linux and nowhere else, so that `pip install -e ".[test]"` works on macOS and Windows."""
+    dist_info = f"difftransformer-{difftransformer.__version__}.dist-info/"
+    metadata = email.message_from_string(wheel.read(dist_info + "METADATA").decode("utf-8"))
+    requires = [Requirement(r) for r in metadata.get_all("Requires-Dist")]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(metadata.get_all("Provides-Extra")) == set(extras)
+
+    def names(requirements, environment):
+        return {r.name for r in requirements if r.marker is None or r.marker.evaluate(environment)}
+
+    for platform in ("linux", "darwin", "win32"):
+        for extra, declared in extras.items():
+            environment = {"extra": extra, "sys_platform": platform}
+            installed = names([r for r in requires if r.marker is not None and "extra" in str(r.marker)], environment)
+            assert installed == names([Requirement(r) for r in declared], environment), (platform, extra)
+        assert ("triton" in names(requires, {"extra": "test", "sys_platform": platform})) == (platform == "linux")
+
+
 def test_every_entry_point_names_a_function_that_exists(wheel):
     dist_info = f"difftransformer-{difftransformer.__version__}.dist-info/"
     parser = configparser.ConfigParser()
@@ -85,5 +107,13 @@ def test_every_entry_point_names_a_function_that_exists(wheel):
 
 
 def test_changelog_has_a_section_for_this_version():
+    """A released version has its dated section; a development version (X.Y.Z.devN) has the "Unreleased" one."""
     text = (REPO / "CHANGELOG.md").read_text()
-    assert f"## [{difftransformer.__version__}]" in text
+    assert "## [Unreleased]" in text  # where the next change goes
+    version = Version(difftransformer.__version__)
+    if not version.is_devrelease:
+        assert re.search(rf"^## \[{re.escape(str(version))}\] - \d{{4}}-\d{{2}}-\d{{2}}$", text, re.M), version
+    released = re.findall(r"^## \[([^\]]+)\](.*)$", text, re.M)
+    for name, rest in released:
+        if name != "Unreleased":  # a released section has a date, not the word "Unreleased"
+            assert re.fullmatch(r" - \d{4}-\d{2}-\d{2}", rest), (name, rest)

