@@ -1610,6 +1610,12 @@ def run_tuning(rec: Recorder, profile: Profile) -> None:
                                                    if k != "shapes"} | {"shapes": "smoke" if "shapes" in kwargs
                                                                         else "default"},
                    "result": sweep(**kwargs)}
+            # Later Triton timings in this process run the configurations the sweep picked, without autotuning each
+            # new shape (which would compile every configuration again).
+            pin = getattr(triton_difftransformer, "set_configs", None)
+            if pin is not None and out["result"].get("pinned"):
+                pin(out["result"]["pinned"])
+                out["pinned"] = True
         except Exception as exc:
             out = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:1500],
                    "traceback": traceback.format_exc()[-1500:]}

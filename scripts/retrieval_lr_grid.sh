@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 42's learning-rate grid (docs/analysis.md, "Retrieval with distractors and low-bit attention"): the three models
-# at each learning rate on the lr_grid preset's seeds (20,000 steps at most; a run stops once it reaches 90% on both tasks
-# and holds it), in WORKERS single-threaded processes. One folder per (learning rate, seed):
-# benchmarks/results/retrieval_lr_grid/lr<rate>_seed<seed>/results.json. Resumable: a rerun skips every finished
+# The learning-rate grid of the retrieval study (docs/analysis.md, "Retrieval with distractors and low-bit
+# attention"): the three models at each learning rate on the lr_grid preset's seeds (20,000 steps at most; a run stops
+# once it reaches 90% on both tasks and holds it), in WORKERS single-threaded processes. One folder per (learning rate,
+# seed): benchmarks/results/retrieval_lr_grid/lr<rate>_seed<seed>/results.json. Resumable: a rerun skips every finished
 # (model, seed) run. Seeds come first, so that an interrupted grid has whole seeds.
 #   bash scripts/retrieval_lr_grid.sh            # LRS="5e-4 1e-3 2e-3" SEEDS="5 6 7 8" WORKERS=2
 set -euo pipefail
