@@ -19,13 +19,13 @@ CORE_K="not flex and not bfloat16 and not released_layer_shapes"
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 "$PY" -c "import pytest" 2>/dev/null || {
     echo "test_core.sh: pytest is not installed for $(command -v "$PY" || echo "$PY"): pip install -e \".[test]\"" >&2
     exit 2
 }
-"$PY" -c "import difftransformer" 2>/dev/null || {
-    echo "test_core.sh: difftransformer does not import for $PY: follow README's Install first" >&2
+"$PY" -c "import importlib.metadata as m; m.version('difftransformer')" 2>/dev/null || {
+    echo "test_core.sh: difftransformer is not installed for $PY: follow README's Install first" >&2
     exit 2
 }
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
