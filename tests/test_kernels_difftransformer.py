@@ -13,7 +13,14 @@ import torch
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer import kernels_difftransformer as kernels
 from difftransformer import modeling_difftransformer as mdt
-from difftransformer.testing_utils import bf16_gradient_bounds, left_padded_batch, randomize_norms, tiny_config
+from difftransformer.testing_utils import (
+    FP32_LOGITS_ATOL,
+    bf16_gradient_bounds,
+    left_padded_batch,
+    randomize_norms,
+    reference_forward,
+    tiny_config,
+)
 
 
 def _inputs(b, g, n, t, s, d, dtype=torch.float64, seed=0):
@@ -475,3 +482,35 @@ def test_head_norm_gradients_are_exact_and_it_saves_its_input_in_its_own_dtype()
     assert (torch.float32, heads.numel()) not in saved and (torch.bfloat16, heads.numel()) in saved, saved
     with torch.no_grad():  # the same function as the inference path
         torch.testing.assert_close(out, norm(heads, scale=0.7), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernel", ["blocked", "padded", "sdpa_two_calls", "sdpa_repeated_value"])
+@pytest.mark.parametrize("layout", ["v1_mha", "v1_gqa", "v1_gqa4"])  # GQA factors n = 1, 2, 4
+def test_every_v1_kernel_matches_the_float64_reference(layout, kernel):
+    """Each V1 kernel a user can choose, against the float64 reference (testing_utils.reference_forward): float32
+    logits of a left-padded batch and of an unpadded one without a mask within FP32_LOGITS_ATOL, and, with the model in
+    float64, every parameter gradient of a left-padded batch's loss within 1e-5 of the largest (transformers' RMSNorm
+    and rotary tables around the attention compute in float32: about 1e-6 of relative error)."""
+    torch.manual_seed(0)
+    model = randomize_norms(DiffTransformerForCausalLM(tiny_config(layout)).eval(), 0)
+    model.set_differential_kernel(kernel)
+    ids, mask = left_padded_batch(model.config.vocab_size, [9, 6, 3], seed=1)
+    plain = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        logits, unmasked = model(ids, attention_mask=mask).logits, model(plain).logits
+    assert {m.last_kernel for m in model.modules() if isinstance(m, mdt.DiffTransformerAttention)} == {kernel}
+    valid = mask.bool()
+    torch.testing.assert_close(logits[valid].double(), reference_forward(model, ids, mask)[0][valid],
+                               atol=FP32_LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(unmasked.double(), reference_forward(model, plain)[0], atol=FP32_LOGITS_ATOL, rtol=0)
+
+    model = model.double().train()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)  # the label a padding row would predict
+    model(ids, attention_mask=mask, labels=labels).loss.backward()
+    sd = {k: v.detach().double().requires_grad_() for k, v in model.state_dict().items()}
+    reference_forward(model, ids, mask, state_dict=sd, labels=labels)[2].backward()
+    for name, param in model.named_parameters():
+        exact = sd[name].grad
+        assert param.grad is not None and exact.abs().max() > 0, name
+        assert (param.grad - exact).abs().max() <= 1e-5 * exact.abs().max(), name
