@@ -339,7 +339,9 @@ def doc_table_layers(datas: list[dict], opts: dict) -> list[str]:
                         for m, v in ratios.items())
     return lines + ["", f"Attention logits (every valid query–key pair of every map) on the first "
                     f"{report['stats_blocks']} held-out blocks of {text}, unquantized. Max / median over layers: "
-                    f"{summary}."]
+                    f"{summary}. Top-100 / max counts values: where a differential model holds each logit twice (two "
+                    "identical maps, as the upcycles start), its 100th largest is the source's 50th, so that column is "
+                    "higher for them without any change in the logits."]
 
 
 def headline(report: dict) -> tuple[str, str]:
