@@ -1259,7 +1259,7 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
              "steps to 90%: needle / MQAR / both |", "|---|---|---|---|---|---|---|"]
     for (model, lr), c in sorted(cells.items(), key=lambda x: (MODELS.index(x[0][0]), x[0][1])):
         n = len(c["seeds"])
-        mark = " **(best)**" if best.get(model) == lr else ""
+        mark = "" if best.get(model) != lr else " **(best)**" if c["learned"]["both"] else " **(best: none learned)**"
         medians = " / ".join(_median_text(c["median"][k], c["budget"]) for k in ("needle", "mqar", "both"))
         lines.append(f"| {LABELS[model]} | {lr:g}{mark} | {n} ({', '.join(map(str, sorted(c['seeds'])))}) | "
                      f"{c['learned']['both']}/{n} | {c['learned']['needle']}/{n} | {c['learned']['mqar']}/{n} | "
@@ -1284,7 +1284,7 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
             "90% or more; on both tasks, the later of the two. A median over runs counts a run that never got there "
             "as more than the budget, so a median that involves one reads \"> budget\". Best learning rate of a "
             "model: the most runs that learned both tasks; ties go to the lower median steps on both, then to the "
-            "lower rate. The tests compare each DIFF model at its best rate with the Llama at its own (unpaired; in "
+            "lower rate (where no run of the model learned both, the lowest rate, marked so). The tests compare each DIFF model at its best rate with the Llama at its own (unpaired; in "
             "the rank test a run that never got there ranks above every run that did).")
     return lines + ["", note] + (["", *tests] if tests else [])
 

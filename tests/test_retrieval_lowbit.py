@@ -413,6 +413,8 @@ def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(s
     assert "4/4 against 4/4 (Fisher's exact test p = 1)" in v2 and f"(exact rank-sum test p = {_fmt(rank)})" in v2
     v1 = next(line for line in lines if line.startswith("DIFF V1 at 0.0005"))
     assert "learned both tasks 1/4 against 4/4" in v1  # V1's best rate: one seed learned both
+    never = [_grid_file(lr, 5, {"llama": (None, 500)}) for lr in (1e-3, 5e-4)]  # no rate learns both: the lowest
+    assert "| Llama | 0.0005 **(best: none learned)** |" in "\n".join(script.doc_table_lr_grid(never, {}))
     with pytest.raises(ValueError, match="twice"):
         script.grid_runs(datas + datas[:1])
     other_budget = _grid_file(5e-4, 9, {"llama": (100, 100)}, budget=2000)
