@@ -24,8 +24,9 @@ PY=${PYTHON:-$(command -v python || command -v python3 || echo python)}
     echo "test_core.sh: pytest is not installed for $(command -v "$PY" || echo "$PY"): pip install -e \".[test]\"" >&2
     exit 2
 }
-"$PY" -c "import importlib.metadata as m; m.version('difftransformer')" 2>/dev/null || {
-    echo "test_core.sh: difftransformer is not installed for $PY: follow README's Install first" >&2
+"$PY" -c "import torch, transformers, difftransformer" 2>/dev/null || {
+    echo "test_core.sh: torch, transformers or difftransformer does not import for $PY: activate the environment" \
+         "README's Install made (. .venv/bin/activate), or follow Install" >&2
     exit 2
 }
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
