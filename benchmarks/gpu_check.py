@@ -1909,25 +1909,23 @@ def doc_table_timing(datas: list[dict], opts: dict) -> list[str]:
     return lines
 
 
-def headline(data: dict) -> tuple[str, str]:
-    """The README's GPU row: (the result, its value) at the 1B shape: V1's and V2's time over the Llama's (paired
-    ratio) in prefill 8×2048, training 8×2048, eager decoding at batch 1 and compiled decoding at batch 1."""
-    shape = data["speed"]["shapes"]["llama-3.2-1b"]
-    rows = {r["item"]: r for r in shape["results"] if "error" not in r}
-
-    def part(label: str, item: str) -> str:
-        row = rows.get(item)
-        if row is None:
-            return f"{label}: not measured"
-        ratio = {k: s.get("paired_ratio") or s["ratio"] for k, s in row["models"].items()
-                 if k in ("ours_v1", "ours_v2")}
-        return f"{label}: V1 {ratio['ours_v1']:.2f}, V2 {ratio['ours_v2']:.2f}"
-
-    gpu = data["meta"].get("gpu") or "GPU"
-    return (f"GPU speed at Llama-3.2-1B's shape ({gpu}, bf16; time over a same-shape Llama, lower is faster)",
-            "; ".join((part("prefill 8×2048", "prefill 8x2048"), part("training 8×2048", "train 8x2048"),
-                       part("decode batch 1", "decode b1 dynamic"),
-                       part("compiled decode batch 1", "decode b1 static+compile"))))
+def readme_rows(data: dict) -> list[tuple[str, dict[str, str]]]:
+    """The README's GPU rows (scripts/doc_tables.py, ``readme``): at Llama-3.2-1B's shape, each model's time over the
+    Llama's (the paired median ratio) in prefill 8×2048, the training step 8×2048, eager decoding at batch 1 and,
+    where measured, compiled decoding at batch 1; one number per model."""
+    rows = {r["item"]: r for r in data["speed"]["shapes"]["llama-3.2-1b"]["results"] if "models" in r}
+    where = f"{data['meta'].get('gpu') or 'GPU'}, bf16, Llama-3.2-1B's shape"
+    out = []
+    for label, item in (("GPU prefill 8×2048", "prefill 8x2048"), ("GPU training step 8×2048", "train 8x2048"),
+                        ("GPU decode at batch 1, dynamic cache", "decode b1 dynamic"),
+                        ("GPU decode at batch 1, static cache compiled", "decode b1 static+compile")):
+        if item in rows:
+            models = rows[item]["models"]
+            out.append((f"{label}, time × Llama ({where})",
+                        {key: f"{(models[name].get('paired_ratio') or models[name]['ratio']):.2f}"
+                         for key, name in (("llama", "llama"), ("v1", "ours_v1"), ("v2", "ours_v2"))
+                         if name in models}))
+    return out
 
 
 def meta(profile: Profile, argv: list[str]) -> dict:

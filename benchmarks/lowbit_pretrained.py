@@ -344,14 +344,14 @@ def doc_table_layers(datas: list[dict], opts: dict) -> list[str]:
                     "higher for them without any change in the logits."]
 
 
-def headline(report: dict) -> tuple[str, str]:
-    """A README row, should one be wanted: 6- and 4-bit logits' perplexity ratio on code, per model."""
+def readme_rows(report: dict) -> list[tuple[str, dict[str, str]]]:
+    """The README's row (scripts/doc_tables.py, ``readme``): 4-bit attention logits' held-out code perplexity over
+    unquantized, per model (the source, its V1 and V2 upcycles)."""
     rows = {(r["model"], r["setting"]): r for r in quality_rows(report)}
-    bits = report["quantization"]["bits"]
-    parts = [f"{b}-bit: " + ", ".join(f"{SHORT[m]} {rows[(m, f'logits/tensor/{b}')]['ratio']['validation']:.2f}"
-                                      for m in report["models"]) for b in bits if b in (6, 4)]
-    return ("Low-bit attention logits on pretrained SmolLM2-135M-Instruct and its unfine-tuned upcycles (per tensor; "
-            "held-out code perplexity over unquantized)", "; ".join(parts))
+    return [("SmolLM2-135M-Instruct and its unfine-tuned upcycles with 4-bit attention logits (per tensor): held-out "
+             "code perplexity × unquantized",
+             {m: f"{rows[(m, 'logits/tensor/4')]['ratio']['validation']:.2f}" for m in report["models"]
+              if (m, "logits/tensor/4") in rows})]
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -1289,28 +1289,20 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
     return lines + ["", note] + (["", *tests] if tests else [])
 
 
-def headline(report: dict) -> tuple[str, str]:
-    """The README's results row (scripts/doc_tables.py finds it by this script's name): in how many seeds each model
-    learned needle retrieval (and the test of V2 against the Llama), how often V2 got there first (its exact test, and
-    that one learning rate tuned for the Llama was used), and what 4-bit logits cost the runs that learned each task,
-    needle retrieval and MQAR."""
+def readme_rows(report: dict) -> list[tuple[str, dict[str, str]]]:
+    """The README's rows (scripts/doc_tables.py, ``readme``): in how many seeds each model learned needle retrieval,
+    and what 4-bit attention logits cost the runs that learned each task (needle retrieval and MQAR: accuracy lost,
+    mean). The tests of these differences are in the report (:func:`doc_summary`)."""
     f = summary_facts(report)
     n = f["seeds"]
-    learned = ", ".join(f"{LABELS[m]} {f['learned_needle'][m]}/{n}" for m in MODELS)
-    faster, slower, _ = f["steps_needle_v2"]["sign"]
-
-    def mean_lost(task):
+    columns = {"llama": "llama", "v1": "v1", "v2": "v2"}
+    rows = [(f"Retrieval with distractors, trained from scratch ({n} paired seeds, one learning rate): seeds whose "
+             "model learned needle retrieval", {c: f"{f['learned_needle'][m]}/{n}" for c, m in columns.items()})]
+    for task, name in (("needle", "needle"), ("mqar", "MQAR")):
         per = f[f"lowbit_{task}_lost"]["values"]
-        return ", ".join(f"{LABELS[m]} {statistics.mean(per[m]):.2f}" if per[m] else f"{LABELS[m]} –" for m in MODELS)
-
-    params = report["runs"][0]["params"]
-    return (f"Retrieval with distractors and low-bit attention, trained from scratch ({round(params / 1000)}k "
-            f"parameters, {n} paired seeds, CPU)",
-            f"needle retrieval learned (accuracy ≥ {LEARNED:g} at trained lengths) in {learned} seeds (V2 vs Llama: "
-            f"Fisher {_p(f['learned_needle_v2']['fisher'])}); DIFF V2 reached 90% before the Llama in {faster}/"
-            f"{faster + slower} seeds (exact rank test {_p(f['steps_needle_v2']['rank'])}; one learning rate, tuned on "
-            f"the Llama); accuracy lost with 4-bit attention logits (runs that learned the task): needle "
-            f"{mean_lost('needle')}; MQAR {mean_lost('mqar')}")
+        rows.append((f"… {name} accuracy lost to 4-bit attention logits (mean over the runs that learned it)",
+                     {c: f"{statistics.mean(per[m]):.2f}" for c, m in columns.items() if per[m]}))
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------- CLI

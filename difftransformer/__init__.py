@@ -22,7 +22,7 @@ from .modeling_difftransformer import (
 from .motif import MotifConfig, MotifForCausalLM
 from .registration import register_difftransformer
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 register_difftransformer()
 

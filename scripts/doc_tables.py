@@ -10,9 +10,9 @@ or ``module:function`` (e.g. ``benchmarks.some_script:doc_table``), a function `
 benchmark keeps beside its own formatting. Below the table, a line per file says where it comes from: the command
 (marked when it was reconstructed after the run), the commit, whether the code the run executed has changed since
 (``benchmarks/harness.py``: the run's record of the functions it executed, compared with the checkout's code; no git
-history needed), the machine and the versions. ``headline`` is the README's renderer: one row per result, with the
-page that holds the full table; a row may join the files of one result run in parallel processes with ``+``
-(``a.json+b.json``: the script's ``combined`` merges them for its ``headline``).
+history needed), the machine and the versions. ``readme`` is the README's renderer (``<!-- table: readme -->``): a
+row per result and a column per model, from the files listed in ``README_ROWS`` (several files of one result run in
+parallel processes are joined by the script's ``combined``), each row linking the page that holds the full table.
 
 Numbers live in the tables: prose cites a table instead of repeating its numbers, and
 :func:`unchecked_numbers` finds a result-like number (two or more decimals, or a percentage) in prose that no table
@@ -289,10 +289,6 @@ def render_v1_init(datas: list[dict], opts: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The README's table: one row per headline result
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def _ratio(result: dict, kind: str) -> str:
     return f"{result['models'][kind]['ratio']:.2f}"
 
@@ -300,124 +296,6 @@ def _ratio(result: dict, kind: str) -> str:
 def _row(data: dict, item: str, dtype: str | None = None) -> dict:
     results = data["results"][dtype or next(iter(data["results"]))]
     return next(r for r in results if r["item"] == item)
-
-
-def _floors(data: dict, kinds: tuple[str, ...], seq: int, logits: int = 1) -> list[float]:
-    """FLOP floors (``bench.forward_flops`` over the Llama's) of ``kinds`` at ``data``'s shape for a ``seq``-token
-    prefill."""
-    from benchmarks import bench
-
-    shape = bench.Shape(**data["shape"])
-    llama = bench.forward_flops(bench.build_config("llama", shape), seq, logits)
-    return [bench.forward_flops(bench.build_config(k, shape), seq, logits) / llama for k in kinds]
-
-
-def headline_gpu(data: dict) -> tuple[str, str]:
-    shapes = data["speed"]["shapes"]
-    if "llama-3.2-1b" in shapes:  # the users' workloads (gpu_check since 0.2.0)
-        rows = {r["item"]: r for r in shapes["llama-3.2-1b"]["results"] if "error" not in r}
-        p, t, d = rows.get("prefill 8x2048"), rows.get("train 8x2048"), rows.get("decode b1 dynamic")
-
-        def part(label, row):
-            if row is None:
-                return f"{label}: not measured"
-            v1 = row["models"]["ours_v1"]
-            return (f"{label}: V1 {_ratio(row, 'ours_v1')} (its {v1.get('formulation', 'FLOP')} floor "
-                    f"{v1.get('flop_floor', 0):.2f}), V2 {_ratio(row, 'ours_v2')}")
-
-        gpu = data["meta"].get("gpu") or "GPU"
-        return (f"GPU speed against Llama-3.2-1B's shape ({gpu}, bf16; time ratio, lower is faster)",
-                "; ".join((part("prefill 8×2048", p), part("training 8×2048", t), part("decode batch 1", d))))
-    shape = shapes["bench"]
-    rows = {r["item"]: r for r in shape["results"] if "error" not in r}
-    p, d = rows["prefill 1x2048"], rows["decode b1 dynamic"]
-    return ("GPU speed against a same-shape Llama (NVIDIA H200, bf16; time ratio, lower is faster)",
-            f"prefill 1×2048: V1 {_ratio(p, 'ours_v1')}, V2 {_ratio(p, 'ours_v2')} (FLOP floors "
-            f"{p['models']['ours_v1']['flop_floor']:.2f}, {p['models']['ours_v2']['flop_floor']:.2f}); "
-            f"decode batch 1: V1 {_ratio(d, 'ours_v1')}, V2 {_ratio(d, 'ours_v2')}")
-
-
-def headline_cpu(data: dict) -> tuple[str, str]:
-    p, d, t = _row(data, "prefill 1x2048"), _row(data, "decode b1 dynamic"), _row(data, "train 4x512")
-    v1, v2 = _floors(data, ("ours_v1", "ours_v2"), 2048)
-    return ("CPU speed against a same-shape Llama (fp32, one thread; the package's own CPU kernels against the "
-            "Llama's stock SDPA)",
-            f"prefill 1×2048: V1 {_ratio(p, 'ours_v1')}, V2 {_ratio(p, 'ours_v2')} (FLOP floors {v1:.2f}, {v2:.2f}); "
-            f"decode batch 1: V1 {_ratio(d, 'ours_v1')}, V2 {_ratio(d, 'ours_v2')}; "
-            f"training step: V1 {_ratio(t, 'ours_v1')}, V2 {_ratio(t, 'ours_v2')}")
-
-
-def headline_smollm2(data: dict) -> tuple[str, str]:
-    p = _row(data, "prefill 1x512")
-    return ("SmolLM2-135M's upcycles against SmolLM2's shape (CPU, fp32, one thread)",
-            f"prefill 1×512: V2 {_ratio(p, 'upcycle_v2')}, V1 {_ratio(p, 'upcycle_v1')} (FLOP floors "
-            f"{p['models']['upcycle_v2']['flop_floor']:.2f}, {p['models']['upcycle_v1']['flop_floor']:.2f})")
-
-
-def headline_upcycle(data: dict) -> tuple[str, str]:
-    label, ratio, train = _upcycle_label(data), data["ratio_to_teacher"], data["training"]
-    return (f"Upcycling SmolLM2-135M-Instruct to {label}: held-out perplexity over the source's (code / prose)",
-            f"converted {ratio['before']['validation']:.3f} / {ratio['before']['pydoc_topics']:.3f}; after "
-            f"{train['global_step']} steps ({train['train_runtime_s'] / 60:.0f} min) "
-            f"{ratio['after']['validation']:.3f} / {ratio['after']['pydoc_topics']:.3f}")
-
-
-def headline_compare_upcycled(data: dict) -> tuple[str, str]:
-    summary, labels = data["summary"], data["meta"]["labels"]
-    after = {name: phases["after"]["ppl_validation"]["mean"] for name, phases in summary.items()}
-    best = min(after, key=after.get)
-    separation = max(phases["telemetry"]["after"]["map_separation"]["layer_mean"]["mean"]
-                     for phases in summary.values() if "telemetry" in phases)
-    seeds = len(data["meta"]["seeds"])
-    return (f"The same fine-tuning for the source and its upcycles (SmolLM2, {seeds} seeds): held-out perplexity on code",
-            f"lowest: {labels[best]}; " + ", ".join(f"{labels[n].split(' (')[0].split(',')[0]} {v:.2f}" for n, v in after.items())
-            + f"; the upcycles' two maps barely separate (map separation at most {separation:.3f} of 1)")
-
-
-HEADLINES: dict[str, Callable[[dict], tuple[str, str]]] = {
-    "gpu_check.py": headline_gpu, "bench.py": headline_cpu, "upcycle": headline_upcycle,
-    "compare_upcycled.py": headline_compare_upcycled,
-}
-
-
-def _headline(path: str, data: dict) -> tuple[str, str]:
-    """The (result, value) of one file: ``HEADLINES`` by its script, ``headline=smollm2`` style opts aside; a script
-    not listed here may define ``headline(data)`` itself (``benchmarks/<script>``)."""
-    script = data["provenance"]["script"]
-    if script == "bench.py" and data["shape"].get("num_hidden_layers") == 30:
-        return headline_smollm2(data)
-    if script in HEADLINES:
-        return HEADLINES[script](data)
-    import importlib
-
-    module = importlib.import_module("benchmarks." + script.removesuffix(".py"))
-    return module.headline(data)
-
-
-def render_headline(datas: list[dict], opts: dict) -> list[str]:
-    """The README's results table: per file, the result, its value, when it ran, whether the code it ran has changed
-    since, and the page with its full table (``link=PAGE,PAGE,...``, one per file)."""
-    links = opts["link"].split(",")
-    by_path = dict(zip(opts["files"], datas))
-    lines = ["| result | value | run | code since the run | details |", "|---|---|---|---|---|"]
-    for row, link in zip(opts.get("rows", opts["files"]), links, strict=True):
-        paths = row.split("+")
-        parts = [by_path[p] for p in paths]
-        if len(parts) == 1:
-            label, value = _headline(paths[0], parts[0])
-        else:  # one result run in parallel processes: the script joins its files
-            import importlib
-
-            module = importlib.import_module("benchmarks." + parts[0]["provenance"]["script"].removesuffix(".py"))
-            label, value = module.headline(module.combined(parts))
-        provs = [d["provenance"] for d in parts]
-        when = max((p.get("utc") or p.get("committed_utc") or "")[:10] for p in provs) or "unknown"
-        statuses = {code_status(p)[0] for p in provs}  # the row is as stale as its stalest file
-        status = next(s for s in ("changed", "unknown", "current") if s in statuses)
-        status = {"current": "unchanged", "changed": "changed", "unknown": "unknown"}[status]
-        page = os.path.basename(link).removesuffix(".md")
-        lines.append(f"| {label} | {value} | {when} | {status} | [{page}]({link}) |")
-    return lines
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -428,22 +306,6 @@ MODEL_COLUMNS = {"llama": "Llama", "v1": "DIFF V1", "v2": "DIFF V2"}
 Row = tuple[str, dict[str, str]]  # (result, {model: value}); a model without a value shows "–"
 
 
-def readme_rows_gpu(data: dict) -> list[Row]:
-    """Time over the Llama's at Llama-3.2-1B's shape (the paired median ratio)."""
-    rows = {r["item"]: r for r in data["speed"]["shapes"]["llama-3.2-1b"]["results"] if "models" in r}
-    gpu = data["meta"].get("gpu") or "GPU"
-
-    def ratios(item):
-        models = rows[item]["models"]
-        return {k: f"{(m.get('paired_ratio') or m['ratio']):.2f}" for k, m in
-                (("llama", models["llama"]), ("v1", models["ours_v1"]), ("v2", models["ours_v2"]))}
-
-    where = f"{gpu}, bf16, Llama-3.2-1B's shape"
-    return [(f"GPU prefill 8×2048, time × Llama ({where})", ratios("prefill 8x2048")),
-            (f"GPU training step 8×2048, time × Llama ({where})", ratios("train 8x2048")),
-            (f"GPU decode at batch 1 (dynamic cache), time × Llama ({where})", ratios("decode b1 dynamic"))]
-
-
 def readme_rows_cpu(data: dict) -> list[Row]:
     """Time over the Llama's, one thread, fp32: the package's CPU kernels against the Llama's stock SDPA."""
     def ratios(item):
@@ -452,12 +314,6 @@ def readme_rows_cpu(data: dict) -> list[Row]:
     return [("CPU prefill 1×2048, time × Llama (fp32, one thread)", ratios("prefill 1x2048")),
             ("CPU decode at batch 1, time × Llama (fp32, one thread)", ratios("decode b1 dynamic")),
             ("CPU training step 4×512, time × Llama (fp32, one thread)", ratios("train 4x512"))]
-
-
-def readme_rows_smollm2(data: dict) -> list[Row]:
-    p = _row(data, "prefill 1x512")
-    return [("SmolLM2-135M and its upcycles: CPU prefill 1×512, time × SmolLM2",
-             {"llama": "1.00", "v1": _ratio(p, "upcycle_v1"), "v2": _ratio(p, "upcycle_v2")})]
 
 
 def readme_rows_upcycle(datas: list[dict]) -> list[Row]:
@@ -475,55 +331,20 @@ def readme_rows_compare_upcycled(data: dict) -> list[Row]:
              {k: f"{after[k]:.2f}" for k in MODEL_COLUMNS if k in after})]
 
 
-def readme_rows_quantized(data: dict) -> list[Row]:
-    eight = max(r["ratio"] for r in data["rows"] if "8" in r["scheme"])
-    return [("SmolLM2's V2 upcycle loaded with 8-bit weights: perplexity × unquantized (worst of 3 libraries)",
-             {"v2": f"{eight:.3f}"})]
-
-
-def readme_rows_retrieval(data: dict) -> list[Row]:
-    """Retrieval with distractors (benchmarks/retrieval_lowbit.py, every seed of its files): in how many seeds each
-    model learned needle retrieval (held-out accuracy 0.9 or more at the trained lengths), and what 4-bit attention
-    logits (per tensor) cost the runs that learned each task (accuracy lost, mean)."""
-    from benchmarks import retrieval_lowbit as rl
-
-    metrics = rl.retrieval_metrics(data)
-    needle = metrics[next(k for k in metrics if k.startswith("needle accuracy, trained"))]
-    seeds = sorted({r["seed"] for r in data["runs"]})
-
-    def by_model(fn):
-        return {m: [fn(r) for r in data["runs"] if r["model"] == m] for m in MODEL_COLUMNS}
-
-    learned = {m: f"{sum(v >= 0.9 for v in vals)}/{len(vals)}" for m, vals in by_model(needle).items() if vals}
-    rows = [(f"Retrieval with distractors, trained from scratch ({len(seeds)} paired seeds): seeds whose model learned "
-             "needle retrieval", learned)]
-    for task, name in (("needle", "needle"), ("mqar", "MQAR")):
-        def lost(r, task=task):
-            acc = r["lowbit"]["accuracy"]
-            return (acc["none"][task]["accuracy"] - acc["logits/tensor/4"][task]["accuracy"]
-                    if acc["none"][task]["accuracy"] >= 0.9 else None)
-
-        cells = {m: f"{sum(v) / len(v):.2f}" for m, vals in by_model(lost).items() if (v := [x for x in vals if x is not None])}
-        rows.append((f"… {name} accuracy lost to 4-bit attention logits (mean over the runs that learned it)", cells))
-    return rows
-
-
 # What reads each script's numbers (a script not listed defines ``readme_rows(data)`` itself, in benchmarks/).
-README_ROW_FUNCTIONS: dict[str, Callable] = {
-    "gpu_check.py": readme_rows_gpu, "bench.py": readme_rows_cpu, "compare_upcycled.py": readme_rows_compare_upcycled,
-    "quantized_perplexity.py": readme_rows_quantized, "retrieval_lowbit.py": readme_rows_retrieval,
-}
+README_ROW_FUNCTIONS: dict[str, Callable] = {"bench.py": readme_rows_cpu, "compare_upcycled.py": readme_rows_compare_upcycled}
 # The README's rows, in order: the result files (several: combined by one function) and the page with the full table.
 README_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("benchmarks/results/gpu_check_h200_2026-11-28_speed.json",), "docs/reports/2026-11-28-gpu-check.md"),
     (("benchmarks/results/bench_t1cpu_fp32.json",), "docs/reports/2026-11-26-cpu-speed.md"),
-    (("benchmarks/results/bench_smollm2_t1cpu_fp32_avx2_reps11.json",), "docs/reports/2026-11-26-cpu-speed.md"),
     (("benchmarks/results/upcycle_smollm2_v1/report.json", "benchmarks/results/upcycle_smollm2_v2/report.json"),
      "docs/reports/2026-11-26-upcycling.md"),
     (("benchmarks/results/compare_upcycled_smollm2/results.json",), "docs/reports/2026-11-26-upcycling.md"),
     (("benchmarks/results/quantized_perplexity_smollm2_v2.json",), "docs/reports/2026-11-27-quantized-loading.md"),
     (("benchmarks/results/retrieval_lowbit/results.json", "benchmarks/results/retrieval_lowbit_seeds34/results.json"),
      "docs/reports/2026-11-27-retrieval-lowbit.md"),
+    (("benchmarks/results/lowbit_pretrained_smollm2.json",),
+     "docs/reports/2026-11-28-retrieval-lr-grid-and-pretrained-lowbit.md"),
 )
 
 
@@ -531,8 +352,6 @@ def readme_rows(paths: tuple[str, ...], datas: list[dict]) -> list[Row]:
     """The rows of one entry of README_ROWS: by the files' script (``README_ROW_FUNCTIONS``, or the script's own
     ``readme_rows``; several files of one benchmark run in parallel are joined by its ``combined``)."""
     script = datas[0]["provenance"]["script"]
-    if script == "bench.py" and datas[0]["shape"].get("num_hidden_layers") == 30:
-        return readme_rows_smollm2(datas[0])
     if script.startswith("upcycle"):
         return readme_rows_upcycle(datas)
     if script in README_ROW_FUNCTIONS and len(datas) == 1:
@@ -587,7 +406,7 @@ RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench": render_bench, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
     "vllm": render_vllm, "upcycle": render_upcycle, "upcycle-perplexity": render_upcycle_perplexity,
     "v1-init": render_v1_init, "compare-upcycled": render_compare_upcycled,
-    "compare-small": render_compare_small, "headline": render_headline, "readme": render_readme,
+    "compare-small": render_compare_small, "readme": render_readme,
 }
 
 
@@ -615,12 +434,11 @@ class Block:
     files: list[str]
     opts: dict = field(default_factory=dict)
 
-    rows: list[str] = field(default_factory=list)  # the FILE words as written: ``a.json+b.json`` joins a headline row
 
     def render(self, root: str = _ROOT) -> list[str]:
         datas = [load(f, root) for f in self.files]
-        lines = renderer(self.renderer)(datas, self.opts | {"files": self.files, "rows": self.rows or self.files})
-        if self.renderer in ("headline", "readme") or not self.files:  # the README's rows link to their pages; constants have none
+        lines = renderer(self.renderer)(datas, self.opts | {"files": self.files})
+        if self.renderer == "readme" or not self.files:  # the README's rows link to their pages; constants have none
             return lines
         lines = lines + [""]
         sentences = [provenance_sentence(f, d, root) for f, d in zip(self.files, datas)]
@@ -642,15 +460,14 @@ def parse_blocks(doc: str, lines: list[str]) -> list[Block]:
         if name not in RENDERERS and ":" not in name:
             raise ValueError(f"{doc}:{i + 1}: unknown renderer {name!r} (allowed: {', '.join(RENDERERS)}, or "
                              "module:function)")
-        rows = [w for w in rest if "=" not in w]
-        files = [f for w in rows for f in w.split("+")]
+        files = [w for w in rest if "=" not in w]
         if name == "readme":  # the README's files are listed in README_ROWS, not in its short marker
             files = [f for paths, _ in README_ROWS for f in paths]
         opts = dict(w.split("=", 1) for w in rest if "=" in w)
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == END), None)
         if end is None:
             raise ValueError(f"{doc}:{i + 1}: table marker without '{END}'")
-        blocks.append(Block(doc, i, end, name, files, opts, rows))
+        blocks.append(Block(doc, i, end, name, files, opts))
     return blocks
 
 

@@ -272,7 +272,7 @@ def test_cli_help_explains_every_option():
                  "--allow-pickle", "--key-map", "--microsoft-module", "--seed", "--max-shard-size", "--no-progress",
                  "--v1-init", "--v1-calibration"):  # fmt: skip
         assert flag in text
-    # The file runs as a script too (python convert_scripts/convert.py), without installing the package.
+    # The file runs as a script too (python convert_scripts/convert.py), importing the installed package.
     proc = subprocess.run([sys.executable, str(REPO / "convert_scripts" / "convert.py"), "--help"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "--allow-pickle" in proc.stdout
 

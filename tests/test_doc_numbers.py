@@ -111,24 +111,27 @@ def test_the_checker_catches_an_edited_cell_and_a_number_no_table_shows(tmp_path
     assert len(unchecked) == 1 and "9.87" in unchecked[0]  # the cited table value passes, the other does not
 
 
-def test_a_headline_row_joins_the_files_of_one_result_run_in_parallel(tmp_path, monkeypatch):
-    """``a.json+b.json`` in the README's headline block: one row, the script's ``combined`` of both files, the later
-    run's date; the block's files (what --changes and the command check read) are both files."""
+def test_the_readme_rows_join_the_files_of_one_result_run_in_parallel(tmp_path, monkeypatch):
+    """The README's block (``<!-- table: readme -->``) renders README_ROWS: an entry of two files gives the rows of the
+    script's ``combined`` of both, a column per model with "–" where a model has no value, and a link to its page;
+    the block's files (what --changes and the command check read) are every file of README_ROWS."""
     joined = types.ModuleType("benchmarks.joined_demo")
     joined.combined = lambda datas: {"n": sum(d["n"] for d in datas)}
-    joined.headline = lambda data: ("joined result", f"total {data['n']}")
+    joined.readme_rows = lambda data: [("joined result", {"v2": f"{data['n']}"})]
     monkeypatch.setitem(sys.modules, "benchmarks.joined_demo", joined)
-    for name, n, day in (("a.json", 1, "26"), ("b.json", 2, "27")):
+    for name, n in (("a.json", 1), ("b.json", 2)):
         prov = {"script": "joined_demo.py", "commit": "a" * 40, "command": "python benchmarks/joined_demo.py",
-                "code": {"how": "unknown", "digests": {}}, "utc": f"2026-11-{day}T00:00:00+00:00"}
+                "code": {"how": "unknown", "digests": {}}, "utc": "2026-11-27T00:00:00+00:00"}
         (tmp_path / name).write_text(json.dumps({"n": n, "provenance": prov}))
-    doc, link = Path("docs", "y.md").as_posix(), "/".join(["docs", "r.md"])  # scratch names, built in parts
-    (tmp_path / "docs").mkdir()
-    (tmp_path / doc).write_text(f"<!-- table: headline a.json+b.json link={link} -->\n<!-- end table -->\n")
+    link = "/".join(["docs", "r.md"])  # a scratch name, built in parts
+    monkeypatch.setattr(doc_tables, "README_ROWS", ((("a.json", "b.json"), link),))
+    (tmp_path / "README.md").write_text("<!-- table: readme -->\n<!-- end table -->\n")
     doc_tables.load.cache_clear()
-    report = doc_tables.check([doc], root=str(tmp_path), write=True)
+    report = doc_tables.check(["README.md"], root=str(tmp_path), write=True)
     assert report.errors == [] and report.blocks[0].files == ["a.json", "b.json"]
-    assert (tmp_path / doc).read_text().split("\n")[3] == f"| joined result | total 3 | 2026-11-27 | unknown | [r]({link}) |"
+    lines = (tmp_path / "README.md").read_text().split("\n")
+    assert lines[1] == "| result | Llama | DIFF V1 | DIFF V2 | details |"
+    assert lines[3] == f"| joined result | – | – | 3 | [r]({link}) |"
     doc_tables.load.cache_clear()
 
 

@@ -446,16 +446,17 @@ def test_gpu_memory_rows_with_a_stand_in_allocator(monkeypatch):
 
 
 def test_the_committed_gpu_results_render_and_give_the_readme_row():
-    """The 2026-11-28 H200 run (speed and checks files) through the report's tables and the README's headline: one
-    number per cell, compiled decoding "not measured" (that run skipped it for time)."""
+    """The 2026-11-28 H200 run (speed and checks files) through the report's tables and the README's rows: one
+    number per model and row; no compiled-decoding row (that run skipped it for time)."""
     speed = json.loads((ROOT / "benchmarks/results/gpu_check_h200_2026-11-28_speed.json").read_text())
     checks = json.loads((ROOT / "benchmarks/results/gpu_check_h200_2026-11-28_checks.json").read_text())
-    label, value = gpu_check.headline(speed)
-    assert label.startswith("GPU speed at Llama-3.2-1B's shape (NVIDIA H200, bf16")
+    readme = gpu_check.readme_rows(speed)
+    assert [label.split(",")[0] for label, _ in readme] == ["GPU prefill 8×2048", "GPU training step 8×2048",
+                                                           "GPU decode at batch 1"]
+    assert all("(NVIDIA H200, bf16, Llama-3.2-1B's shape)" in label for label, _ in readme)
     rows = {r["item"]: r["models"] for r in speed["speed"]["shapes"]["llama-3.2-1b"]["results"]}
     v1, v2 = rows["prefill 8x2048"]["ours_v1"]["paired_ratio"], rows["prefill 8x2048"]["ours_v2"]["paired_ratio"]
-    assert value.startswith(f"prefill 8×2048: V1 {v1:.2f}, V2 {v2:.2f}; training 8×2048: V1 ")
-    assert value.endswith("compiled decode batch 1: not measured")
+    assert readme[0][1] == {"llama": "1.00", "v1": f"{v1:.2f}", "v2": f"{v2:.2f}"}
     table = gpu_check.doc_table_speed([speed], {})
     assert table[0].startswith("| row | Llama | V1 × | V2 × | V1 kernel | V2 kernel | V1 judged | V2 judged |")
     assert any(line.startswith("| decode b1 static+compile | not run: time budget |") for line in table)

@@ -105,8 +105,9 @@ def test_the_tables_and_their_tests_are_the_json(smoke):
     assert sum(line.startswith("| ") for line in layers) == 1 + saved["models"]["llama"]["num_hidden_layers"]
     with pytest.raises(ValueError, match="text='code'"):
         script.doc_table_layers([saved], {"text": "code"})
-    label, value = script.headline(saved)
-    assert "4-bit" in value and "SmolLM2" in label
+    ((label, cells),) = script.readme_rows(saved)
+    assert "4-bit" in label and set(cells) == set(saved["models"])
+    assert cells["llama"] == f"{four['ratio']['validation']:.2f}"
 
 
 def test_bad_flags_are_named():

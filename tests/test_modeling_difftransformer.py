@@ -1,4 +1,4 @@
-"""Forward-pass correctness of DIFF V1 and V2 against the explicit float64 reference of tests/utils_difftransformer.py
+"""Forward-pass correctness of DIFF V1 and V2 against the explicit float64 reference of difftransformer/testing_utils.py
 (the equations of docs/model.md), for every attention backend."""
 
 import math
@@ -148,7 +148,7 @@ def test_bf16_flex_skip_needs_the_llamas_failure_to_explain_ours():
 
 def _bf16_case(layout):
     """A bf16 model whose attention matters (initializer_range 0.1: peaked maps), a left-padded batch, its exact float64
-    logits and the bound the rounding model gives (RoundingModel in utils_difftransformer.py: 8 draws, 3 × the largest
+    logits and the bound the rounding model gives (RoundingModel in difftransformer/testing_utils.py: 8 draws, 3 × the largest
     drawn error; it depends on no CPU). Heads are 32 wide (kernel widths 32 and 64), where torch's bf16 flex kernel
     is right on CPUs on which it is wrong at widths 8 and 16."""
     model = _model(layout, "eager", dtype=torch.bfloat16, initializer_range=0.1, head_dim=32)
