@@ -5,8 +5,8 @@ Builds four causal LMs with identical shapes and random weights — ``llama`` (t
 with ``diff_version`` 1 / 2; V2 keeps Llama's query-head count, so it is not an upcycle: docs/model.md,
 "Configuration") — all with ``attn_implementation="sdpa"`` (for ours V1 that is the modeling file's own CPU kernel) —
 and optionally ``ours_v1_padded`` (ours V1 through one zero-padded SDPA call per layer, what every attention function
-other than ``"sdpa"`` receives: ``benchmarks/padded_sdpa.py``), and measures in one process, models interleaved (order rotated every
-repetition), after warm-up:
+other than ``"sdpa"`` receives: ``benchmarks/padded_sdpa.py``), and measures in one process, models interleaved (order
+rotated every repetition), after warm-up:
 
 * prefill tokens/s: one forward with a fresh ``DynamicCache`` and ``logits_to_keep=1``, exactly what ``generate``
   runs for a prompt (default shapes 1×512, 1×2048, 8×256);
@@ -24,7 +24,8 @@ repetition), after warm-up:
 Reports medians, spread (IQR / median) and ratios to Llama (time ratios: above 1 is slower), checks the targets
 (``TARGETS``; docs/performance.md), prints a Markdown table and writes JSON (with its provenance: commit, command,
 machine, versions) and a PNG chart; timing, statistics and provenance come from benchmarks/harness.py. ``--smoke``
-runs tiny sizes once (CI). Timings on a shared machine are noisy: rerun when the spread is wide, and compare ratios from the same run only.
+runs tiny sizes once (CI). Timings on a shared machine are noisy: rerun when the spread is wide, and compare ratios from
+the same run only.
 """
 
 from __future__ import annotations
@@ -109,18 +110,48 @@ class Plan:
 
 
 # SmolLM2-135M-Instruct (the real model the package upcycles, docs/upcycling.md): `--preset smollm2`.
-SMOLLM2 = Shape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                vocab_size=49152, intermediate_size=1536, max_position_embeddings=8192, tie_word_embeddings=True)
-SMOLLM2_PLAN = Plan(prefill_shapes=[(1, 128), (1, 512), (8, 128)], decode_batches=[1, 8], prompt_len=128, new_tokens=64,
-                    train_shape=(4, 256))
+SMOLLM2 = Shape(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    intermediate_size=1536,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+SMOLLM2_PLAN = Plan(
+    prefill_shapes=[(1, 128), (1, 512), (8, 128)],
+    decode_batches=[1, 8],
+    prompt_len=128,
+    new_tokens=64,
+    train_shape=(4, 256),
+)
 
 
 def smoke_plan_and_shape() -> tuple[Plan, Shape]:
     """Tiny sizes, one repetition: every code path runs in seconds (``--smoke``)."""
-    shape = Shape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  vocab_size=256, max_position_embeddings=128)
-    plan = Plan(prefill_shapes=[(1, 32), (2, 16)], decode_batches=[1, 2], prompt_len=8, new_tokens=4,
-                train_shape=(2, 32), memory_prefill=(1, 32), memory_decode_batch=2, reps=1, warmup=1)
+    shape = Shape(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
+    plan = Plan(
+        prefill_shapes=[(1, 32), (2, 16)],
+        decode_batches=[1, 2],
+        prompt_len=8,
+        new_tokens=4,
+        train_shape=(2, 32),
+        memory_prefill=(1, 32),
+        memory_decode_batch=2,
+        reps=1,
+        warmup=1,
+    )
     return plan, shape
 
 
@@ -145,8 +176,14 @@ def build_config(kind: str, shape: Shape, attn_implementation: str = "sdpa"):
     elif kind == "upcycle_v2":
         cfg = DiffTransformerConfig(**fields | {"num_attention_heads": 2 * shape.num_attention_heads}, diff_version=2)
     elif kind == "upcycle_v1":
-        cfg = DiffTransformerConfig(**fields | {"num_attention_heads": 2 * shape.num_attention_heads,
-                                                "num_key_value_heads": 2 * shape.num_key_value_heads}, diff_version=1)
+        cfg = DiffTransformerConfig(
+            **fields
+            | {
+                "num_attention_heads": 2 * shape.num_attention_heads,
+                "num_key_value_heads": 2 * shape.num_key_value_heads,
+            },
+            diff_version=1,
+        )
     elif kind == "ours_v1_padded":
         from benchmarks.padded_sdpa import PADDED_SDPA  # registers transformers' sdpa function under this name
 
@@ -158,8 +195,9 @@ def build_config(kind: str, shape: Shape, attn_implementation: str = "sdpa"):
     return cfg
 
 
-def build_model(kind: str, shape: Shape, dtype: torch.dtype = torch.float32, seed: int = 0,
-                attn_implementation: str = "sdpa") -> torch.nn.Module:
+def build_model(
+    kind: str, shape: Shape, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str = "sdpa"
+) -> torch.nn.Module:
     """A randomly initialised ``*ForCausalLM`` of ``kind`` in ``dtype``, eval mode, greedy generation config.
 
     ``ours_v1_padded`` ignores ``attn_implementation``: it is ours V1 through one padded SDPA call per layer."""
@@ -200,6 +238,7 @@ def prefill_workload(model, batch: int, seq: int) -> Callable[[], float]:
             start = harness.now()
             model(ids, **{CACHE_NAME: cache}, use_cache=True, logits_to_keep=1)
             return harness.now() - start
+
     return run
 
 
@@ -218,9 +257,16 @@ class _StepClock:
         return scores
 
 
-def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: str = "dynamic",
-                    compiled: bool = False, on_first_token: Callable[[], object] | None = None,
-                    compile_options: dict | None = None) -> Callable[[], float]:
+def decode_workload(
+    model,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    cache: str = "dynamic",
+    compiled: bool = False,
+    on_first_token: Callable[[], object] | None = None,
+    compile_options: dict | None = None,
+) -> Callable[[], float]:
     """Greedy ``generate``; returns the seconds of the ``new_tokens − 1`` decode steps (prefill excluded).
 
     ``cache``: ``"dynamic"`` or ``"static"``; ``compiled`` (static only) passes a ``CompileConfig`` with
@@ -252,6 +298,7 @@ def decode_workload(model, batch: int, prompt_len: int, new_tokens: int, cache: 
         if out.shape[1] != prompt_len + new_tokens:
             raise RuntimeError(f"generate stopped early: {out.shape[1] - prompt_len} of {new_tokens} tokens")
         return end - clock.stamps[0]
+
     return run
 
 
@@ -275,6 +322,7 @@ def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr:
             if checkpointing:
                 model.activation_checkpointing_disable()
             model.eval()
+
     run.optimizer = optimizer
     return run
 
@@ -282,19 +330,35 @@ def train_workload(model, batch: int, seq: int, checkpointing: bool = False, lr:
 def group_items(group: str, plan: Plan) -> list[dict]:
     """The measurements of a group: name, workload arguments, and what one run produces (tokens or a step)."""
     if group == "prefill":
-        return [{"item": f"prefill {b}x{t}", "family": "prefill", "length": t, "tokens": b * t, "args": (b, t)}
-                for b, t in plan.prefill_shapes]
+        return [
+            {"item": f"prefill {b}x{t}", "family": "prefill", "length": t, "tokens": b * t, "args": (b, t)}
+            for b, t in plan.prefill_shapes
+        ]
     if group.startswith("decode"):
         cache = "dynamic" if group == "decode" else "static"
         label = {"decode": "dynamic", "decode_static": "static", "decode_compiled": "static+compile"}[group]
-        return [{"item": f"decode b{b} {label}", "family": "decode", "length": None,
-                 "tokens": b * (plan.new_tokens - 1), "args": (b, cache, group == "decode_compiled")}
-                for b in plan.decode_batches]
+        return [
+            {
+                "item": f"decode b{b} {label}",
+                "family": "decode",
+                "length": None,
+                "tokens": b * (plan.new_tokens - 1),
+                "args": (b, cache, group == "decode_compiled"),
+            }
+            for b in plan.decode_batches
+        ]
     if group.startswith("train"):
         b, t = plan.train_shape
         suffix = " ckpt" if group == "train_ckpt" else ""
-        return [{"item": f"train {b}x{t}{suffix}", "family": "train", "length": None, "tokens": None,
-                 "args": (b, t, group == "train_ckpt")}]
+        return [
+            {
+                "item": f"train {b}x{t}{suffix}",
+                "family": "train",
+                "length": None,
+                "tokens": None,
+                "args": (b, t, group == "train_ckpt"),
+            }
+        ]
     raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
 
 
@@ -316,7 +380,9 @@ def forward_flops(config, seq: int, logits_tokens: int, past: int = 0) -> float:
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     version = getattr(config, "diff_version", None)
     heads, width = (hq // 2, 2 * d) if version == 1 else ((hq // 2, d) if version == 2 else (hq, d))
-    per_token = 2 * e * (hq + 2 * hkv) * d + 2 * heads * width * e + 6 * e * inter + (2 * e * heads if version == 2 else 0)
+    per_token = (
+        2 * e * (hq + 2 * hkv) * d + 2 * heads * width * e + 6 * e * inter + (2 * e * heads if version == 2 else 0)
+    )
     visible = past + (seq + 1) / 2
     attention = 2 * hq * d * visible + 2 * (heads * width if version == 1 else hq * d) * visible  # scores + A·V
     return layers * seq * (per_token + attention) + 2 * e * vocab * logits_tokens
@@ -367,7 +433,13 @@ def with_ratios(spec: dict, stats: dict[str, dict], unit: str) -> dict:
         if spec.get("tokens"):
             row["tokens_per_s"] = spec["tokens"] / row["median"]
         samples = row.get("samples")
-        if unit == "s" and row["ratio"] is not None and samples and base_samples and len(samples) == len(base_samples) >= 4:
+        if (
+            unit == "s"
+            and row["ratio"] is not None
+            and samples
+            and base_samples
+            and len(samples) == len(base_samples) >= 4
+        ):
             row["paired_ratio"], row["paired_quartiles"] = harness.paired(samples, base_samples)
     return {k: v for k, v in spec.items() if k != "args"} | {"unit": unit, "models": stats}
 
@@ -421,9 +493,13 @@ def memory_worker(kind: str, workload: str, dtype_name: str, shape: Shape, plan:
     run()
     peak_kb = _proc_status_kb("VmHWM")
     # Without clear_refs the peak includes the warm-up; growth is then measured against the pre-warm-up peak.
-    return {"growth_mib": (peak_kb - (base_kb if exact else start_peak_kb)) / 1024, "resident_mib": base_kb / 1024,
-            "peak_mib": peak_kb / 1024, "exact_reset": exact,
-            "executed": {path: sorted(lines) for path, lines in harness.EXECUTED.items()}}
+    return {
+        "growth_mib": (peak_kb - (base_kb if exact else start_peak_kb)) / 1024,
+        "resident_mib": base_kb / 1024,
+        "peak_mib": peak_kb / 1024,
+        "exact_reset": exact,
+        "executed": {path: sorted(lines) for path, lines in harness.EXECUTED.items()},
+    }
 
 
 def _memory_child(queue, *args):
@@ -444,6 +520,7 @@ def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan,
     reps = max(1, min(plan.reps, 3))
     results = []
     for workload in MEMORY_WORKLOADS:
+
         def child(kind: str, workload: str = workload) -> dict:
             queue = ctx.Queue()
             proc = ctx.Process(target=_memory_child, args=(queue, kind, workload, dtype_name, shape, plan))
@@ -455,20 +532,28 @@ def measure_memory(models: list[str], dtype_name: str, shape: Shape, plan: Plan,
             return out
 
         # No warm-up here: each child process warms up before it measures.
-        measured = harness.interleave({kind: lambda kind=kind: child(kind) for kind in models}, reps, warmup=0,
-                                      progress=progress, trace=False)
+        measured = harness.interleave(
+            {kind: lambda kind=kind: child(kind) for kind in models}, reps, warmup=0, progress=progress, trace=False
+        )
         errors = {kind: out["error"] for kind, runs in measured.items() for out in runs if "error" in out}
         samples = {kind: [out for out in runs if "error" not in out] for kind, runs in measured.items()}
         stats = {}
         for kind, outs in samples.items():
             if outs:
-                stats[kind] = summarize([o["growth_mib"] for o in outs]) | {"resident_mib": outs[-1]["resident_mib"],
-                                                                             "exact_reset": outs[-1]["exact_reset"]}
+                stats[kind] = summarize([o["growth_mib"] for o in outs]) | {
+                    "resident_mib": outs[-1]["resident_mib"],
+                    "exact_reset": outs[-1]["exact_reset"],
+                }
             else:
                 stats[kind] = {"median": float("nan"), "spread": 0.0, "samples": [], "error": errors.get(kind)}
-        label = {"prefill": "prefill {}x{}".format(*plan.memory_prefill), "decode": f"decode b{plan.memory_decode_batch}",
-                 "train": "train {}x{}".format(*plan.train_shape)}[workload]
-        results.append(with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, unit="MiB"))
+        label = {
+            "prefill": "prefill {}x{}".format(*plan.memory_prefill),
+            "decode": f"decode b{plan.memory_decode_batch}",
+            "train": "train {}x{}".format(*plan.train_shape),
+        }[workload]
+        results.append(
+            with_ratios({"item": f"peak MiB {label}", "family": "memory", "length": None}, stats, unit="MiB")
+        )
     return results
 
 
@@ -514,7 +599,13 @@ def check_targets(result: dict) -> dict:
             if "paired_quartiles" in row:  # settled: the per-round ratios' middle half lies on one side of the target
                 q1, q3 = row["paired_quartiles"]
                 out[kind] |= {"paired_met": row["paired_ratio"] <= target, "settled": q3 <= target or q1 > target}
-        if kind not in ("ours_v2", *UPCYCLES) and row and dl and row.get("ratio") is not None and dl.get("ratio") is not None:
+        if (
+            kind not in ("ours_v2", *UPCYCLES)
+            and row
+            and dl
+            and row.get("ratio") is not None
+            and dl.get("ratio") is not None
+        ):
             # Time: strictly faster. Memory: not more, within 1% (peak RSS moves by a few pages between processes).
             beats = row["median"] <= dl["median"] * 1.01 if result["unit"] == "MiB" else row["median"] < dl["median"]
             out.setdefault("beats_diffllama", {})[kind] = beats
@@ -542,28 +633,51 @@ def format_table(report: dict, paired: bool | None = None) -> str:
         paired = any(m in models for m in UPCYCLES)
     others = [m for m in models if m != "llama"]
     for dtype_name, results in report["results"].items():
-        lines.append(f"\n**{dtype_name}** — ratios are time (or memory) relative to Llama, medians; spread = IQR/median"
-                     + ("; paired = median [quartiles] of the per-round time ratios" if paired else "") + "\n")
+        lines.append(
+            f"\n**{dtype_name}** — ratios are time (or memory) relative to Llama, medians; spread = IQR/median"
+            + ("; paired = median [quartiles] of the per-round time ratios" if paired else "")
+            + "\n"
+        )
         targeted = [k for k in TARGETED if k in models]
         v1s = [k for k in targeted if k != "ours_v2"]
-        head = ("| metric | llama | " + " | ".join(f"{m} ×" for m in others) + " | "
-                + " | ".join(f"{k} target" for k in targeted) + "".join(f" | {k} < DiffLlama" for k in v1s if "diffllama" in models) + " |")
+        head = (
+            "| metric | llama | "
+            + " | ".join(f"{m} ×" for m in others)
+            + " | "
+            + " | ".join(f"{k} target" for k in targeted)
+            + "".join(f" | {k} < DiffLlama" for k in v1s if "diffllama" in models)
+            + " |"
+        )
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for res in results:
             rows = res["models"]
-            cells = [res["item"], _value(res, rows["llama"]) + f" ±{rows['llama']['spread'] * 100:.0f}%" if "llama" in rows else "–"]
+            cells = [
+                res["item"],
+                _value(res, rows["llama"]) + f" ±{rows['llama']['spread'] * 100:.0f}%" if "llama" in rows else "–",
+            ]
             for m in others:
                 r = rows.get(m)
-                cells.append("–" if r is None or r.get("ratio") is None or r.get("ratio") != r.get("ratio")
-                             else f"{r['ratio']:.2f} ±{r['spread'] * 100:.0f}%"
-                             + (f"; paired {r['paired_ratio']:.2f} [{r['paired_quartiles'][0]:.2f}–"
-                                f"{r['paired_quartiles'][1]:.2f}]" if "paired_ratio" in r and paired else "")
-                             + (f" (FLOP floor {r['flop_floor']:.2f})" if r.get("flop_floor") else ""))
+                cells.append(
+                    "–"
+                    if r is None or r.get("ratio") is None or r.get("ratio") != r.get("ratio")
+                    else f"{r['ratio']:.2f} ±{r['spread'] * 100:.0f}%"
+                    + (
+                        f"; paired {r['paired_ratio']:.2f} [{r['paired_quartiles'][0]:.2f}–"
+                        f"{r['paired_quartiles'][1]:.2f}]"
+                        if "paired_ratio" in r and paired
+                        else ""
+                    )
+                    + (f" (FLOP floor {r['flop_floor']:.2f})" if r.get("flop_floor") else "")
+                )
             checks = check_targets(res)
             for kind in targeted:
                 c = checks.get(kind)
-                cells.append("–" if c is None else f"≤ {c['target']:.2f} {'✓' if c['met'] else '✗'}"
-                             + ("" if c.get("settled", True) or not paired else " (unsettled)"))
+                cells.append(
+                    "–"
+                    if c is None
+                    else f"≤ {c['target']:.2f} {'✓' if c['met'] else '✗'}"
+                    + ("" if c.get("settled", True) or not paired else " (unsettled)")
+                )
             if "diffllama" in models:
                 for kind in v1s:
                     beats = checks.get("beats_diffllama", {}).get(kind)
@@ -579,10 +693,17 @@ def chart_figure(report: dict):
     dtypes = list(report["results"])
     others = [m for m in report["models"] if m != "llama"]
     n_items = max(len(r) for r in report["results"].values())
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(8.5 * len(dtypes), 0.32 * n_items * max(1, len(others)) + 1.5),
-                             squeeze=False)
-    colors = {"diffllama": "tab:gray", "ours_v1": "tab:blue", "ours_v2": "tab:green", "ours_v1_padded": "tab:cyan",
-              "upcycle_v2": "tab:green", "upcycle_v1": "tab:blue"}
+    fig, axes = plt.subplots(
+        1, len(dtypes), figsize=(8.5 * len(dtypes), 0.32 * n_items * max(1, len(others)) + 1.5), squeeze=False
+    )
+    colors = {
+        "diffllama": "tab:gray",
+        "ours_v1": "tab:blue",
+        "ours_v2": "tab:green",
+        "ours_v1_padded": "tab:cyan",
+        "upcycle_v2": "tab:green",
+        "upcycle_v1": "tab:blue",
+    }
     height = 0.8 / max(1, len(others))
     for ax, dtype_name in zip(axes[0], dtypes):
         results = report["results"][dtype_name]
@@ -596,16 +717,26 @@ def chart_figure(report: dict):
                 ax.barh(y, ratio, height, color=colors.get(m, None), label=m if i == 0 else None)
                 if r.get("paired_quartiles"):
                     q1, q3 = r["paired_quartiles"]
-                    ax.errorbar(r["paired_ratio"], y, xerr=[[r["paired_ratio"] - q1], [q3 - r["paired_ratio"]]],
-                                fmt="o", color="dimgray", ms=3, capsize=2, lw=1)
+                    ax.errorbar(
+                        r["paired_ratio"],
+                        y,
+                        xerr=[[r["paired_ratio"] - q1], [q3 - r["paired_ratio"]]],
+                        fmt="o",
+                        color="dimgray",
+                        ms=3,
+                        capsize=2,
+                        lw=1,
+                    )
                 target = model_target(res, m)
                 if target is not None:
                     ax.plot([target, target], [y - height / 2, y + height / 2], color="black", lw=2)
         ax.axvline(1.0, color="red", lw=1, ls="--")
         ax.set_yticks(range(len(results)), [r["item"] for r in results])
         ax.invert_yaxis()
-        ax.set_xlabel("time (memory) / same-config Llama (dashed); lower is better\n"
-                      "black tick: the model's target; dot and whisker: paired ratio [quartiles]")
+        ax.set_xlabel(
+            "time (memory) / same-config Llama (dashed); lower is better\n"
+            "black tick: the model's target; dot and whisker: paired ratio [quartiles]"
+        )
         ax.set_title(f"{dtype_name}, {report['machine']['threads']} threads, {report['machine']['cpu'][:40]}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the axes: covers no bar
     fig.tight_layout()
@@ -641,40 +772,84 @@ def parse_choices(text: str, allowed, flag: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=",".join(GROUPS),
-                   help=f"comma-separated measurement groups to run (default: all of {', '.join(GROUPS)})")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models (default: {', '.join(MODELS)}; "
-                   f"also {', '.join(EXTRA_MODELS)}: ours V1 through one padded SDPA call, and the Llama's upcycles); ratios need llama")
-    p.add_argument("--dtype", default=None, help="comma-separated dtypes: fp32, bf16 (default: both; fp32 with --smoke)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per model and item; medians reported "
-                   "(default 7; memory uses at most 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs per model and item before timing (default 1; "
-                   "the compiled-decode warm-up compiles)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 2; 1 with --smoke, where "
-                   "speed is not the point and a loaded CI machine makes 2-thread regions crawl)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--only",
+        default=",".join(GROUPS),
+        help=f"comma-separated measurement groups to run (default: all of {', '.join(GROUPS)})",
+    )
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated models (default: {', '.join(MODELS)}; "
+        f"also {', '.join(EXTRA_MODELS)}: ours V1 through one padded SDPA call, and the Llama's upcycles); ratios "
+        "need llama",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="comma-separated dtypes: fp32, bf16 (default: both; fp32 with --smoke)"
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed repetitions per model and item; medians reported (default 7; memory uses at most 3)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed runs per model and item before timing (default 1; the compiled-decode warm-up compiles)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default 2; 1 with --smoke, where "
+        "speed is not the point and a loaded CI machine makes 2-thread regions crawl)",
+    )
     p.add_argument("--hidden-size", type=int, default=None, help="model width (default 512)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
-    p.add_argument("--heads", type=int, default=None, help="query heads of width head_dim, as Llama counts them (default 8)")
+    p.add_argument(
+        "--heads", type=int, default=None, help="query heads of width head_dim, as Llama counts them (default 8)"
+    )
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 4)")
     p.add_argument("--head-dim", type=int, default=None, help="query/key head width (default 64)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default 32000)")
-    p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: hidden × 11008/4096, Llama's ratio)")
+    p.add_argument(
+        "--intermediate-size", type=int, default=None, help="MLP width (default: hidden × 11008/4096, Llama's ratio)"
+    )
     p.add_argument("--prefill-shapes", default=None, help="prefill BATCHxLENGTH list (default 1x512,1x2048,8x256)")
     p.add_argument("--decode-batches", default=None, help="decode batch sizes (default 1,8)")
     p.add_argument("--prompt-len", type=int, default=None, help="decode prompt length (default 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run (default 128)")
     p.add_argument("--train-shape", default=None, help="training BATCHxLENGTH (default 4x512)")
-    p.add_argument("--clock", default="wall", choices=("cpu", "cuda", "wall"), help="wall: elapsed time (default); cpu: "
-                   "process CPU time — with --threads 1 it leaves out time other processes hold the core (shared machines); "
-                   "cuda: elapsed time after torch.cuda.synchronize() (benchmarks/gpu_check.py's clock)")
-    p.add_argument("--preset", choices=("smollm2",), default=None, help="smollm2: SmolLM2-135M's shape (30 layers, "
-                   "hidden 576, 9 query / 3 KV heads, tied 49152-token vocabulary) against its upcycles (--models "
-                   "llama,upcycle_v2,upcycle_v1), prefill 1x128,1x512,8x128, decode b1/b8 of 64 tokens after 128, "
-                   "training 4x256; size flags still override")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition, no compiled decode: checks that "
-                   "every path runs (CI); sizes flags still override")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=("cpu", "cuda", "wall"),
+        help="wall: elapsed time (default); cpu: "
+        "process CPU time — with --threads 1 it leaves out time other processes hold the core (shared machines); "
+        "cuda: elapsed time after torch.cuda.synchronize() (benchmarks/gpu_check.py's clock)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=("smollm2",),
+        default=None,
+        help="smollm2: SmolLM2-135M's shape (30 layers, "
+        "hidden 576, 9 query / 3 KV heads, tied 49152-token vocabulary) against its upcycles (--models "
+        "llama,upcycle_v2,upcycle_v1), prefill 1x128,1x512,8x128, decode b1/b8 of 64 tokens after 128, "
+        "training 4x256; size flags still override",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, one repetition, no compiled decode: checks that "
+        "every path runs (CI); sizes flags still override",
+    )
     p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path ('' to skip)")
     p.add_argument("--png", default="benchmarks/results/bench.png", help="PNG chart path ('' to skip)")
     return p.parse_args(argv)
@@ -684,15 +859,27 @@ def plan_and_shape(args: argparse.Namespace) -> tuple[Plan, Shape]:
     plan, shape = smoke_plan_and_shape() if args.smoke else (Plan(), Shape())
     if args.preset == "smollm2" and not args.smoke:
         plan, shape = replace(SMOLLM2_PLAN), replace(SMOLLM2)
-    shape_over = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-                  "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
-                  "intermediate_size": args.intermediate_size}
+    shape_over = {
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "intermediate_size": args.intermediate_size,
+    }
     shape_over = {k: v for k, v in shape_over.items() if v is not None}
     if "hidden_size" in shape_over and "intermediate_size" not in shape_over:
         shape_over["intermediate_size"] = None  # recompute from the ratio
     shape = replace(shape, **shape_over)
-    plan_over = {"reps": args.reps, "warmup": args.warmup, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                 "threads": args.threads, "clock": args.clock}
+    plan_over = {
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "clock": args.clock,
+    }
     if args.prefill_shapes:
         plan_over["prefill_shapes"] = _pairs(args.prefill_shapes, "--prefill-shapes")
     if args.decode_batches:
@@ -728,8 +915,14 @@ def main(argv: list[str] | None = None) -> dict:
         total += len(group_items(g, plan)) * len(models) * plan.reps
     if "memory" in groups:
         total += len(MEMORY_WORKLOADS) * len(models) * max(1, min(plan.reps, 3))
-    report = {"machine": harness.machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "models": models,
-              "groups": groups, "results": {}}
+    report = {
+        "machine": harness.machine_info(plan.threads),
+        "shape": asdict(shape),
+        "plan": asdict(plan),
+        "models": models,
+        "groups": groups,
+        "results": {},
+    }
     with tqdm(total=total * len(dtypes), desc="bench", file=sys.stderr) as bar:
         for dtype_name in dtypes:
             results = []

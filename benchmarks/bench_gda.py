@@ -94,11 +94,19 @@ def build_models(shape: Shape, seed: int = 0) -> dict[str, torch.nn.Module]:
     models = {}
     for version in VERSIONS:
         config = DiffTransformerConfig(
-            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-            num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_hidden_layers,
+            num_attention_heads=shape.num_attention_heads,
             num_key_value_heads=shape.kv_heads_v1 if version == 1 else shape.kv_heads_v2,
-            num_noise_heads=shape.num_noise_heads, head_dim=shape.head_dim, diff_version=version,
-            max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+            num_noise_heads=shape.num_noise_heads,
+            head_dim=shape.head_dim,
+            diff_version=version,
+            max_position_embeddings=4096,
+            pad_token_id=0,
+            eos_token_id=None,
+            bos_token_id=None,
         )
         torch.manual_seed(seed)
         gda = DiffTransformerForCausalLM(config).eval()
@@ -110,12 +118,26 @@ def build_models(shape: Shape, seed: int = 0) -> dict[str, torch.nn.Module]:
 
 
 def workloads(plan: Plan) -> list[tuple[str, dict, callable]]:
-    items = [(f"prefill {b}x{t}", {"kind": "prefill", "batch": b, "tokens": t}, lambda m, b=b, t=t: prefill_workload(m, b, t))
-             for b, t in plan.prefill]
-    items += [(f"decode b{b}", {"kind": "decode", "batch": b, "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens},
-               lambda m, b=b: decode_workload(m, b, plan.prompt_len, plan.new_tokens)) for b in plan.decode_batches]
-    items += [(f"train {b}x{t}", {"kind": "train", "batch": b, "tokens": t}, lambda m, b=b, t=t: train_workload(m, b, t))
-              for b, t in plan.train]
+    items = [
+        (
+            f"prefill {b}x{t}",
+            {"kind": "prefill", "batch": b, "tokens": t},
+            lambda m, b=b, t=t: prefill_workload(m, b, t),
+        )
+        for b, t in plan.prefill
+    ]
+    items += [
+        (
+            f"decode b{b}",
+            {"kind": "decode", "batch": b, "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens},
+            lambda m, b=b: decode_workload(m, b, plan.prompt_len, plan.new_tokens),
+        )
+        for b in plan.decode_batches
+    ]
+    items += [
+        (f"train {b}x{t}", {"kind": "train", "batch": b, "tokens": t}, lambda m, b=b, t=t: train_workload(m, b, t))
+        for b, t in plan.train
+    ]
     return items
 
 
@@ -133,16 +155,35 @@ def run(shape: Shape, plan: Plan, progress: bool = True) -> dict:
         for version in VERSIONS:
             gda, dup = stats[f"v{version}_gda"], stats[f"v{version}_duplicated"]
             ratio, quartiles = harness.paired(gda["samples"], dup["samples"])
-            rows.append({"workload": name, **spec, "diff_version": version, "gda": gda, "duplicated": dup,
-                         "ratio": gda["median"] / dup["median"], "paired": [ratio, quartiles]})
+            rows.append(
+                {
+                    "workload": name,
+                    **spec,
+                    "diff_version": version,
+                    "gda": gda,
+                    "duplicated": dup,
+                    "ratio": gda["median"] / dup["median"],
+                    "paired": [ratio, quartiles],
+                }
+            )
             if progress:
-                print(f"{name:>16} V{version}: GDA {gda['median'] * 1e3:9.2f} ms, duplicated {dup['median'] * 1e3:9.2f} ms, "
-                      f"ratio {rows[-1]['ratio']:.3f}, paired {ratio:.3f} [{quartiles[0]:.3f}-{quartiles[1]:.3f}]", flush=True)
+                print(
+                    f"{name:>16} V{version}: GDA {gda['median'] * 1e3:9.2f} ms, duplicated {dup['median'] * 1e3:9.2f} "
+                    f"ms, ratio {rows[-1]['ratio']:.3f}, paired {ratio:.3f} [{quartiles[0]:.3f}-{quartiles[1]:.3f}]",
+                    flush=True,
+                )
     return {"machine": harness.machine_info(plan.threads), "shape": asdict(shape), "plan": asdict(plan), "rows": rows}
 
 
-def run_vllm(shape: Shape, concurrency=(8, 32), prompt_len: int = 128, new_tokens: int = 64, reps: int = 5,
-             workdir: str | None = None, progress: bool = True) -> dict:
+def run_vllm(
+    shape: Shape,
+    concurrency=(8, 32),
+    prompt_len: int = 128,
+    new_tokens: int = 64,
+    reps: int = 5,
+    workdir: str | None = None,
+    progress: bool = True,
+) -> dict:
     """The four models on the package's native vLLM model (see the module docstring)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: four engines share the machine
     import vllm
@@ -157,16 +198,23 @@ def run_vllm(shape: Shape, concurrency=(8, 32), prompt_len: int = 128, new_token
     for name, model in models.items():
         folders[name] = root / name
         model.save_pretrained(folders[name])
-    common = dict(dtype="float32", max_model_len=prompt_len + new_tokens + 16, seed=0, enforce_eager=True,
-                  skip_tokenizer_init=True)
+    common = dict(
+        dtype="float32",
+        max_model_len=prompt_len + new_tokens + 16,
+        seed=0,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+    )
     llms = {name: vllm.LLM(model=str(folder), **common) for name, folder in folders.items()}
     processes = {name: engine_processes(llm) for name, llm in llms.items()}
     params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
 
     def prompts(seed: int, count: int):
         gen = torch.Generator().manual_seed(seed)
-        return [TokensPrompt(prompt_token_ids=torch.randint(0, shape.vocab_size, (prompt_len,), generator=gen).tolist())
-                for _ in range(count)]
+        return [
+            TokensPrompt(prompt_token_ids=torch.randint(0, shape.vocab_size, (prompt_len,), generator=gen).tolist())
+            for _ in range(count)
+        ]
 
     def timed(name: str, batch) -> tuple[float, list[list[int]]]:
         before = cpu_seconds(processes[name])
@@ -181,29 +229,62 @@ def run_vllm(shape: Shape, concurrency=(8, 32), prompt_len: int = 128, new_token
         def new_round(rep: int, c: int = c, first: int = seed, batch: list = batch) -> None:
             batch[0] = prompts(first + rep, c)
 
-        timings = harness.interleave({name: lambda name=name, batch=batch: timed(name, batch[0]) for name in llms}, reps, warmup=1,
-                                     new_round=new_round, trace=False)  # vLLM's engine runs in other processes
+        timings = harness.interleave(
+            {name: lambda name=name, batch=batch: timed(name, batch[0]) for name in llms},
+            reps,
+            warmup=1,
+            new_round=new_round,
+            trace=False,
+        )  # vLLM's engine runs in other processes
         seed += reps
         samples = {name: [seconds for seconds, _ in runs] for name, runs in timings.items()}
-        same = {version: sum(a == b for (_, x), (_, y) in zip(timings[f"v{version}_gda"], timings[f"v{version}_duplicated"])
-                             for a, b in zip(x, y)) for version in VERSIONS}
+        same = {
+            version: sum(
+                a == b
+                for (_, x), (_, y) in zip(timings[f"v{version}_gda"], timings[f"v{version}_duplicated"])
+                for a, b in zip(x, y)
+            )
+            for version in VERSIONS
+        }
         for version in VERSIONS:
             gda, dup = (harness.summarize(samples[f"v{version}_{form}"]) for form in FORMS)
             ratio, quartiles = harness.paired(samples[f"v{version}_gda"], samples[f"v{version}_duplicated"])
-            rows.append({"workload": f"vLLM {c} x ({prompt_len} + {new_tokens})", "kind": "serve", "concurrency": c,
-                         "diff_version": version, "gda": gda, "duplicated": dup,
-                         "ratio": gda["median"] / dup["median"], "paired": [ratio, quartiles],
-                         "identical_outputs": f"{same[version]}/{c * reps}"})
+            rows.append(
+                {
+                    "workload": f"vLLM {c} x ({prompt_len} + {new_tokens})",
+                    "kind": "serve",
+                    "concurrency": c,
+                    "diff_version": version,
+                    "gda": gda,
+                    "duplicated": dup,
+                    "ratio": gda["median"] / dup["median"],
+                    "paired": [ratio, quartiles],
+                    "identical_outputs": f"{same[version]}/{c * reps}",
+                }
+            )
             if progress:
-                print(f"C={c:3d} V{version}: GDA {gda['median']:.2f} CPU s, duplicated {dup['median']:.2f} CPU s, ratio "
-                      f"{rows[-1]['ratio']:.3f}, paired {ratio:.3f} [{quartiles[0]:.3f}-{quartiles[1]:.3f}], identical "
-                      f"outputs {rows[-1]['identical_outputs']}", flush=True)
+                print(
+                    f"C={c:3d} V{version}: GDA {gda['median']:.2f} CPU s, duplicated {dup['median']:.2f} CPU s, ratio "
+                    f"{rows[-1]['ratio']:.3f}, paired {ratio:.3f} [{quartiles[0]:.3f}-{quartiles[1]:.3f}], identical "
+                    f"outputs {rows[-1]['identical_outputs']}",
+                    flush=True,
+                )
     import transformers
 
-    return {"machine": harness.machine_info(1) | {"vllm": vllm.__version__, "transformers": transformers.__version__},
-            "shape": asdict(shape), "vllm": {"concurrency": list(concurrency), "prompt_len": prompt_len,
-                                              "new_tokens": new_tokens, "reps": reps, "clock": "cpu", "dtype": "float32",
-                                              "enforce_eager": True}, "rows": rows}
+    return {
+        "machine": harness.machine_info(1) | {"vllm": vllm.__version__, "transformers": transformers.__version__},
+        "shape": asdict(shape),
+        "vllm": {
+            "concurrency": list(concurrency),
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "reps": reps,
+            "clock": "cpu",
+            "dtype": "float32",
+            "enforce_eager": True,
+        },
+        "rows": rows,
+    }
 
 
 def format_table(report: dict) -> str:
@@ -211,8 +292,14 @@ def format_table(report: dict) -> str:
     count of identical greedy outputs."""
     vllm = "vllm" in report
     scale, unit = (1.0, "CPU s") if vllm else (1e3, "ms")
-    head = [("requests" if vllm else "workload"), "version", f"GDA ({unit})", f"duplicated ({unit})", "GDA / duplicated",
-            "paired [quartiles]"] + (["identical outputs"] if vllm else [])
+    head = [
+        ("requests" if vllm else "workload"),
+        "version",
+        f"GDA ({unit})",
+        f"duplicated ({unit})",
+        "GDA / duplicated",
+        "paired [quartiles]",
+    ] + (["identical outputs"] if vllm else [])
     lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---|" + ("---:|" if vllm else "")]
     for row in report["rows"]:
         p, (q1, q3) = row["paired"][0], row["paired"][1]
@@ -224,16 +311,27 @@ def format_table(report: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--reps", type=int, default=Plan.reps, help="timed rounds per workload (all four models each round)")
     p.add_argument("--warmup", type=int, default=Plan.warmup, help="untimed runs of every model before the rounds")
     p.add_argument("--threads", type=int, default=Plan.threads, help="torch.set_num_threads")
-    p.add_argument("--clock", default=Plan.clock, choices=("cpu", "wall"), help="cpu: process CPU time (with one thread it "
-                   "leaves out the time other processes hold the core: shared machines); wall: elapsed time")
+    p.add_argument(
+        "--clock",
+        default=Plan.clock,
+        choices=("cpu", "wall"),
+        help="cpu: process CPU time (with one thread it "
+        "leaves out the time other processes hold the core: shared machines); wall: elapsed time",
+    )
     p.add_argument("--json", default=None, help="write the report (with its provenance) to this file")
     p.add_argument("--smoke", action="store_true", help="tiny shape and workloads, one round (a test runs it)")
-    p.add_argument("--vllm", action="store_true", help="serve the four models with the package's native vLLM model "
-                   "(run in the vLLM venv) and time LLM.generate calls instead")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="serve the four models with the package's native vLLM model "
+        "(run in the vLLM venv) and time LLM.generate calls instead",
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32], help="--vllm: requests per generate call")
     p.add_argument("--prompt-len", type=int, default=128, help="--vllm: prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=64, help="--vllm: generated tokens per request")
@@ -248,13 +346,23 @@ def main(argv=None) -> dict:
     shape, plan = Shape(), Plan(reps=args.reps, warmup=args.warmup, threads=args.threads, clock=args.clock)
     if args.smoke:
         shape = Shape(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16)
-        plan = Plan(prefill=((1, 16),), decode_batches=(2,), prompt_len=8, new_tokens=4, train=((2, 8),), reps=1, warmup=0,
-                    threads=1, clock=args.clock)
+        plan = Plan(
+            prefill=((1, 16),),
+            decode_batches=(2,),
+            prompt_len=8,
+            new_tokens=4,
+            train=((2, 8),),
+            reps=1,
+            warmup=0,
+            threads=1,
+            clock=args.clock,
+        )
     if args.vllm:
         if args.smoke:
             shape = Shape(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=32)
-            report = run_vllm(shape, concurrency=(2,), prompt_len=8, new_tokens=4, reps=1, workdir=args.workdir,
-                              progress=False)
+            report = run_vllm(
+                shape, concurrency=(2,), prompt_len=8, new_tokens=4, reps=1, workdir=args.workdir, progress=False
+            )
         else:
             report = run_vllm(shape, tuple(args.concurrency), args.prompt_len, args.new_tokens, args.reps, args.workdir)
     else:

@@ -79,8 +79,16 @@ def tiny_random_models(workdir: Path) -> dict[str, Path]:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=1024,
+        )
         LlamaForCausalLM(config).save_pretrained(llama)
     folders = {"llama": llama}
     for version in (2, 1):
@@ -134,16 +142,30 @@ def run(args) -> dict:
             folders = tiny_random_models(workdir)
         else:
             example = _example()
-            folders = {"llama": example.prepare_llama(workdir), "diff_v2": example.prepare_v2(workdir),
-                       "diff_v1": example.prepare_v1(workdir)}
+            folders = {
+                "llama": example.prepare_llama(workdir),
+                "diff_v2": example.prepare_v2(workdir),
+                "diff_v1": example.prepare_v1(workdir),
+            }
     folders = {name: folders[name] for name in args.models}
-    common = dict(dtype="float32", max_model_len=args.prompt_len + args.new_tokens + 16, seed=0,
-                  enforce_eager=not args.compile, skip_tokenizer_init=True)
+    common = dict(
+        dtype="float32",
+        max_model_len=args.prompt_len + args.new_tokens + 16,
+        seed=0,
+        enforce_eager=not args.compile,
+        skip_tokenizer_init=True,
+    )
     impls = {name: args.llama_impl if name == "llama" else args.diff_impl for name in folders}
     started = time.perf_counter()
-    llms = {name: vllm.LLM(model=str(folder), model_impl=impls[name],
-                           trust_remote_code=impls[name] == "transformers" and name != "llama", **common)
-            for name, folder in folders.items()}
+    llms = {
+        name: vllm.LLM(
+            model=str(folder),
+            model_impl=impls[name],
+            trust_remote_code=impls[name] == "transformers" and name != "llama",
+            **common,
+        )
+        for name, folder in folders.items()
+    }
     startup_s = time.perf_counter() - started
     configs = {name: llm.llm_engine.model_config.hf_config for name, llm in llms.items()}
     base_flops = generation_flops(configs["llama"], args.prompt_len, args.new_tokens)
@@ -156,15 +178,20 @@ def run(args) -> dict:
         if configs[name].diff_version == 1:
             extra = padded_call_extra_flops(configs[name], args.prompt_len, args.new_tokens)
             floors[name]["padded_flop_floor"] = (flops + extra) / base_flops
-        print(f"FLOP floors of {name} over the Llama for {args.prompt_len}+{args.new_tokens} tokens: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in floors[name].items()), flush=True)
+        print(
+            f"FLOP floors of {name} over the Llama for {args.prompt_len}+{args.new_tokens} tokens: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in floors[name].items()),
+            flush=True,
+        )
     vocab = llms["llama"].llm_engine.model_config.get_vocab_size()
     params = vllm.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
 
     def prompts(seed: int, count: int):
         gen = torch.Generator().manual_seed(seed)
-        return [TokensPrompt(prompt_token_ids=torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist())
-                for _ in range(count)]
+        return [
+            TokensPrompt(prompt_token_ids=torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist())
+            for _ in range(count)
+        ]
 
     processes = {name: engine_processes(llm) for name, llm in llms.items()}
 
@@ -185,8 +212,13 @@ def run(args) -> dict:
         def new_round(rep: int, c: int = c, first: int = seed, batch: list = batch) -> None:
             batch[0] = prompts(first + rep, c)
 
-        timings = harness.interleave({name: lambda name=name, batch=batch: timed(name, batch[0]) for name in llms}, args.reps,
-                                     warmup=1, new_round=new_round, trace=False)  # the engines run in other processes
+        timings = harness.interleave(
+            {name: lambda name=name, batch=batch: timed(name, batch[0]) for name in llms},
+            args.reps,
+            warmup=1,
+            new_round=new_round,
+            trace=False,
+        )  # the engines run in other processes
         seed += args.reps
         times = {name: [elapsed for elapsed, _, _ in runs] for name, runs in timings.items()}
         cpu_times = {name: [cpu for _, cpu, _ in runs] for name, runs in timings.items()}
@@ -200,16 +232,23 @@ def run(args) -> dict:
             row["identical_outputs_v2"] = f"{same}/{total}"
         for name, ts in times.items():
             stats, cpu_stats = harness.summarize(ts), harness.summarize(cpu_times[name])
-            row[name] = {"seconds": ts, "median_s": stats["median"], "spread": stats["spread"],
-                         "output_tokens_per_s": c * args.new_tokens / stats["median"],
-                         "cpu_seconds": cpu_times[name], "cpu_median_s": cpu_stats["median"],
-                         "cpu_spread": cpu_stats["spread"]}
+            row[name] = {
+                "seconds": ts,
+                "median_s": stats["median"],
+                "spread": stats["spread"],
+                "output_tokens_per_s": c * args.new_tokens / stats["median"],
+                "cpu_seconds": cpu_times[name],
+                "cpu_median_s": cpu_stats["median"],
+                "cpu_spread": cpu_stats["spread"],
+            }
         for name in floors:
             stats = row[name]
             stats["wall_time_ratio"] = stats["median_s"] / row["llama"]["median_s"]
             stats["wall_paired_ratio"], stats["wall_paired_quartiles"] = harness.paired(times[name], times["llama"])
             stats["cpu_time_ratio"] = stats["cpu_median_s"] / row["llama"]["cpu_median_s"]
-            stats["cpu_paired_ratio"], stats["cpu_paired_quartiles"] = harness.paired(cpu_times[name], cpu_times["llama"])
+            stats["cpu_paired_ratio"], stats["cpu_paired_quartiles"] = harness.paired(
+                cpu_times[name], cpu_times["llama"]
+            )
             for key in ("time_ratio", "paired_ratio", "paired_quartiles"):  # the ratios of the chosen clock
                 stats[key] = stats[f"{args.clock}_{key}"]
             stats.update(floors[name])
@@ -221,34 +260,68 @@ def run(args) -> dict:
                 stats["goal"] = f"time_ratio <= {GOAL}"
                 stats["meets_goal"] = stats["time_ratio"] <= GOAL
         results.append(row)
-        print(f"C={c:3d}  " + "  ".join(f"{n} {row[n]['output_tokens_per_s']:7.1f} tok/s (±{row[n]['spread'] * 100:.0f}%, "
-                                        f"CPU ±{row[n]['cpu_spread'] * 100:.0f}%)" for n in names), flush=True)
+        print(
+            f"C={c:3d}  "
+            + "  ".join(
+                f"{n} {row[n]['output_tokens_per_s']:7.1f} tok/s (±{row[n]['spread'] * 100:.0f}%, "
+                f"CPU ±{row[n]['cpu_spread'] * 100:.0f}%)"
+                for n in names
+            ),
+            flush=True,
+        )
         for name in floors:
             r = row[name]
-            print(f"       {name}: wall time ratio {r['wall_time_ratio']:.3f}, CPU time ratio {r['cpu_time_ratio']:.3f}; "
-                  f"{args.clock}: {r['time_ratio']:.3f} (paired {r['paired_ratio']:.3f} "
-                  f"[{r['paired_quartiles'][0]:.3f}, {r['paired_quartiles'][1]:.3f}]), FLOP floor {r['flop_floor']:.3f}"
-                  + (f", padded-call floor {r['padded_flop_floor']:.3f}" if "padded_flop_floor" in r else "")
-                  + f", over floor {r['over_flop_floor']:.3f}, goal {'met' if r['meets_goal'] else 'MISSED'}",
-                  flush=True)
+            print(
+                f"       {name}: wall time ratio {r['wall_time_ratio']:.3f}, CPU time ratio {r['cpu_time_ratio']:.3f}; "
+                f"{args.clock}: {r['time_ratio']:.3f} (paired {r['paired_ratio']:.3f} "
+                f"[{r['paired_quartiles'][0]:.3f}, {r['paired_quartiles'][1]:.3f}]), FLOP floor {r['flop_floor']:.3f}"
+                + (f", padded-call floor {r['padded_flop_floor']:.3f}" if "padded_flop_floor" in r else "")
+                + f", over floor {r['over_flop_floor']:.3f}, goal {'met' if r['meets_goal'] else 'MISSED'}",
+                flush=True,
+            )
 
     import transformers
 
     return {
-        "benchmark": "bench_vllm", "goal_time_ratio_v2": GOAL, "goal_over_flop_floor_v1": V1_GOAL_OVER_FLOOR,
+        "benchmark": "bench_vllm",
+        "goal_time_ratio_v2": GOAL,
+        "goal_over_flop_floor_v1": V1_GOAL_OVER_FLOOR,
         "smoke": args.smoke,
         "models": {name: str(folder) for name, folder in folders.items()} | {"impl": impls},
-        "configs": {name: {k: getattr(cfg, k, None) for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
-                                                                "num_hidden_layers", "hidden_size", "diff_version")}
-                    for name, cfg in configs.items()},
-        "settings": {"concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "reps": args.reps, "compile": args.compile, "dtype": "float32", "clock": args.clock,
-                     "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-                     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
+        "configs": {
+            name: {
+                k: getattr(cfg, k, None)
+                for k in (
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "num_hidden_layers",
+                    "hidden_size",
+                    "diff_version",
+                )
+            }
+            for name, cfg in configs.items()
+        },
+        "settings": {
+            "concurrency": args.concurrency,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "reps": args.reps,
+            "compile": args.compile,
+            "dtype": "float32",
+            "clock": args.clock,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        },
         "startup_s_all": startup_s,
-        "machine": harness.cpu_info() | {"python": platform.python_version(), "torch": torch.__version__,
-                                         "vllm": vllm.__version__, "transformers": transformers.__version__,
-                                         "load_avg_start": os.getloadavg()},
+        "machine": harness.cpu_info()
+        | {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "transformers": transformers.__version__,
+            "load_avg_start": os.getloadavg(),
+        },
         "results": results,
     }
 
@@ -265,19 +338,27 @@ def format_table(report: dict) -> str:
     clock = {"cpu": "CPU", "wall": "wall"}[report["settings"].get("clock", "wall")]
     head = ["requests"] + [f"{n} tok/s" for n in names]
     for n in diffs:
-        head += [f"{n} {clock} time ratio (paired [quartiles])",
-                 f"{n} FLOP floor" + (" (padded call)" if n == "diff_v1" else "")]
+        head += [
+            f"{n} {clock} time ratio (paired [quartiles])",
+            f"{n} FLOP floor" + (" (padded call)" if n == "diff_v1" else ""),
+        ]
         if n == "diff_v1":
             head.append("diff_v1 ratio / floor")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [str(r["concurrency"])] + [f"{r[n]['output_tokens_per_s']:.1f} ±{r[n]['spread'] * 100:.0f}%" for n in names]
+        cells = [str(r["concurrency"])] + [
+            f"{r[n]['output_tokens_per_s']:.1f} ±{r[n]['spread'] * 100:.0f}%" for n in names
+        ]
         for n in diffs:
             s = r[n]
             mark = "" if s["meets_goal"] or n == "diff_v1" else " ✗"
-            cells.append(f"{s['time_ratio']:.2f}{mark} ({s['paired_ratio']:.2f} [{s['paired_quartiles'][0]:.2f}, "
-                         f"{s['paired_quartiles'][1]:.2f}])")
-            cells.append(f"{s['flop_floor']:.3f}" + (f" ({s['padded_flop_floor']:.3f})" if "padded_flop_floor" in s else ""))
+            cells.append(
+                f"{s['time_ratio']:.2f}{mark} ({s['paired_ratio']:.2f} [{s['paired_quartiles'][0]:.2f}, "
+                f"{s['paired_quartiles'][1]:.2f}])"
+            )
+            cells.append(
+                f"{s['flop_floor']:.3f}" + (f" ({s['padded_flop_floor']:.3f})" if "padded_flop_floor" in s else "")
+            )
             if n == "diff_v1":
                 cells.append(f"{s['over_flop_floor']:.2f}" + ("" if s["meets_goal"] else " ✗"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -299,17 +380,28 @@ def write_chart(report: dict, path: Path) -> bool:
         ax.bar(offsets, [r[name]["output_tokens_per_s"] for r in rows], width, color=COLORS[name], label=name)
         if name != "llama":
             for x, r in zip(offsets, rows):
-                ax.annotate(f"×{r[name]['time_ratio']:.2f}", (x, r[name]["output_tokens_per_s"]), ha="center",
-                            va="bottom", fontsize=8)
+                ax.annotate(
+                    f"×{r[name]['time_ratio']:.2f}",
+                    (x, r[name]["output_tokens_per_s"]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
     ax.set_xticks(list(xs), [f"{r['concurrency']} requests" for r in rows])
     ax.set_ylabel("output tokens/s (median)")
     settings = report["settings"]
-    floors = "; ".join(f"{n} FLOP floor ×{rows[0][n]['flop_floor']:.3f}"
-                       + (f" (padded call ×{rows[0][n]['padded_flop_floor']:.3f})" if "padded_flop_floor" in rows[0][n] else "")
-                       for n in names if n != "llama")
-    ax.set_title(f"vLLM {report['machine']['vllm']} CPU, float32, {settings['prompt_len']}+{settings['new_tokens']} "
-                 f"tokens, {'compiled' if settings['compile'] else 'eager'}; ×: {settings.get('clock', 'wall')} time / "
-                 f"Llama's\n{floors}", fontsize=8)
+    floors = "; ".join(
+        f"{n} FLOP floor ×{rows[0][n]['flop_floor']:.3f}"
+        + (f" (padded call ×{rows[0][n]['padded_flop_floor']:.3f})" if "padded_flop_floor" in rows[0][n] else "")
+        for n in names
+        if n != "llama"
+    )
+    ax.set_title(
+        f"vLLM {report['machine']['vllm']} CPU, float32, {settings['prompt_len']}+{settings['new_tokens']} tokens, "
+        f"{'compiled' if settings['compile'] else 'eager'}; ×: {settings.get('clock', 'wall')} time / "
+        f"Llama's\n{floors}",
+        fontsize=8,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     harness.save_figure(fig, path)
@@ -317,36 +409,68 @@ def write_chart(report: dict, path: Path) -> bool:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=Path, default=None, help="folder of the model folders (kept; default: a new temporary folder)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="folder of the model folders (kept; default: a new temporary folder)"
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32], help="requests per generate call")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per model and concurrency (medians)")
     p.add_argument("--compile", action="store_true", help="keep vLLM's torch.compile (default: enforce_eager)")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="which time the ratios and goals use: the calls' CPU time (engine processes and this one; "
-                   "robust to other load on a shared machine) or wall time; both are stored")
-    p.add_argument("--llama-impl", choices=("auto", "transformers"), default="auto",
-                   help="vLLM implementation of the Llama: auto = vLLM's native Llama, transformers = its Transformers backend")
-    p.add_argument("--diff-impl", choices=("auto", "transformers"), default="auto",
-                   help="vLLM implementation of the DIFF models: auto = the package's native vLLM model (its vLLM plugin), "
-                   "transformers = vLLM's Transformers backend with the folder's remote code (V2 only)")
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated, from {','.join(MODELS)}; llama (the baseline) is always included")
-    p.add_argument("--smoke", action="store_true", help="tiny random Llama and its upcycles, concurrency 2, 4 tokens, 1 repetition")
-    p.add_argument("--name", default=None, help="result file name: benchmarks/results/vllm_<name>.json (default: smollm2, or smoke)")
-    p.add_argument("--out-dir", type=Path, default=None, help="where the JSON and PNG go (default: benchmarks/results; "
-                   "a temporary folder with --smoke)")
+    p.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="which time the ratios and goals use: the calls' CPU time (engine processes and this one; "
+        "robust to other load on a shared machine) or wall time; both are stored",
+    )
+    p.add_argument(
+        "--llama-impl",
+        choices=("auto", "transformers"),
+        default="auto",
+        help="vLLM implementation of the Llama: auto = vLLM's native Llama, transformers = its Transformers backend",
+    )
+    p.add_argument(
+        "--diff-impl",
+        choices=("auto", "transformers"),
+        default="auto",
+        help="vLLM implementation of the DIFF models: auto = the package's native vLLM model (its vLLM plugin), "
+        "transformers = vLLM's Transformers backend with the folder's remote code (V2 only)",
+    )
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated, from {','.join(MODELS)}; llama (the baseline) is always included",
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny random Llama and its upcycles, concurrency 2, 4 tokens, 1 repetition"
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        help="result file name: benchmarks/results/vllm_<name>.json (default: smollm2, or smoke)",
+    )
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where the JSON and PNG go (default: benchmarks/results; a temporary folder with --smoke)",
+    )
     args = p.parse_args(argv)
     models = {m.strip() for m in args.models.split(",") if m.strip()} | {"llama"}
     if models - set(MODELS):
         p.error(f"--models: unknown {sorted(models - set(MODELS))}; allowed: {', '.join(MODELS)}")
     args.models = [m for m in MODELS if m in models]
     if args.diff_impl == "transformers" and "diff_v1" in args.models:
-        p.error("--diff-impl transformers: vLLM's Transformers backend refuses DIFF V1 (docs/serving.md); "
-                "add --models llama,diff_v2")
+        p.error(
+            "--diff-impl transformers: vLLM's Transformers backend refuses DIFF V1 (docs/serving.md); add --models "
+            "llama,diff_v2"
+        )
     if args.smoke:
         args.concurrency, args.prompt_len, args.new_tokens, args.reps = [2], 16, 4, 1
     if min(args.concurrency) < 1 or args.prompt_len < 1 or args.new_tokens < 1 or args.reps < 1:

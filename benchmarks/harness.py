@@ -49,8 +49,12 @@ def _cuda_synchronized_clock() -> float:
     return time.perf_counter()
 
 
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time,
-                                          "thread": time.thread_time, "cuda": _cuda_synchronized_clock}
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    "cpu": time.process_time,
+    "thread": time.thread_time,
+    "cuda": _cuda_synchronized_clock,
+}
 _clock: Callable[[], float] = time.perf_counter
 
 
@@ -104,8 +108,14 @@ def paired(samples: Sequence[float], base: Sequence[float]) -> tuple[float, list
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def interleave(runs: dict[str, Callable[[], object]], reps: int, warmup: int = 1, progress=None,
-               new_round: Callable[[int], object] | None = None, trace: bool = True) -> dict[str, list]:
+def interleave(
+    runs: dict[str, Callable[[], object]],
+    reps: int,
+    warmup: int = 1,
+    progress=None,
+    new_round: Callable[[int], object] | None = None,
+    trace: bool = True,
+) -> dict[str, list]:
     """The one timing loop of the benchmarks: ``warmup`` calls of every run, then ``reps`` rounds over all of them,
     the order rotated by one each round, so that load from other processes hits every run alike. Returns, per name,
     what each timed call returned (seconds for a run that times itself; any value, e.g. a dict, otherwise).
@@ -128,15 +138,16 @@ def interleave(runs: dict[str, Callable[[], object]], reps: int, warmup: int = 1
         for rep in range(reps):
             if new_round is not None:
                 new_round(rep)
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 samples[name].append(runs[name]())
                 if progress is not None:
                     progress.update(1)
     return samples
 
 
-def run_interleaved(runs: dict[str, Callable[[], float]], reps: int, warmup: int, progress=None,
-                    trace: bool = True) -> dict[str, dict]:
+def run_interleaved(
+    runs: dict[str, Callable[[], float]], reps: int, warmup: int, progress=None, trace: bool = True
+) -> dict[str, dict]:
     """:func:`interleave` over runs that time themselves (each returns its seconds): :func:`summarize` per name."""
     samples = interleave(runs, reps, warmup, progress, trace=trace)
     return {name: summarize(s) for name, s in samples.items()}
@@ -239,8 +250,13 @@ def _strip_docstrings(tree):
 
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             node.body = body[1:] or [ast.Pass()]
     return tree
 
@@ -301,8 +317,11 @@ def definitions(text: str) -> dict[str, tuple[int, int, str, frozenset]]:
 def _names_at(defs: dict[str, tuple], lines: set[int]) -> set[str]:
     """The functions and methods whose code starts at, or contains, one of ``lines`` (nested code belongs to its
     definition)."""
-    spans = sorted((d[0], d[1], name) for name, d in defs.items() if not name.startswith("<module>")
-                   and not name.endswith(".<class>"))
+    spans = sorted(
+        (d[0], d[1], name)
+        for name, d in defs.items()
+        if not name.startswith("<module>") and not name.endswith(".<class>")
+    )
     found = set()
     for line in lines:
         inside = [name for a, b, name in spans if a <= line <= b]
@@ -421,7 +440,9 @@ def package_imports(module_path: str, read: Callable[[str], str | None] | None =
                     mod = os.path.join(*node.module.split("."))
                     targets = [mod] + [os.path.join(mod, a.name) for a in node.names]
             elif isinstance(node, ast.Import):
-                targets = [os.path.join(*a.name.split(".")) for a in node.names if a.name.split(".")[0] == "difftransformer"]
+                targets = [
+                    os.path.join(*a.name.split(".")) for a in node.names if a.name.split(".")[0] == "difftransformer"
+                ]
             for target in targets:
                 for candidate in (target + ".py", os.path.join(target, "__init__.py")):
                     if read(candidate) is not None and candidate not in seen:
@@ -434,8 +455,18 @@ def package_imports(module_path: str, read: Callable[[str], str | None] | None =
 # ----------------------------------------------------------------------------------------------------------------
 
 # /proc/cpuinfo flags that decide which CPU kernels torch runs (bf16 and int8 matmuls, vector width).
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-             "amx_int8")
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 def cpu_info() -> dict:
@@ -456,8 +487,12 @@ def cpu_info() -> dict:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
-    return {"cpu": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags], "logical_cpus": os.cpu_count(),
-            "usable_cpus": usable}
+    return {
+        "cpu": model,
+        "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+    }
 
 
 def machine_info(threads: int | None = None) -> dict:
@@ -466,9 +501,13 @@ def machine_info(threads: int | None = None) -> dict:
     import torch
     import transformers
 
-    info = cpu_info() | {"torch": torch.__version__, "transformers": transformers.__version__,
-                         "python": platform.python_version(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                         "load_avg_start": os.getloadavg()}
+    info = cpu_info() | {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_avg_start": os.getloadavg(),
+    }
     if threads is not None:
         info["threads"] = threads
     return info
@@ -536,7 +575,9 @@ def measured_env(environ=os.environ) -> dict[str, str]:
 STARTUP_ENV = measured_env()
 
 
-def command_line(argv: Sequence[str] | None = None, script: str | None = None, env: dict[str, str] | None = None) -> str:
+def command_line(
+    argv: Sequence[str] | None = None, script: str | None = None, env: dict[str, str] | None = None
+) -> str:
     """The command as a user would type it from the repository root: ``python <script> <argv>``, after the
     ``MEASURED_ENV`` variables ``env`` holds (default: those set at start, ``STARTUP_ENV``) as ``NAME=value``."""
     script = script or sys.argv[0]
@@ -544,8 +585,9 @@ def command_line(argv: Sequence[str] | None = None, script: str | None = None, e
         script = os.path.relpath(script, ROOT)
     args = list(sys.argv[1:] if argv is None else argv)
     env = STARTUP_ENV if env is None else env
-    return " ".join([f"{name}={shlex.quote(value)}" for name, value in env.items()]
-                    + [shlex.join(["python", script, *args])])
+    return " ".join(
+        [f"{name}={shlex.quote(value)}" for name, value in env.items()] + [shlex.join(["python", script, *args])]
+    )
 
 
 def _versions() -> dict:
@@ -566,16 +608,33 @@ def provenance(script: str, argv: Sequence[str] | None = None, code: dict | None
     whether the tracked files differed from it and which, the command line, the machine, the versions, the UTC time
     and ``code``: the code the run executed (default: :func:`code_record` of this process's traces)."""
     commit, dirty, dirty_files = git_state()
-    path = next((p for p in (f"benchmarks/{script}", f"convert_scripts/{script}")
-                 if os.path.exists(os.path.join(ROOT, p))), script)
+    path = next(
+        (p for p in (f"benchmarks/{script}", f"convert_scripts/{script}") if os.path.exists(os.path.join(ROOT, p))),
+        script,
+    )
     utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"script": script, "commit": commit, "dirty": dirty, "dirty_files": dirty_files,
-            "command": command_line(argv, path), "machine": cpu_info(), "versions": _versions(),
-            "source_digest": source_digest(), "utc": utc, "code": code if code is not None else code_record()}
+    return {
+        "script": script,
+        "commit": commit,
+        "dirty": dirty,
+        "dirty_files": dirty_files,
+        "command": command_line(argv, path),
+        "machine": cpu_info(),
+        "versions": _versions(),
+        "source_digest": source_digest(),
+        "utc": utc,
+        "code": code if code is not None else code_record(),
+    }
 
 
-def write_json(path: str | os.PathLike, report: dict, script: str, argv: Sequence[str] | None = None,
-               indent: int = 1, code: dict | None = None) -> dict:
+def write_json(
+    path: str | os.PathLike,
+    report: dict,
+    script: str,
+    argv: Sequence[str] | None = None,
+    indent: int = 1,
+    code: dict | None = None,
+) -> dict:
     """Write ``report`` with its ``provenance`` (:func:`provenance` with ``code``, unless it already has one) to
     ``path``, making the folder; returns the report as written."""
     report = report if "provenance" in report else report | {"provenance": provenance(script, argv, code)}

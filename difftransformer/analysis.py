@@ -103,8 +103,8 @@ def softmax_maps(
 
     Recomputes ``softmax(q kᵀ/√d + M)`` from the module's inputs with its own ``q_proj``/``k_proj`` and
     transformers' rotate-half RoPE (docs/model.md, "What it computes"). Query head ``i`` reads key head
-    ``i // (Hq/Hkv)``: with the row order of docs/model.md this is the paper's pairing for V1 (query ``(g, c, r)`` reads key ``(g, c)``) and for V2
-    (query ``2h + c`` reads key ``h // n``). No cache: the lens runs one full forward.
+    ``i // (Hq/Hkv)``: with the row order of docs/model.md this is the paper's pairing for V1 (query ``(g, c, r)`` reads
+    key ``(g, c)``) and for V2 (query ``2h + c`` reads key ``h // n``). No cache: the lens runs one full forward.
     """
     bsz, q_len, _ = hidden_states.shape
     d = module.head_dim
@@ -119,7 +119,9 @@ def softmax_maps(
     return torch.softmax(scores, dim=-1)
 
 
-def split_pairs(maps: torch.Tensor, pair_stride: int, dim: int = 1, noise_ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def split_pairs(
+    maps: torch.Tensor, pair_stride: int, dim: int = 1, noise_ratio: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``2H`` softmax maps along ``dim`` into ``(A1, A2)``, each with the H differential heads in order
     ``h = g·n + r``. Same layout rule as the modeling file's ``differential_combine`` (V1: ``pair_stride = n``,
     rows ``(g, c, r)``; V2: ``pair_stride = 1``, rows ``(h, c)``). With grouped differential attention
@@ -191,7 +193,9 @@ def attention_maps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
             handle.remove()
     layers = []
     for module, diff, lam in zip(modules, out.attentions, out.lambdas):
-        a1, a2 = split_pairs(softmax_maps(module, **captured[module.layer_idx]), module.pair_stride, noise_ratio=module.noise_ratio)
+        a1, a2 = split_pairs(
+            softmax_maps(module, **captured[module.layer_idx]), module.pair_stride, noise_ratio=module.noise_ratio
+        )
         layers.append(LayerMaps(module.layer_idx, {"diff": diff.float(), "softmax1": a1, "softmax2": a2}, lam.float()))
     return layers
 
@@ -232,7 +236,9 @@ def attention_shares(
         raise ValueError(f"`mode` must be one of {SHARE_MODES}, got {mode!r}.")
     q_len, k_len = maps.shape[-2:]
     answer_mask = _span_mask(answer, k_len, "answer", maps.device)
-    context_mask = torch.ones_like(answer_mask) if context is None else _span_mask(context, k_len, "context", maps.device)
+    context_mask = (
+        torch.ones_like(answer_mask) if context is None else _span_mask(context, k_len, "context", maps.device)
+    )
     regions = torch.stack([answer_mask, context_mask & ~answer_mask, ~context_mask & ~answer_mask], -1).to(maps.dtype)
     rows = [q_len - 1] if query_positions is None else [int(p) for p in query_positions]
     if not rows or any(not -q_len <= p < q_len for p in rows):
@@ -273,7 +279,15 @@ class LensReport:
         for kind in self.kinds:
             for layer, per_head in enumerate(self.shares[kind].tolist()):
                 for head, values in enumerate(per_head):
-                    out.append({"model": self.model_name, "kind": kind, "layer": layer, "head": head, **dict(zip(REGIONS, values))})
+                    out.append(
+                        {
+                            "model": self.model_name,
+                            "kind": kind,
+                            "layer": layer,
+                            "head": head,
+                            **dict(zip(REGIONS, values)),
+                        }
+                    )
         return out
 
     def summary(self) -> dict[str, dict[str, float]]:
@@ -303,8 +317,8 @@ class LensReport:
             for layer, s in enumerate(self.shares[kind]):
                 best = int(s[:, 0].argmax())
                 lines.append(
-                    f"| {kind} | {layer} | {s[:, 0].mean():.3f} | {s[:, 1].mean():.3f} | {s[:, 2].mean():.3f} "
-                    f"| h{best}: {s[best, 0]:.3f} |"
+                    f"| {kind} | {layer} | {s[:, 0].mean():.3f} | {s[:, 1].mean():.3f} | {s[:, 2].mean():.3f} | "
+                    f"h{best}: {s[best, 0]:.3f} |"
                 )
         if self.lambdas is not None:
             lines += ["", "| layer | λ |" if self.lambdas.dim() == 1 else "| layer | λ mean | λ std | λ min | λ max |"]
@@ -357,7 +371,9 @@ def lens(
     if mode not in SHARE_MODES:
         raise ValueError(f"`mode` must be one of {SHARE_MODES}, got {mode!r}.")
     if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-        raise ValueError(f"lens() analyses one prompt: `input_ids` must have shape (T,) or (1, T), got {tuple(input_ids.shape)}.")
+        raise ValueError(
+            f"lens() analyses one prompt: `input_ids` must have shape (T,) or (1, T), got {tuple(input_ids.shape)}."
+        )
     input_ids = input_ids.reshape(1, -1)
     seq_len = input_ids.shape[1]
     _span_mask(answer_span, seq_len, "answer_span")  # validate before the forward pass
@@ -366,7 +382,9 @@ def lens(
     layers = attention_maps(model, input_ids)
     kinds = tuple(layers[0].maps)
     shares = {
-        kind: torch.stack([attention_shares(lm.maps[kind][0], answer_span, context_span, query_positions, mode) for lm in layers])
+        kind: torch.stack(
+            [attention_shares(lm.maps[kind][0], answer_span, context_span, query_positions, mode) for lm in layers]
+        )
         for kind in kinds
     }
     lambdas, version = None, None
@@ -404,7 +422,9 @@ def char_span_to_tokens(offsets: Sequence[tuple[int, int]], start: int, end: int
     return toks[0], toks[-1] + 1
 
 
-def find_token_span(tokenizer, text: str, substring: str, occurrence: int = 0, add_special_tokens: bool = True) -> tuple[int, int]:
+def find_token_span(
+    tokenizer, text: str, substring: str, occurrence: int = 0, add_special_tokens: bool = True
+) -> tuple[int, int]:
     """Token span ``(start, end)`` of the ``occurrence``-th occurrence of ``substring`` in ``text``.
 
     Uses the fast tokenizer's character offsets (``return_offsets_mapping``); every token overlapping the
@@ -451,9 +471,9 @@ def lens_on_spans(model, examples: Sequence[SpanExample], mode: str = "positive"
     """Mean attention shares over tokenised prompts whose spans are known in tokens (synthetic tasks without a
     tokenizer, :mod:`difftransformer.retrieval_tasks`), from the last token (which predicts the answer).
 
-    ``shares[kind]`` ``(L, heads, 3)`` over ``REGIONS`` as in :func:`lens`; ``region_shares[name][kind]`` ``(L, heads)``:
-    the share of each extra region (its mass over all mass of the row, same ``mode``; every example must name the
-    same regions)."""
+    ``shares[kind]`` ``(L, heads, 3)`` over ``REGIONS`` as in :func:`lens`; ``region_shares[name][kind]`` ``(L,
+    heads)``: the share of each extra region (its mass over all mass of the row, same ``mode``; every example must name
+    the same regions)."""
     if not examples:
         raise ValueError("`examples` is empty.")
     names = set(examples[0].regions)
@@ -471,13 +491,19 @@ def lens_on_spans(model, examples: Sequence[SpanExample], mode: str = "positive"
             mask = _span_mask(ex.regions[name], ids.shape[0], name)
             for kind in report.kinds:
                 # the region as "answer", no context: its share of the whole row
-                s = torch.stack([attention_shares(lm.maps[kind][0], mask, None, None, mode)[..., 0] for lm in report.maps])
+                s = torch.stack(
+                    [attention_shares(lm.maps[kind][0], mask, None, None, mode)[..., 0] for lm in report.maps]
+                )
                 regions[name][kind] = regions[name].get(kind, 0) + s
         if report.lambdas is not None:
             lambdas = report.lambdas if lambdas is None else lambdas + report.lambdas
     n = len(examples)
-    return ExamplesLens({kind: s / n for kind, s in total.items()}, None if lambdas is None else lambdas / n, n,
-                        {name: {kind: s / n for kind, s in per.items()} for name, per in regions.items()})
+    return ExamplesLens(
+        {kind: s / n for kind, s in total.items()},
+        None if lambdas is None else lambdas / n,
+        n,
+        {name: {kind: s / n for kind, s in per.items()} for name, per in regions.items()},
+    )
 
 
 def lens_on_examples(model, tokenizer, examples, mode: str = "positive") -> ExamplesLens:
@@ -552,7 +578,9 @@ def plot_heatmaps(
             m = report.maps[layer].maps[kind][0, head, first_row:].cpu().numpy()
             if kind == "diff":
                 bound = max(float(abs(m).max()), 1e-6)
-                im = ax.imshow(m, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -bound, bound), interpolation="nearest")
+                im = ax.imshow(
+                    m, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -bound, bound), interpolation="nearest"
+                )
             else:
                 im = ax.imshow(m, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
             ax.add_patch(Rectangle((a0 - 0.5, -0.5), a1 - a0, m.shape[0], fill=False, edgecolor="lime", linewidth=1.2))
@@ -622,19 +650,56 @@ def build_parser() -> argparse.ArgumentParser:
         "models (differential map and both softmax maps) and for any transformers causal LM (softmax maps), with "
         "heatmap PNGs and λ statistics. Writes lens.md, lens.json, shares.png and one heatmap PNG per model.",
     )
-    p.add_argument("--model", action="append", required=True, help="A model folder or Hub id (repeat to compare several models side by side). Loaded with AutoModelForCausalLM (trust_remote_code=True).")
-    p.add_argument("--tokenizer", default=None, help="Tokenizer folder or id; default: the first model's folder. All models must share it.")
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="A model folder or Hub id (repeat to compare several models side by side). Loaded with "
+        "AutoModelForCausalLM (trust_remote_code=True).",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Tokenizer folder or id; default: the first model's folder. All models must share it.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="The prompt text.")
     src.add_argument("--prompt-file", help="A UTF-8 file holding the prompt text.")
-    p.add_argument("--answer", required=True, help="Substring of the prompt that is the answer span (e.g. the needle's value).")
-    p.add_argument("--occurrence", type=int, default=0, help="Which occurrence of --answer to mark (0 = first). Default 0.")
-    p.add_argument("--question", default=None, help="Substring where the question starts: tokens from there on count as 'other', not noise (the context is everything before it). Default: no question; noise = everything but the answer.")
-    p.add_argument("--query-positions", type=_int_list, default=None, help="Comma-separated query rows to average the shares over (negative = from the end). Default: the last token.")
-    p.add_argument("--mode", choices=SHARE_MODES, default="positive", help="How signed differential maps are normalised: positive (share of positive mass, default), signed (signed mass / row sum), raw (unnormalised mass). Softmax maps give the same numbers in every mode.")
-    p.add_argument("--layers", type=_int_list, default=None, help="Comma-separated layers to draw in the heatmaps. Default: all.")
-    p.add_argument("--heads", type=_int_list, default=None, help="Comma-separated heads to draw in the heatmaps. Default: 0.")
-    p.add_argument("--last-rows", type=int, default=48, help="Heatmaps show only the last N query rows (0 = all). Default 48.")
+    p.add_argument(
+        "--answer", required=True, help="Substring of the prompt that is the answer span (e.g. the needle's value)."
+    )
+    p.add_argument(
+        "--occurrence", type=int, default=0, help="Which occurrence of --answer to mark (0 = first). Default 0."
+    )
+    p.add_argument(
+        "--question",
+        default=None,
+        help="Substring where the question starts: tokens from there on count as 'other', not noise (the context is "
+        "everything before it). Default: no question; noise = everything but the answer.",
+    )
+    p.add_argument(
+        "--query-positions",
+        type=_int_list,
+        default=None,
+        help="Comma-separated query rows to average the shares over (negative = from the end). Default: the last "
+        "token.",
+    )
+    p.add_argument(
+        "--mode",
+        choices=SHARE_MODES,
+        default="positive",
+        help="How signed differential maps are normalised: positive (share of positive mass, default), signed (signed "
+        "mass / row sum), raw (unnormalised mass). Softmax maps give the same numbers in every mode.",
+    )
+    p.add_argument(
+        "--layers", type=_int_list, default=None, help="Comma-separated layers to draw in the heatmaps. Default: all."
+    )
+    p.add_argument(
+        "--heads", type=_int_list, default=None, help="Comma-separated heads to draw in the heatmaps. Default: 0."
+    )
+    p.add_argument(
+        "--last-rows", type=int, default=48, help="Heatmaps show only the last N query rows (0 = all). Default 48."
+    )
     p.add_argument("--out", default="lens_out", help="Output folder. Default: lens_out.")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda. Default: cpu.")
     return p
@@ -660,8 +725,23 @@ def main(argv: Sequence[str] | None = None) -> list[LensReport]:
     reports = []
     for i, name in enumerate(args.model):
         model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=True).to(args.device).eval()
-        report = lens(model, input_ids, answer, context, args.query_positions, args.mode, tokenizer, model_name=f"m{i}:{os.path.basename(name.rstrip('/'))}")
-        plot_heatmaps(report, os.path.join(args.out, f"heatmap_m{i}.png"), args.layers, args.heads, last_rows=args.last_rows or None)
+        report = lens(
+            model,
+            input_ids,
+            answer,
+            context,
+            args.query_positions,
+            args.mode,
+            tokenizer,
+            model_name=f"m{i}:{os.path.basename(name.rstrip('/'))}",
+        )
+        plot_heatmaps(
+            report,
+            os.path.join(args.out, f"heatmap_m{i}.png"),
+            args.layers,
+            args.heads,
+            last_rows=args.last_rows or None,
+        )
         reports.append(report)
         print(report.to_markdown(), "\n")
     plot_shares(reports, os.path.join(args.out, "shares.png"))

@@ -62,8 +62,8 @@ def accepts_old_cache_name(forward: Callable) -> Callable:
                 )
             if CACHE_RENAMED and version.parse(TRANSFORMERS_VERSION) >= version.parse(OLD_CACHE_NAME_REMOVED_IN):
                 raise TypeError(
-                    f"{type(self).__name__}.forward got `past_key_values`, which transformers {TRANSFORMERS_VERSION} no "
-                    "longer accepts (renamed in 5.24, removed in 5.40): pass the cache as `cache=`."
+                    f"{type(self).__name__}.forward got `past_key_values`, which transformers {TRANSFORMERS_VERSION} "
+                    "no longer accepts (renamed in 5.24, removed in 5.40): pass the cache as `cache=`."
                 )
             if CACHE_RENAMED and old is not None and not torch.compiler.is_compiling():
                 warnings.warn(
@@ -83,7 +83,9 @@ def accepts_old_cache_name(forward: Callable) -> Callable:
 # packed-sequence lengths, `num_items_in_batch`), continuous batching's paged-attention arguments and the causal-LM
 # loss's own arguments. The attention function in use adds its named parameters (`check_forward_arguments`).
 PASSED_ON_KWARGS = frozenset(TransformersKwargs.__annotations__) | frozenset(
-    name for name in inspect.signature(ForCausalLMLoss).parameters if name not in ("logits", "labels", "vocab_size", "kwargs")
+    name
+    for name in inspect.signature(ForCausalLMLoss).parameters
+    if name not in ("logits", "labels", "vocab_size", "kwargs")
 )
 try:
     from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs

@@ -44,8 +44,14 @@ AUTO_MAP = {
 }
 _CONFIG_ENTRY = "configuration_difftransformer.DiffTransformerConfig"
 POSITIVE_INT_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "max_position_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
 )
 
 
@@ -86,8 +92,8 @@ class DiffTransformerConfig(PreTrainedConfig):
 
     model_type = "difftransformer"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field before and from transformers 5.24
-    # Same layout as Llama: with the group-major row order (docs/model.md, "What it computes") a contiguous column shard of
-    # q/k/v (and of lambda_proj in V2) holds whole KV groups, so every shard computes whole heads.
+    # Same layout as Llama: with the group-major row order (docs/model.md, "What it computes") a contiguous column shard
+    # of q/k/v (and of lambda_proj in V2) holds whole KV groups, so every shard computes whole heads.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -150,10 +156,13 @@ class DiffTransformerConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
-        """Every invariant of the head counts (docs/model.md, "Configuration"); runs at construction and from ``config.validate()``."""
+        """Every invariant of the head counts (docs/model.md, "Configuration"); runs at construction and from
+        ``config.validate()``."""
         v, hq, hkv, d = self.diff_version, self.num_attention_heads, self.num_key_value_heads, self.head_dim
         if isinstance(v, bool) or v not in SUPPORTED_DIFF_VERSIONS:
-            raise ValueError(f"`diff_version` must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {v!r}.")
+            raise ValueError(
+                f"`diff_version` must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {v!r}."
+            )
         for name in POSITIVE_INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -162,7 +171,9 @@ class DiffTransformerConfig(PreTrainedConfig):
             if isinstance(getattr(self, name), bool) or not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be a positive number (a norm's epsilon), got {getattr(self, name)!r}.")
         if not self.initializer_range >= 0:
-            raise ValueError(f"`initializer_range` must be >= 0 (a standard deviation), got {self.initializer_range!r}.")
+            raise ValueError(
+                f"`initializer_range` must be >= 0 (a standard deviation), got {self.initializer_range!r}."
+            )
         if self.hidden_act not in ACT2FN and self.hidden_act not in PARAMETRIZED_ACTIVATIONS:
             raise ValueError(
                 f"`hidden_act` must be one of transformers' activations ({', '.join(sorted(ACT2FN))}) or "
@@ -179,8 +190,8 @@ class DiffTransformerConfig(PreTrainedConfig):
         noise = self.num_noise_heads
         if noise is None and hq % 2:
             raise ValueError(
-                f"`num_attention_heads` must be even: it counts query heads, two (one pair) per differential head; got {hq}."
-                " (With grouped differential attention set `num_noise_heads`.)"
+                "`num_attention_heads` must be even: it counts query heads, two (one pair) per differential head; got "
+                f"{hq}. (With grouped differential attention set `num_noise_heads`.)"
             )
         if d % 2:
             raise ValueError(f"`head_dim` must be even (rotary embeddings rotate pairs of features); got {d}.")
@@ -188,8 +199,8 @@ class DiffTransformerConfig(PreTrainedConfig):
         if v == 1:
             if hkv % 2:
                 raise ValueError(
-                    f"`num_key_value_heads` must be even for diff_version=1: each KV group holds two key heads (K1, K2) "
-                    f"and two value halves; got {hkv}."
+                    "`num_key_value_heads` must be even for diff_version=1: each KV group holds two key heads (K1, "
+                    f"K2) and two value halves; got {hkv}."
                 )
             groups = hkv // 2
         else:
@@ -199,17 +210,20 @@ class DiffTransformerConfig(PreTrainedConfig):
         elif num_heads % groups:
             allowed = sorted({2 * g if v == 1 else g for g in range(1, num_heads + 1) if num_heads % g == 0})
             raise ValueError(
-                f"diff_version={v}: the {num_heads} differential heads (num_attention_heads / 2) must split evenly into "
-                f"the {groups} KV groups (num_key_value_heads{' / 2' if v == 1 else ''}) so that both maps of a pair "
-                f"read the same group; num_key_value_heads must be one of {allowed}, got {hkv}."
+                f"diff_version={v}: the {num_heads} differential heads (num_attention_heads / 2) must split evenly "
+                f"into the {groups} KV groups (num_key_value_heads{' / 2' if v == 1 else ''}) so that both maps of a "
+                f"pair read the same group; num_key_value_heads must be one of {allowed}, got {hkv}."
             )
         if self.attention_dropout not in (None, 0, 0.0):
             raise ValueError(
-                f"`attention_dropout` must be 0: the Differential Transformer defines no attention dropout; got {self.attention_dropout}."
+                "`attention_dropout` must be 0: the Differential Transformer defines no attention dropout; got "
+                f"{self.attention_dropout}."
             )
         offset = self.lambda_init_layer_offset
         if isinstance(offset, bool) or not isinstance(offset, int):
-            raise ValueError(f"`lambda_init_layer_offset` must be an integer (added to the layer index), got {offset!r}.")
+            raise ValueError(
+                f"`lambda_init_layer_offset` must be an integer (added to the layer index), got {offset!r}."
+            )
         for version, fields in VERSION_ONLY_FIELDS.items():
             for name, unused in fields.items():
                 if version != v and getattr(self, name) != unused:
@@ -225,9 +239,12 @@ class DiffTransformerConfig(PreTrainedConfig):
     @staticmethod
     def _validate_noise_heads(v: int, hq: int, hkv: int, groups: int, noise) -> None:
         """Grouped differential attention: ``N = num_noise_heads`` noise maps, ``H = Hq − N`` signal maps, ``r = H / N``
-        an integer, and the KV groups ``G`` dividing ``N`` (so each noise head and its ``r`` signal heads read one group)."""
+        an integer, and the KV groups ``G`` dividing ``N`` (so each noise head and its ``r`` signal heads read one
+        group)."""
         if isinstance(noise, bool) or not isinstance(noise, int) or noise <= 0:
-            raise ValueError(f"`num_noise_heads` must be None (num_attention_heads / 2) or a positive integer, got {noise!r}.")
+            raise ValueError(
+                f"`num_noise_heads` must be None (num_attention_heads / 2) or a positive integer, got {noise!r}."
+            )
         kv = f"num_key_value_heads{' / 2' if v == 1 else ''}"
         fitting = [k for k in range(1, hq) if hq % k == 0 and k % groups == 0]
         if noise >= hq or hq % noise:
@@ -253,10 +270,10 @@ class DiffTransformerConfig(PreTrainedConfig):
         found = config_dict.get("model_type")
         if found not in (None, cls.model_type):
             raise ValueError(
-                f"{pretrained_model_name_or_path} holds a {found!r} checkpoint, not a {cls.model_type!r} one. Convert it "
-                f"first, e.g. `difftransformer-convert --from llama --diff-version 2 --input "
-                f"{pretrained_model_name_or_path} --output OUT` (exact for Llama-family models; see docs/convert.md for "
-                "every source format)."
+                f"{pretrained_model_name_or_path} holds a {found!r} checkpoint, not a {cls.model_type!r} one. Convert "
+                "it first, e.g. `difftransformer-convert --from llama --diff-version 2 --input "
+                f"{pretrained_model_name_or_path} --output OUT` (exact for Llama-family models; see docs/convert.md "
+                "for every source format)."
             )
         return config_dict, kwargs
 
@@ -268,8 +285,10 @@ class DiffTransformerConfig(PreTrainedConfig):
         entry = auto_map.get("AutoConfig")
         if isinstance(entry, str) and entry.endswith(_CONFIG_ENTRY):
             where = entry[: -len(_CONFIG_ENTRY)]  # "" or "owner/repo--" for code kept in another repository
-            output["auto_map"] = {**{auto: f"{where}modeling_difftransformer.{name}" for auto, name in AUTO_MAP.items()},
-                                  **auto_map}
+            output["auto_map"] = {
+                **{auto: f"{where}modeling_difftransformer.{name}" for auto, name in AUTO_MAP.items()},
+                **auto_map,
+            }
         return output
 
     # Derived sizes (docs/model.md, "Configuration"); not serialised.

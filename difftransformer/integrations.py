@@ -102,13 +102,20 @@ def register_liger() -> None:
     found = MODEL_TYPE_TO_APPLY_LIGER_FN.setdefault(MODEL_TYPE, apply_liger_kernel_to_difftransformer)
     where = (getattr(found, "__module__", None), getattr(found, "__qualname__", repr(found)))
     if where != (__name__, apply_liger_kernel_to_difftransformer.__qualname__):  # (ours, or ours re-imported)
-        logger.warning(f"Liger Kernel already maps model_type {MODEL_TYPE!r} to {where[0]}.{where[1]}; kept "
-                       "(difftransformer's apply_liger_kernel_to_difftransformer was not registered).")
+        logger.warning(
+            f"Liger Kernel already maps model_type {MODEL_TYPE!r} to {where[0]}.{where[1]}; kept "
+            "(difftransformer's apply_liger_kernel_to_difftransformer was not registered)."
+        )
 
 
-def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: bool = False,
-                                          fused_linear_cross_entropy: bool = True, rms_norm: bool = True,
-                                          swiglu: bool = True, model=None) -> dict[str, list[str]]:
+def apply_liger_kernel_to_difftransformer(
+    rope: bool = False,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model=None,
+) -> dict[str, list[str]]:
     """Liger Kernel's Triton kernels in a difftransformer model instance (what ``Trainer(use_liger_kernel=True)``
     calls, with ``liger_kernel_config`` as keyword arguments; the same arguments as Liger's Llama function).
 
@@ -127,11 +134,15 @@ def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: boo
     about each requested kernel not applied, and when nothing is applied. Liger's kernels are Triton: the patched
     model runs on a GPU (benchmarks/gpu_check.py can call this function and compare the outputs)."""
     if model is None:
-        raise ValueError("apply_liger_kernel_to_difftransformer patches a model instance: pass model=... "
-                         "(transformers' Trainer does).")
+        raise ValueError(
+            "apply_liger_kernel_to_difftransformer patches a model instance: pass model=... (transformers' Trainer "
+            "does)."
+        )
     if cross_entropy and fused_linear_cross_entropy:
-        raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True (Liger's rule): the fused "
-                         "loss replaces the cross-entropy.")
+        raise ValueError(
+            "cross_entropy and fused_linear_cross_entropy cannot both be True (Liger's rule): the fused "
+            "loss replaces the cross-entropy."
+        )
     from liger_kernel.transformers import LigerSwiGLUMLP
     from liger_kernel.transformers import monkey_patch as liger
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
@@ -140,11 +151,17 @@ def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: boo
 
     target = unwrap_model(model)
     _config_of(target)
-    patched: dict[str, list[str]] = {"rms_norm": [], "swiglu": [], "fused_linear_cross_entropy": [], "cross_entropy": []}
+    patched: dict[str, list[str]] = {
+        "rms_norm": [],
+        "swiglu": [],
+        "fused_linear_cross_entropy": [],
+        "cross_entropy": [],
+    }
     skipped = []
     if rope:
-        skipped.append("rope (the differential attention rotates its own packed heads; transformers' rotary "
-                       "embedding stays)")
+        skipped.append(
+            "rope (the differential attention rotates its own packed heads; transformers' rotary embedding stays)"
+        )
     silu = getattr(target.config, "hidden_act", "silu") in ("silu", "swish")
     for name, module in target.named_modules():
         if rms_norm and isinstance(module, LlamaRMSNorm):
@@ -155,8 +172,9 @@ def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: boo
                 liger._patch_swiglu_module(module, LigerSwiGLUMLP)
                 patched["swiglu"].append(name)
             elif not any(reason.startswith("swiglu") for reason in skipped):
-                skipped.append(f"swiglu (the MLP is {type(module).__name__} with {target.config.hidden_act!r}, "
-                               "not SwiGLU)")
+                skipped.append(
+                    f"swiglu (the MLP is {type(module).__name__} with {target.config.hidden_act!r}, not SwiGLU)"
+                )
     if fused_linear_cross_entropy:
         target.forward = MethodType(_liger_fused_loss_forward, target)
         patched["fused_linear_cross_entropy"].append("")
@@ -169,30 +187,60 @@ def apply_liger_kernel_to_difftransformer(rope: bool = False, cross_entropy: boo
     for reason in skipped:
         logger.warning(f"Liger Kernel: not applied to {type(target).__name__}: {reason}.")
     if not any(patched.values()):
-        logger.warning(f"Liger Kernel: nothing applied to {type(target).__name__} (use_liger_kernel=True with "
-                       f"rms_norm, swiglu, cross_entropy and fused_linear_cross_entropy all off or inapplicable).")
+        logger.warning(
+            f"Liger Kernel: nothing applied to {type(target).__name__} (use_liger_kernel=True with "
+            f"rms_norm, swiglu, cross_entropy and fused_linear_cross_entropy all off or inapplicable)."
+        )
     else:
-        logger.info("Liger Kernel applied to %s: %s", type(target).__name__,
-                    {kernel: len(names) for kernel, names in patched.items() if names})
+        logger.info(
+            "Liger Kernel applied to %s: %s",
+            type(target).__name__,
+            {kernel: len(names) for kernel, names in patched.items() if names},
+        )
     return patched
 
 
-def _liger_fused_loss_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                              labels=None, logits_to_keep=0, **kwargs):
+def _liger_fused_loss_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    inputs_embeds=None,
+    labels=None,
+    logits_to_keep=0,
+    **kwargs,
+):
     """The causal LM's forward with Liger's fused linear cross-entropy in training (with labels): the base model's
     last hidden states and ``lm_head``'s weight go to Liger's loss; the logits are never built. Otherwise the
     class's own forward."""
     if labels is None or not self.training:
-        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        return type(self).forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
     from liger_kernel.transformers.model.loss_utils import LigerForCausalLMLoss
 
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, **kwargs)
-    loss = LigerForCausalLMLoss(hidden_states=outputs.last_hidden_state, lm_head_weight=self.lm_head.weight,
-                                labels=labels, hidden_size=self.config.hidden_size,
-                                num_items_in_batch=kwargs.get("num_items_in_batch"),
-                                shift_labels=kwargs.get("shift_labels"))
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        **kwargs,
+    )
+    loss = LigerForCausalLMLoss(
+        hidden_states=outputs.last_hidden_state,
+        lm_head_weight=self.lm_head.weight,
+        labels=labels,
+        hidden_size=self.config.hidden_size,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        shift_labels=kwargs.get("shift_labels"),
+    )
     output_class = sys.modules[type(self).__module__].DiffTransformerCausalLMOutputWithPast
     return output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
 
@@ -200,7 +248,9 @@ def _liger_fused_loss_forward(self, input_ids=None, attention_mask=None, positio
 def _config_of(model):
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) != MODEL_TYPE:
-        raise ValueError(f"Expected a difftransformer model (config.model_type={MODEL_TYPE!r}), got {type(model).__name__}.")
+        raise ValueError(
+            f"Expected a difftransformer model (config.model_type={MODEL_TYPE!r}), got {type(model).__name__}."
+        )
     return config
 
 
@@ -259,8 +309,10 @@ def add_lambdas_to_adapter(peft_model, folder: str | os.PathLike) -> Path | None
         return None
     path = Path(folder) / "adapter_model.safetensors"
     if not path.is_file():
-        raise ValueError(f"{path} not found: V1 λ are stored inside the safetensors adapter file; "
-                         "do not pass safe_serialization=False.")
+        raise ValueError(
+            f"{path} not found: V1 λ are stored inside the safetensors adapter file; "
+            "do not pass safe_serialization=False."
+        )
     tensors = load_file(path)
     tensors.update(lambdas)
     save_file(tensors, path, metadata={"format": "pt"})

@@ -57,7 +57,9 @@ def gqa_decode_attention(query, key, value, scaling, attention_mask=None):
     """
     b, _, hq, w = query.shape
     g = key.shape[1]
-    out = F.scaled_dot_product_attention(query.reshape(b, g, hq // g, w), key, value, attn_mask=attention_mask, scale=scaling)
+    out = F.scaled_dot_product_attention(
+        query.reshape(b, g, hq // g, w), key, value, attn_mask=attention_mask, scale=scaling
+    )
     return out.reshape(b, 1, hq, w)
 
 
@@ -73,8 +75,9 @@ def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None, 
     """
     b, _, hq, d = query.shape
     g = key.shape[1]
-    out = F.scaled_dot_product_attention(query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask,
-                                         scale=scaling)  # (B, G, rows, d), any layout
+    out = F.scaled_dot_product_attention(
+        query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask, scale=scaling
+    )  # (B, G, rows, d), any layout
     r = noise_ratio
     blocks = out.unflatten(2, (-1, r + 1))  # (B, G, N, [signal × r, noise], d)
     heads = torch.empty(b, g, blocks.shape[2], r, d, dtype=out.dtype, device=out.device)
@@ -91,8 +94,9 @@ def rows_decode_attention(query, key, value, logits, scaling, attention_mask=Non
         return pair_decode_attention(query, key, value, lam, scaling, attention_mask, noise_ratio), lam
     b, _, hq, d = query.shape
     g = key.shape[1]
-    attended = F.scaled_dot_product_attention(query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask,
-                                              scale=scaling)  # (B, G, rows, d)
+    attended = F.scaled_dot_product_attention(
+        query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask, scale=scaling
+    )  # (B, G, rows, d)
     return v2_sigmoid_combine(attended, logits, noise_ratio)
 
 
@@ -140,8 +144,8 @@ def query_padding(signal_rows: int, noise_rows: int, dtype: torch.dtype, device)
 def differential_decode_attention(query, key, value, lam, scaling, attention_mask=None, noise_ratio=1):
     """V1 attention of one query token per sequence: ``query`` ``(B, 1, Hq, d)`` in q_proj row order (per KV group its
     n signal rows, then its ``m = n / noise_ratio`` noise rows; signal row j subtracts noise row j // r), ``key`` and
-    ``value`` the cache ``(B, Hkv, S, d)`` (group g: heads 2g, 2g + 1), ``lam`` the layer's λ, ``attention_mask`` None or
-    boolean ``(B, 1, 1, S)`` (True = visible). Returns the combined heads ``(B, 1, H, 2d)``.
+    ``value`` the cache ``(B, Hkv, S, d)`` (group g: heads 2g, 2g + 1), ``lam`` the layer's λ, ``attention_mask`` None
+    or boolean ``(B, 1, 1, S)`` (True = visible). Returns the combined heads ``(B, 1, H, 2d)``.
 
     Each map's rows meet only their own key head (one batched matmul over the group's two key heads, views of the
     cache), the two softmax rows are combined in float32, and the combined row meets both value halves (one broadcast
@@ -158,9 +162,14 @@ def differential_decode_attention(query, key, value, lam, scaling, attention_mas
     if m == n:  # both maps in one matmul over (group, map): (B, G, 2, n, d) @ (B, G, 2, d, S)
         scores = torch.matmul(q.view(b, g, 2, n, d), keys.transpose(-1, -2)).to(acc)
     else:  # grouped noise heads: the maps have n and m rows
-        scores = [torch.matmul(part, keys[:, :, c].transpose(-1, -2)).to(acc) for c, part in ((0, q[:, :, :n]), (1, q[:, :, n:]))]
+        scores = [
+            torch.matmul(part, keys[:, :, c].transpose(-1, -2)).to(acc)
+            for c, part in ((0, q[:, :, :n]), (1, q[:, :, n:]))
+        ]
     if attention_mask is not None:
-        hide = torch.zeros(attention_mask.shape, dtype=acc, device=query.device).masked_fill_(attention_mask.logical_not(), float("-inf"))
+        hide = torch.zeros(attention_mask.shape, dtype=acc, device=query.device).masked_fill_(
+            attention_mask.logical_not(), float("-inf")
+        )
         hide = hide.reshape(b, 1, 1, -1)
         scores = scores + hide.unsqueeze(2) if m == n else [x + hide for x in scores]
     if m == n:
@@ -201,8 +210,12 @@ def _query_blocks(t: int, s: int, attention_mask: torch.Tensor | None, device: t
 
 
 # Softmax, norms and sums in float32 (float64 stays float64). A dict: torch.promote_types is a dispatcher call.
-ACCUMULATION_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
-                       torch.float64: torch.float64}
+ACCUMULATION_DTYPES = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+}
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -247,7 +260,12 @@ def _blocked_forward(q1, q2, key, value, lam, scaling, attention_mask, block, st
         if stats is not None:
             stats[0][..., t0:t1, :], stats[1][..., t0:t1, :] = st1, st2
         # A1 − λ·A2: (B, G, n, Tb, Sv); a noise map is shared by the r signal maps of its block of rows
-        diff = p1.view(b, g, m, n // m, t1 - t0, visible).addcmul_(p2.unsqueeze(3), lam, value=-1).view_as(p1).to(value.dtype)
+        diff = (
+            p1.view(b, g, m, n // m, t1 - t0, visible)
+            .addcmul_(p2.unsqueeze(3), lam, value=-1)
+            .view_as(p1)
+            .to(value.dtype)
+        )
         for c, half in enumerate(_halves(value)):  # the value [V_g,0 | V_g,1]: one matmul per half
             res = torch.matmul(diff.view(b, g, n * (t1 - t0), visible), half[:, :, :visible])
             out[:, t0:t1, :, :, c * d : (c + 1) * d] = res.view(b, g, n, t1 - t0, d).permute(0, 3, 1, 2, 4)
@@ -281,7 +299,10 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         m = q2.shape[2]
         k1, k2 = _halves(key)
         v_halves = _halves(value)
-        dq1, dq2 = torch.empty_like(q1, memory_format=torch.contiguous_format), torch.empty_like(q2, memory_format=torch.contiguous_format)
+        dq1, dq2 = (
+            torch.empty_like(q1, memory_format=torch.contiguous_format),
+            torch.empty_like(q2, memory_format=torch.contiguous_format),
+        )
         acc = _accumulation_dtype(key.dtype)  # key/value gradients sum over blocks: float32 even for bf16
         dkey = torch.zeros(key.shape, dtype=acc, device=key.device)
         dvalue = torch.zeros(value.shape, dtype=acc, device=value.device)
@@ -295,8 +316,13 @@ class BlockedDifferentialAttention(torch.autograd.Function):
             tb = t1 - t0
             qb = (q1[:, :, :, t0:t1], q2[:, :, :, t0:t1])
             kb = (k1[:, :, :visible], k2[:, :, :visible])
-            p = [_block_scores(qb[c], kb[c], mask, scaling).sub_(stats[c][0, ..., t0:t1, :]).sub_(stats[c][1, ..., t0:t1, :]).exp_()
-                 for c in (0, 1)]  # hidden scores are −inf: their P is exactly 0
+            p = [
+                _block_scores(qb[c], kb[c], mask, scaling)
+                .sub_(stats[c][0, ..., t0:t1, :])
+                .sub_(stats[c][1, ..., t0:t1, :])
+                .exp_()
+                for c in (0, 1)
+            ]  # hidden scores are −inf: their P is exactly 0
             grad_b = grad_out[:, t0:t1].permute(0, 2, 3, 1, 4).reshape(b, g, n * tb, 2 * d)
             diff = p[0].view(b, g, m, n // m, tb, visible).addcmul(p[1].unsqueeze(3), lam, value=-1)
             diff = diff.to(value.dtype).view(b, g, n * tb, visible)
@@ -335,9 +361,13 @@ def blocked_differential_attention(q1, q2, key, value, lam, scaling, attention_m
 # 2.13); otherwise V2 stays on transformers' public sdpa path, and one log line says why.
 _PRIVATE_OPS = {
     "_scaled_dot_product_flash_attention_for_cpu": (
-        ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"), 2),
+        ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
+        2,
+    ),
     "_scaled_dot_product_flash_attention_for_cpu_backward": (
-        ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"), 3),
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"),
+        3,
+    ),
 }
 
 
@@ -353,9 +383,14 @@ def private_op(name: str, ops=torch.ops.aten):
     if found == (expected_args, expected_results):
         return op
     logger.warning(
-        "difftransformer: torch %s %s aten.%s%s; V2 prompts use transformers' sdpa attention instead of the causal block "
-        "kernel (same results, slower on CPU).", torch.__version__, "has no" if op is None else "has a changed", name,
-        "" if found is None else f" (arguments {found[0]}, {found[1]} results; expected {expected_args}, {expected_results})",
+        "difftransformer: torch %s %s aten.%s%s; V2 prompts use transformers' sdpa attention instead of the causal "
+        "block kernel (same results, slower on CPU).",
+        torch.__version__,
+        "has no" if op is None else "has a changed",
+        name,
+        ""
+        if found is None
+        else f" (arguments {found[0]}, {found[1]} results; expected {expected_args}, {expected_results})",
     )
     return None
 
@@ -404,7 +439,8 @@ class CausalBlockAttention(torch.autograd.Function):
     log-sum-exps: about half the score arithmetic is skipped. The backward calls the kernel's own backward per part
     with the merged output and log-sum-exp (what the flash backward needs: ``P = exp(S − lse)`` and
     ``rowsum(dO ∘ O)`` of the whole row); the key and value gradients of the parts add up.
-    ``query`` ``(B, Hq, T, d)``, ``key``/``value`` ``(B, G, T, d)`` (GQA: query head ``i`` reads KV head ``i // (Hq/G)``).
+    ``query`` ``(B, Hq, T, d)``, ``key``/``value`` ``(B, G, T, d)`` (GQA: query head ``i`` reads KV head ``i //
+    (Hq/G)``).
     """
 
     @staticmethod
@@ -425,7 +461,9 @@ class CausalBlockAttention(torch.autograd.Function):
             saved = (out[:, :, t0:t1], lse[:, :, t0:t1].contiguous())
             parts = [(slice(t0, t1), True)] + ([(slice(0, t0), False)] if t0 else [])
             for i, (keys, causal) in enumerate(parts):
-                g_q, g_k, g_v = _FLASH_CPU_BACKWARD(*rows, key[:, :, keys], value[:, :, keys], *saved, 0.0, causal, scale=ctx.scaling)
+                g_q, g_k, g_v = _FLASH_CPU_BACKWARD(
+                    *rows, key[:, :, keys], value[:, :, keys], *saved, 0.0, causal, scale=ctx.scaling
+                )
                 if i == 0:
                     dq[:, :, t0:t1] = g_q
                 else:
@@ -543,20 +581,26 @@ def sdpa_two_calls_attention(query, key, value, attention_mask, lam, scaling, pa
         out = torch.empty(b, g, n, 2 * d, dtype=_accumulation_dtype(query.dtype), device=query.device)
         return combine_maps(o1, o2, lam, out=out).view(b, 1, g * n, 2 * d)
     mask = _sdpa_mask(attention_mask, t)
-    o1, o2 = (F.scaled_dot_product_attention(q.flatten(1, 2), k, packed, scale=scaling, enable_gqa=True, **mask)
-              .unflatten(1, (g, -1)) for q, k in ((q1, k1), (q2, k2)))  # (B, G, n | m, T, 2d)
+    o1, o2 = (
+        F.scaled_dot_product_attention(q.flatten(1, 2), k, packed, scale=scaling, enable_gqa=True, **mask).unflatten(
+            1, (g, -1)
+        )
+        for q, k in ((q1, k1), (q2, k2))
+    )  # (B, G, n | m, T, 2d)
     return combine_maps(o1, o2, lam).permute(0, 3, 1, 2, 4).reshape(b, t, g * n, 2 * d)
 
 
 def sdpa_decode_maps(query, key, value, attention_mask, scaling, pair_stride, noise_ratio=1):
     """The two maps' outputs of one query token, ``A1·[V_g,0 | V_g,1]`` ``(B, G, n, 2d)`` and ``A2·[…]``
-    ``(B, G, m, 2d)``, by two SDPA calls in which a group's rows are the query rows of one head (no query copy, no causal
-    mask: one token sees every key; a ``(B, 1, 1, S)`` mask broadcasts over the rows). The decode step combines them
-    with the per-head norm in one epilogue (``DiffTransformerHeadRMSNorm.combined``)."""
+    ``(B, G, m, 2d)``, by two SDPA calls in which a group's rows are the query rows of one head (no query copy, no
+    causal mask: one token sees every key; a ``(B, 1, 1, S)`` mask broadcasts over the rows). The decode step combines
+    them with the per-head norm in one epilogue (``DiffTransformerHeadRMSNorm.combined``)."""
     q1, q2 = _map_rows(query, pair_stride, noise_ratio)  # (B, G, n | m, 1, d)
     packed = pack_value_groups(value)
-    return tuple(F.scaled_dot_product_attention(q[..., 0, :], k, packed, attn_mask=attention_mask, scale=scaling)
-                 for q, k in ((q1, key[:, 0::2]), (q2, key[:, 1::2])))
+    return tuple(
+        F.scaled_dot_product_attention(q[..., 0, :], k, packed, attn_mask=attention_mask, scale=scaling)
+        for q, k in ((q1, key[:, 0::2]), (q2, key[:, 1::2]))
+    )
 
 
 def sdpa_repeated_value_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
@@ -575,9 +619,12 @@ def sdpa_repeated_value_attention(query, key, value, attention_mask, lam, scalin
     hkv, s = key.shape[1], key.shape[2]
     n, g = pair_stride, hkv // 2
     # (B, G, 1, 2, S, d) expanded over the map c, then each head's two halves side by side: one copy
-    repeated = value.unflatten(1, (g, 1, 2)).expand(b, g, 2, 2, s, d).permute(0, 1, 2, 4, 3, 5).reshape(b, hkv, s, 2 * d)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key, repeated, scale=scaling, enable_gqa=True,
-                                         **_sdpa_mask(attention_mask, t))  # (B, 2H, T, 2d), rows (g, c, j)
+    repeated = (
+        value.unflatten(1, (g, 1, 2)).expand(b, g, 2, 2, s, d).permute(0, 1, 2, 4, 3, 5).reshape(b, hkv, s, 2 * d)
+    )
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key, repeated, scale=scaling, enable_gqa=True, **_sdpa_mask(attention_mask, t)
+    )  # (B, 2H, T, 2d), rows (g, c, j)
     first, second = out.unflatten(1, (g, 2, n)).unbind(2)
     return torch.addcmul(first, lam, second, value=-1).permute(0, 3, 1, 2, 4).reshape(b, t, g * n, 2 * d)
 

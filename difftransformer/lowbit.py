@@ -88,13 +88,16 @@ class LogitRecorder:
 
 
 _SPEC: contextvars.ContextVar[QuantSpec] = contextvars.ContextVar("difftransformer_lowbit_spec", default=QuantSpec())
-_RECORDER: contextvars.ContextVar[LogitRecorder | None] = contextvars.ContextVar("difftransformer_lowbit_recorder",
-                                                                                  default=None)
+_RECORDER: contextvars.ContextVar[LogitRecorder | None] = contextvars.ContextVar(
+    "difftransformer_lowbit_recorder", default=None
+)
 # Calls of the attention function inside the innermost low_bit_attention block (a one-element list per block).
 _CALLS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("difftransformer_lowbit_calls", default=None)
 
 
-def quantize_symmetric(x: torch.Tensor, bits: int, dims: tuple[int, ...], valid: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_symmetric(
+    x: torch.Tensor, bits: int, dims: tuple[int, ...], valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Symmetric uniform fake quantisation of ``x`` with one scale per slice over ``dims``.
 
     ``s = max|x| / qmax`` over ``dims`` (only where ``valid``, a boolean tensor broadcastable to ``x``, is True),
@@ -134,8 +137,17 @@ def _valid_positions(attention_mask: torch.Tensor | None, scores: torch.Tensor) 
     return attention_mask == 0
 
 
-def lowbit_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
-                             diff_lambda: torch.Tensor | None = None, **kwargs):
+def lowbit_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling: float,
+    dropout: float = 0.0,
+    diff_lambda: torch.Tensor | None = None,
+    **kwargs,
+):
     """The attention function registered as :data:`ATTN_IMPLEMENTATION` (module docstring). Returns what the eager
     implementation of the calling model returns: ours, the combined heads ``(B, T, H, w)`` and the differential maps;
     a standard model, ``(B, T, Hq, d)`` and its softmax maps."""
@@ -148,8 +160,9 @@ def lowbit_attention_forward(module, query, key, value, attention_mask, scaling:
         key = _quantize_keys(key, spec, module)
     if spec.target != "logits" and recorder is None:
         if differential:
-            return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout,
-                                           diff_lambda=diff_lambda, **kwargs)
+            return eager_attention_forward(
+                module, query, key, value, attention_mask, scaling, dropout, diff_lambda=diff_lambda, **kwargs
+            )
         return llama_eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
     # The eager computation with the logits exposed (mirrors the two eager functions above, line by line).
@@ -157,22 +170,30 @@ def lowbit_attention_forward(module, query, key, value, attention_mask, scaling:
     valid = _valid_positions(attention_mask, scores)
     if recorder is not None:
         recorder.logits.setdefault(module.layer_idx, []).append(
-            scores.detach().float().masked_select(valid.expand_as(scores)))
+            scores.detach().float().masked_select(valid.expand_as(scores))
+        )
     if spec.target == "logits":
         quantized = quantize_symmetric(scores, spec.bits, _dims(spec.granularity, scores.dim()), valid)
         if recorder is not None and recorder.keep:
             recorder.kept.setdefault(module.layer_idx, []).append((scores.detach(), quantized.detach()))
         scores = quantized
     if attention_mask is not None:
-        scores = scores + (attention_mask if attention_mask.dtype != torch.bool
-                           else torch.where(attention_mask, 0.0, float("-inf")).to(scores.dtype))
+        scores = scores + (
+            attention_mask
+            if attention_mask.dtype != torch.bool
+            else torch.where(attention_mask, 0.0, float("-inf")).to(scores.dtype)
+        )
     if not differential:
         weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(weights, repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous()
         return out, weights
     maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
     r = getattr(module, "noise_ratio", 1)
-    lam = diff_lambda if diff_lambda.dim() == 0 else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
+    lam = (
+        diff_lambda
+        if diff_lambda.dim() == 0
+        else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
+    )
     diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1, noise_ratio=r)  # (B, H, T, S)
     values = repeat_kv(value, module.num_key_value_groups * r // (r + 1))  # (B, H, S, w)
     return torch.matmul(diff_maps, values).transpose(1, 2).contiguous(), diff_maps
@@ -183,8 +204,13 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
 
 
 @contextlib.contextmanager
-def low_bit_attention(model, target: str | None = "logits", bits: int | None = 8, granularity: str = "tensor",
-                      recorder: LogitRecorder | None = None) -> Iterator[QuantSpec]:
+def low_bit_attention(
+    model,
+    target: str | None = "logits",
+    bits: int | None = 8,
+    granularity: str = "tensor",
+    recorder: LogitRecorder | None = None,
+) -> Iterator[QuantSpec]:
     """Run ``model`` with its attention logits (``target="logits"``) or queries and keys (``"qk"``) quantised to
     ``bits`` (``granularity`` ``"tensor"`` or ``"head"``), or with nothing quantised (``target=None``; ``bits`` is
     then ignored), inside the block; ``recorder`` collects the logits. Restores the model's attention implementation
@@ -212,7 +238,8 @@ def low_bit_attention(model, target: str | None = "logits", bits: int | None = 8
             f"low_bit_attention: {type(model).__name__} ran {len(ran)} time(s) inside the block, but its attention "
             f"never called the {ATTN_IMPLEMENTATION!r} attention function, so nothing was quantised or recorded: its "
             "attention modules do not dispatch through transformers' AttentionInterface "
-            "(config._attn_implementation).")
+            "(config._attn_implementation)."
+        )
 
 
 def tensor_statistics(values: torch.Tensor) -> dict:
@@ -223,8 +250,12 @@ def tensor_statistics(values: torch.Tensor) -> dict:
     top = torch.topk(mags, min(max(TOP_K), mags.numel())).values
     centred = x - x.mean()
     var = centred.pow(2).mean()
-    out = {"max": float(top[0]), "median": float(mags.median()), "count": int(x.numel()),
-           "kurtosis": float(centred.pow(4).mean() / var.pow(2)) if var > 0 else float("nan")}
+    out = {
+        "max": float(top[0]),
+        "median": float(mags.median()),
+        "count": int(x.numel()),
+        "kurtosis": float(centred.pow(4).mean() / var.pow(2)) if var > 0 else float("nan"),
+    }
     for k in TOP_K[1:]:
         out[f"top{k}"] = float(top[min(k, top.numel()) - 1])
     return out
@@ -239,17 +270,37 @@ def activation_statistics(model, input_ids: torch.Tensor) -> dict:
     with low_bit_attention(model, target=None, recorder=recorder):
         out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     hidden = out.hidden_states[1 : 1 + model.config.num_hidden_layers]
-    return {"logits": [{"layer": layer, **tensor_statistics(torch.cat(recorder.logits[layer]))}
-                       for layer in sorted(recorder.logits)],
-            "hidden": [{"layer": layer, **tensor_statistics(h)} for layer, h in enumerate(hidden)]}
+    return {
+        "logits": [
+            {"layer": layer, **tensor_statistics(torch.cat(recorder.logits[layer]))}
+            for layer in sorted(recorder.logits)
+        ],
+        "hidden": [{"layer": layer, **tensor_statistics(h)} for layer, h in enumerate(hidden)],
+    }
 
 
 def summarize_statistics(stats: dict) -> dict:
     """Across layers: the largest ``max`` and ``kurtosis`` and the mean median, for logits and hidden states."""
-    return {kind: {"max": max(s["max"] for s in rows), "kurtosis": max(s["kurtosis"] for s in rows),
-                   "median": statistics.mean(s["median"] for s in rows)} for kind, rows in stats.items()}
+    return {
+        kind: {
+            "max": max(s["max"] for s in rows),
+            "kurtosis": max(s["kurtosis"] for s in rows),
+            "median": statistics.mean(s["median"] for s in rows),
+        }
+        for kind, rows in stats.items()
+    }
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "GRANULARITIES", "TARGETS", "LogitRecorder", "QuantSpec", "activation_statistics",
-           "low_bit_attention", "lowbit_attention_forward", "quantize_symmetric", "summarize_statistics",
-           "tensor_statistics"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "GRANULARITIES",
+    "TARGETS",
+    "LogitRecorder",
+    "QuantSpec",
+    "activation_statistics",
+    "low_bit_attention",
+    "lowbit_attention_forward",
+    "quantize_symmetric",
+    "summarize_statistics",
+    "tensor_statistics",
+]

@@ -4,7 +4,8 @@ Reference code: microsoft/unilm ``Diff-Transformer/multihead_flashdiff_2.py`` (V
 ``Diff-Transformer-V2/`` (V2). Everything that is not differential attention is Llama's, imported from
 transformers (RMSNorm, rotary embeddings with rope scaling, MLP, masks, caches, task heads).
 
-Head layout of one layer (docs/model.md, "What it computes"), shown for V1 with H = 4 differential heads, G = 2 KV groups (n = 2)::
+Head layout of one layer (docs/model.md, "What it computes"), shown for V1 with H = 4 differential heads, G = 2 KV
+groups (n = 2)::
 
     q_proj rows  (Hq = 2H = 8 heads of width d), group-major (g, c, r):
         | g0 c0 r0 | g0 c0 r1 | g0 c1 r0 | g0 c1 r1 | g1 c0 r0 | g1 c0 r1 | g1 c1 r0 | g1 c1 r1 |
@@ -117,7 +118,9 @@ def lambda_init_fn(layer_idx: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
-def differential_combine(maps: torch.Tensor, lam: torch.Tensor, pair_stride: int, dim: int, noise_ratio: int = 1) -> torch.Tensor:
+def differential_combine(
+    maps: torch.Tensor, lam: torch.Tensor, pair_stride: int, dim: int, noise_ratio: int = 1
+) -> torch.Tensor:
     """The differential step of the paper, ``A1 − λ·A2``, for every differential head.
 
     ``maps`` holds one entry per softmax map along axis ``dim`` (2H entries: the maps themselves, shape
@@ -164,11 +167,17 @@ def eager_attention_forward(
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
-    maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)  # (B, 2H, T, S)
+    maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(
+        query.dtype
+    )  # (B, 2H, T, S)
     if diff_lambda is None:
         return torch.matmul(maps, repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous(), maps
     r = getattr(module, "noise_ratio", 1)
-    lam = diff_lambda if diff_lambda.dim() == 0 else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
+    lam = (
+        diff_lambda
+        if diff_lambda.dim() == 0
+        else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
+    )
     diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1, noise_ratio=r)  # (B, H, T, S)
     values = repeat_kv(value, module.num_key_value_groups * r // (r + 1))  # (B, H, S, w): head h reads group h // n
     attn_output = torch.matmul(diff_maps, values).transpose(1, 2).contiguous()  # (B, T, H, w)
@@ -178,7 +187,12 @@ def eager_attention_forward(
 def packed_sequences(position_ids, attention_mask, batch_size: int) -> bool:
     """Whether the inputs are packed sequences, as transformers' masks detect them: position ids that restart within a
     row, and no attention mask (transformers' ``find_packed_sequence_indices``; not checked under ``torch.compile``)."""
-    if position_ids is None or attention_mask is not None or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
+    if (
+        position_ids is None
+        or attention_mask is not None
+        or position_ids.shape[-1] < 2
+        or torch.compiler.is_compiling()
+    ):
         return False
     return find_packed_sequence_indices(position_ids.expand(batch_size, -1)) is not None
 
@@ -269,7 +283,9 @@ def check_kernel_name(diff_version: int, name: str, noise_ratio: int = 1) -> Non
     cannot run this model (the repeated-value call with grouped noise heads; Triton without triton installed)."""
     allowed = ("auto", *KERNELS[diff_version])
     if name not in allowed:
-        raise ValueError(f"differential kernel {name!r} is not one of diff_version={diff_version}'s: {', '.join(allowed)}")
+        raise ValueError(
+            f"differential kernel {name!r} is not one of diff_version={diff_version}'s: {', '.join(allowed)}"
+        )
     if name == "sdpa_repeated_value" and noise_ratio != 1:
         raise ValueError(
             f"differential kernel 'sdpa_repeated_value' needs one noise map per signal map (noise_ratio 1, this model "
@@ -322,8 +338,9 @@ class DiffTransformerHeadRMSNorm(nn.Module):
 
     def scaled_weight(self, scale: float, dtype: torch.dtype) -> torch.Tensor:
         """``scale · w`` in ``dtype``, kept from call to call (:func:`computed_from_parameters`)."""
-        return computed_from_parameters(self, "_scaled_weight", (self.weight,), lambda: self.weight.to(dtype) * scale,
-                                        extra=(scale, dtype))
+        return computed_from_parameters(
+            self, "_scaled_weight", (self.weight,), lambda: self.weight.to(dtype) * scale, extra=(scale, dtype)
+        )
 
     def combined(self, first, second, lam, scale: float, dtype: torch.dtype) -> torch.Tensor:
         """The decode step's epilogue, ``scale · RMSNorm(O1 − λ·O2) ⊙ w`` for one token, from the two maps' outputs
@@ -351,7 +368,10 @@ class DiffTransformerLambdaProjection(nn.Module):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features  # as nn.Linear's (tensor parallelism reads them)
+        self.in_features, self.out_features = (
+            in_features,
+            out_features,
+        )  # as nn.Linear's (tensor parallelism reads them)
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -366,8 +386,8 @@ class DiffTransformerAttention(nn.Module):
     kernels and the combination of a standard kernel's per-map outputs. The subclasses add λ and call the kernel in
     their own ``forward`` (where transformers and vLLM look for that call).
 
-    ``value_width`` is the width of one differential head's output: ``2d`` for V1 (its value ``[V1; V2]``), ``d`` for V2.
-    Keys and values are cached as a Llama's, ``(B, Hkv, S, d)``; V1's standard kernels see them as packed groups
+    ``value_width`` is the width of one differential head's output: ``2d`` for V1 (its value ``[V1; V2]``), ``d`` for
+    V2. Keys and values are cached as a Llama's, ``(B, Hkv, S, d)``; V1's standard kernels see them as packed groups
     ``[K1 | K2]``, ``[V_g,0 | V_g,1]`` (module docstring).
     """
 
@@ -409,7 +429,9 @@ class DiffTransformerAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
         key = key.transpose(1, 2)  # (B, Hkv, T, d)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        if cache is not None and not (ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache)):
+        if cache is not None and not (
+            ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache)
+        ):
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         return query, key, value
 
@@ -431,7 +453,9 @@ class DiffTransformerAttention(nn.Module):
         if attn_output.shape[2] == query.shape[2]:
             # V2's λ (B, T, H) against the signal outputs of each block, (B, T, H / pair_stride, pair_stride, w)
             lam_out = lam if lam.dim() == 0 else lam.unflatten(-1, (-1, self.pair_stride))[..., None]
-            attn_output = differential_combine(attn_output, lam_out, self.pair_stride, dim=2, noise_ratio=self.noise_ratio)
+            attn_output = differential_combine(
+                attn_output, lam_out, self.pair_stride, dim=2, noise_ratio=self.noise_ratio
+            )
         return attn_output
 
     # The kernel this layer runs: "auto" (select_kernel's choice per call) or a name of KERNELS[diff_version] that the
@@ -461,7 +485,11 @@ class DiffTransformerAttention(nn.Module):
         default = select_kernel(version, query.device.type, workload, query.dtype)
         name = default if self.kernel == "auto" else self.kernel
         if not self._serves(name, workload, query, key, attention_mask, kwargs):
-            name = default if self._serves(default, workload, query, key, attention_mask, kwargs) else FALLBACK_KERNEL[version]
+            name = (
+                default
+                if self._serves(default, workload, query, key, attention_mask, kwargs)
+                else FALLBACK_KERNEL[version]
+            )
         if name == "triton" and not triton_runs_on(query.device):
             raise ValueError(
                 f"differential kernel 'triton' cannot run on {query.device} (it needs CUDA and the triton package, or "
@@ -473,7 +501,9 @@ class DiffTransformerAttention(nn.Module):
         if name in _DECODE_ONLY:
             return workload == "decode"
         if name == "causal_blocks":
-            return kwargs.get("is_causal") is not False and uses_causal_block_attention(query.transpose(1, 2), key, attention_mask)
+            return kwargs.get("is_causal") is not False and uses_causal_block_attention(
+                query.transpose(1, 2), key, attention_mask
+            )
         return True
 
     def _ran(self, name: str) -> str:
@@ -489,7 +519,7 @@ class DiffTransformerAttention(nn.Module):
 # native vLLM model (difftransformer/vllm_model.py) builds that layer; so V1 refuses to be built on the backend.
 VLLM_V1_ERROR = (
     "diff_version=1 is served by difftransformer's native vLLM model, not by vLLM's Transformers backend "
-    "(model_impl=\"transformers\"): the backend's attention layer has num_key_value_heads cache heads of width "
+    '(model_impl="transformers"): the backend\'s attention layer has num_key_value_heads cache heads of width '
     "head_dim, and DIFF V1's single attention call needs num_key_value_heads/2 heads of width 2*head_dim (the same "
     "cache bytes), so its output would be silently wrong. Install difftransformer in vLLM's environment (its vLLM "
     "plugin registers the native model) and load the folder with vLLM's default model_impl: `vllm serve FOLDER` or "
@@ -499,7 +529,8 @@ VLLM_V1_ERROR = (
 
 class DiffTransformerV1Attention(DiffTransformerAttention):
     """DIFF V1 (paper §2.1): ``O_h = (softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d))·[V1; V2]`` with one scalar λ per
-    layer, then ``(1 − λinit)·RMSNorm_2d(O_h) ⊙ w``. Reference: microsoft/unilm ``Diff-Transformer/multihead_flashdiff_2.py``.
+    layer, then ``(1 − λinit)·RMSNorm_2d(O_h) ⊙ w``. Reference: microsoft/unilm
+    ``Diff-Transformer/multihead_flashdiff_2.py``.
 
     Under ``"sdpa"`` V1 runs its own kernels (:meth:`own_kernel`); every other backend receives one call with
     zero-padded queries ``[Q1 | 0]``, ``[0 | Q2]`` over the packed ``2d``-wide groups.
@@ -556,7 +587,9 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
             attn_output = self.subln.combined(*maps, lam, scale=1.0 - self.lambda_init, dtype=query.dtype)
             return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1)), None, lam
         if kernel is not None:
-            attn_output = kernel(query, key, value, attention_mask, lam, self.scaling, self.pair_stride, self.noise_ratio)  # (B, T, H, 2d)
+            attn_output = kernel(
+                query, key, value, attention_mask, lam, self.scaling, self.pair_stride, self.noise_ratio
+            )  # (B, T, H, 2d)
             attn_weights = None
         else:
             if isinstance(cache, PagedAttentionCache) and kwargs.get("block_table") is not None:
@@ -567,8 +600,12 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
                 )
             # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, j) → (g, j, c', d), a group's
             # n signal rows first (c' = 0 carries them), then its noise rows.
-            pad = query_padding(self.pair_stride, self.num_key_value_groups - self.pair_stride, query.dtype, query.device)
-            padded = (query.unflatten(2, (-1, self.num_key_value_groups, 1)) * pad).reshape(*query.shape[:2], -1, 2 * self.head_dim)
+            pad = query_padding(
+                self.pair_stride, self.num_key_value_groups - self.pair_stride, query.dtype, query.device
+            )
+            padded = (query.unflatten(2, (-1, self.num_key_value_groups, 1)) * pad).reshape(
+                *query.shape[:2], -1, 2 * self.head_dim
+            )
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
@@ -584,7 +621,9 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
                 **self.attention_kwargs(cache, kwargs),
             )
             attn_output = self.combine(attn_output, padded, lam)
-        attn_output = self.subln(attn_output, scale=1.0 - self.lambda_init, dtype=query.dtype)  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
+        attn_output = self.subln(
+            attn_output, scale=1.0 - self.lambda_init, dtype=query.dtype
+        )  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
 
@@ -612,9 +651,15 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, G, S, d)
         logits = self.lambda_proj(hidden_states)  # (B, T, H): λ = sigmoid(logits)
-        kernel, attn_output, attn_weights = self.kernel_for(query, key, value, attention_mask, logits, cache, kwargs), None, None
+        kernel, attn_output, attn_weights = (
+            self.kernel_for(query, key, value, attention_mask, logits, cache, kwargs),
+            None,
+            None,
+        )
         if kernel == "rows_decode":  # the 2n query heads of a KV head as the rows of one SDPA head, then the pairs
-            attn_output, lam = rows_decode_attention(query, key, value, logits, self.scaling, attention_mask, self.noise_ratio)
+            attn_output, lam = rows_decode_attention(
+                query, key, value, logits, self.scaling, attention_mask, self.noise_ratio
+            )
         else:
             lam = torch.sigmoid(logits)
         if kernel == "causal_blocks":
@@ -800,9 +845,9 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         groups = model.config.num_kv_groups
         if mesh_manager is not None and groups % tp_size:
             raise ValueError(
-                f"tp_size={tp_size} must divide the number of KV groups ({groups} = num_key_value_heads"
-                f"{' / 2' if model.config.diff_version == 1 else ''}): a tensor-parallel shard holds whole groups, since "
-                "both maps of a differential head read the same group."
+                f"tp_size={tp_size} must divide the number of KV groups ({groups} = "
+                f"num_key_value_heads{' / 2' if model.config.diff_version == 1 else ''}): a tensor-parallel shard "
+                "holds whole groups, since both maps of a differential head read the same group."
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
@@ -881,7 +926,9 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         V2's λ depends on the input: use ``model(..., output_lambdas=True).lambdas``.
         """
         if self.config.diff_version != 1:
-            raise ValueError("layer_lambdas() is defined for diff_version=1; for V2 call the model with output_lambdas=True.")
+            raise ValueError(
+                "layer_lambdas() is defined for diff_version=1; for V2 call the model with output_lambdas=True."
+            )
         with torch.no_grad():
             return torch.stack([m.lambda_full() for m in self.modules() if isinstance(m, DiffTransformerAttention)])
 

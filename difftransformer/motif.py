@@ -1,8 +1,8 @@
 """Motif Technologies' Motif-2.6B and Motif-2-12.7B checkpoints (``model_type: "Motif"``) as a configuration of
 ``DiffTransformerForCausalLM``: no fork of the model, no remote code.
 
-What Motif's published forward computes (docs/reports/2026-11-26-motif-sources.md, tests/motif_reference.py) and the option of ours that
-expresses it:
+What Motif's published forward computes (docs/reports/2026-11-26-motif-sources.md, tests/motif_reference.py) and the
+option of ours that expresses it:
 
 ==========================================  ===========================================================================
 Motif                                       ours
@@ -90,19 +90,20 @@ class MotifConfig(DiffTransformerConfig):
     def __post_init__(self, **kwargs):
         if self.k_ratio not in (None, 1):
             raise ValueError(
-                f"`k_ratio` must be 1 or absent, got {self.k_ratio!r}: only k_ratio = 1 is published, and Motif's own code "
-                "splits keys into equal K1/K2 halves whatever it says."
+                f"`k_ratio` must be 1 or absent, got {self.k_ratio!r}: only k_ratio = 1 is published, and Motif's own "
+                "code splits keys into equal K1/K2 halves whatever it says."
             )
         if self.use_sliding_window:
             raise ValueError(
-                f"`use_sliding_window` must be false, got true (sliding_window={self.sliding_window!r}): difftransformer "
-                "attends to the whole context (as Motif's vLLM ports do), so outputs would differ beyond the window."
+                f"`use_sliding_window` must be false, got true (sliding_window={self.sliding_window!r}): "
+                "difftransformer attends to the whole context (as Motif's vLLM ports do), so outputs would differ "
+                "beyond the window."
             )
         attention_bias = bool(self.attention_bias or self.use_bias)
         if self.qkv_bias is not None and bool(self.qkv_bias) != attention_bias:
             raise ValueError(
-                f"`qkv_bias` ({self.qkv_bias}) must equal the o_proj bias (attention_bias or use_bias = {attention_bias}): "
-                "difftransformer's attention_bias switches q/k/v/o biases together."
+                f"`qkv_bias` ({self.qkv_bias}) must equal the o_proj bias (attention_bias or use_bias = "
+                f"{attention_bias}): difftransformer's attention_bias switches q/k/v/o biases together."
             )
         self.diff_version = 1
         self.attention_bias = attention_bias

@@ -51,12 +51,70 @@ SCORINGS = ("logits", "generate")
 
 # Words for keys, class prefixes and labels: plain lowercase English words, valid Python identifiers.
 WORDS = (
-    "apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pearl", "ember", "frost", "cedar", "delta",
-    "eagle", "flint", "grove", "harbor", "iris", "jade", "koala", "lemon", "mango", "noble", "olive", "piano",
-    "quartz", "raven", "sable", "tulip", "umber", "velvet", "willow", "yarrow", "zephyr", "amber", "birch", "coral",
-    "daisy", "ferret", "garnet", "hazel", "indigo", "juniper", "kestrel", "lotus", "marble", "nutmeg", "orchid",
-    "pepper", "quill", "rosemary", "saffron", "thistle", "violet", "walnut", "badger", "canyon", "dune", "falcon",
-    "glacier", "heron", "island", "jasmine", "lagoon", "meadow",
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "maple",
+    "ocean",
+    "pearl",
+    "ember",
+    "frost",
+    "cedar",
+    "delta",
+    "eagle",
+    "flint",
+    "grove",
+    "harbor",
+    "iris",
+    "jade",
+    "koala",
+    "lemon",
+    "mango",
+    "noble",
+    "olive",
+    "piano",
+    "quartz",
+    "raven",
+    "sable",
+    "tulip",
+    "umber",
+    "velvet",
+    "willow",
+    "yarrow",
+    "zephyr",
+    "amber",
+    "birch",
+    "coral",
+    "daisy",
+    "ferret",
+    "garnet",
+    "hazel",
+    "indigo",
+    "juniper",
+    "kestrel",
+    "lotus",
+    "marble",
+    "nutmeg",
+    "orchid",
+    "pepper",
+    "quill",
+    "rosemary",
+    "saffron",
+    "thistle",
+    "violet",
+    "walnut",
+    "badger",
+    "canyon",
+    "dune",
+    "falcon",
+    "glacier",
+    "heron",
+    "island",
+    "jasmine",
+    "lagoon",
+    "meadow",
 )
 
 NIAH_NEEDLE = "{key} = {value}\n"
@@ -100,8 +158,8 @@ class ProbeExample:
 
 
 def seeded_rng(seed: int, *parts) -> random.Random:
-    """A generator seeded by a string of ``seed`` and the cell's ``parts``: the same stream on every run and machine, and
-    a cell's stream does not depend on which other cells are drawn."""
+    """A generator seeded by a string of ``seed`` and the cell's ``parts``: the same stream on every run and machine,
+    and a cell's stream does not depend on which other cells are drawn."""
     return random.Random("-".join(str(p) for p in (seed, *parts)))
 
 
@@ -469,7 +527,9 @@ class ProbeRecord:
     meta: dict = field(default_factory=dict)
 
 
-def evaluate(model, tokenizer, examples: Sequence[ProbeExample], scoring: str = "logits", progress: bool = False) -> list[ProbeRecord]:
+def evaluate(
+    model, tokenizer, examples: Sequence[ProbeExample], scoring: str = "logits", progress: bool = False
+) -> list[ProbeRecord]:
     """Score ``examples`` with ``model`` (any transformers causal LM); see the module docstring for the scorings."""
     if scoring not in SCORINGS:
         raise ValueError(f"`scoring` must be one of {SCORINGS}, got {scoring!r}.")
@@ -492,7 +552,16 @@ def evaluate(model, tokenizer, examples: Sequence[ProbeExample], scoring: str = 
                 prediction = greedy_continuation(model, tokenizer, ex.prompt, longest)
                 correct = prediction.lstrip().startswith(ex.answer.strip())
             records.append(
-                ProbeRecord(ex.probe, ex.context_length, ex.depth, ex.n_tokens, ex.answer, prediction, bool(correct), dict(ex.meta))
+                ProbeRecord(
+                    ex.probe,
+                    ex.context_length,
+                    ex.depth,
+                    ex.n_tokens,
+                    ex.answer,
+                    prediction,
+                    bool(correct),
+                    dict(ex.meta),
+                )
             )
     finally:
         model.train(was_training)
@@ -524,7 +593,13 @@ class AccuracyTable:
             "probe": self.probe,
             "overall": self.overall,
             "rows": [
-                {"context_length": L, "mean_tokens": self.mean_tokens[L], "depth": d, "accuracy": self.cells[(L, d)][0], "n": self.cells[(L, d)][1]}
+                {
+                    "context_length": L,
+                    "mean_tokens": self.mean_tokens[L],
+                    "depth": d,
+                    "accuracy": self.cells[(L, d)][0],
+                    "n": self.cells[(L, d)][1],
+                }
                 for L in self.lengths
                 for d in self.depths
                 if (L, d) in self.cells
@@ -558,7 +633,11 @@ def accuracy_table(records: Sequence[ProbeRecord]) -> AccuracyTable:
 def format_table(table: AccuracyTable) -> str:
     """Markdown: one row per context length, one column per depth, plus the row mean; cells ``acc`` (0–1)."""
     unit = LENGTH_UNITS.get(table.probe, "length")
-    head = f"| {table.probe}: {unit} (mean prompt tokens) | " + " | ".join(f"depth {d:g}" for d in table.depths) + " | all |"
+    head = (
+        f"| {table.probe}: {unit} (mean prompt tokens) | "
+        + " | ".join(f"depth {d:g}" for d in table.depths)
+        + " | all |"
+    )
     lines = [head, "|---" * (len(table.depths) + 2) + "|"]
     for L in table.lengths:
         cells = [table.cells.get((L, d)) for d in table.depths]

@@ -96,7 +96,8 @@ def register_model_type(config_class, models: Mapping[type, type], *, force: boo
     conflicts = registration_conflicts(config_class, models)
     if conflicts and not force:
         raise RegistrationConflict(
-            f"model_type {config_class.model_type!r} is already registered by someone else: " + "; ".join(conflicts)
+            f"model_type {config_class.model_type!r} is already registered by someone else: "
+            + "; ".join(conflicts)
             + ". Nothing was replaced; pass force=True to replace it in this process."
         )
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)

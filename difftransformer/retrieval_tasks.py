@@ -100,21 +100,28 @@ class TaskExample:
         return len(self.input_ids)
 
 
-def multi_needle(vocab: TaskVocab, length: int, num_needles: int, num_queries: int, rng: random.Random,
-                 depth: float | None = None) -> TaskExample:
+def multi_needle(
+    vocab: TaskVocab, length: int, num_needles: int, num_queries: int, rng: random.Random, depth: float | None = None
+) -> TaskExample:
     """One multi-needle sequence of exactly ``length`` tokens (module docstring). ``depth`` (0 = right after BOS,
     1 = just before the queries) places the needle of the first query; ``None`` places every needle at random."""
     if num_needles < 1 or num_queries < 1 or num_queries > num_needles:
-        raise ValueError(f"need 1 <= num_queries <= num_needles, got num_needles={num_needles}, num_queries={num_queries}.")
+        raise ValueError(
+            f"need 1 <= num_queries <= num_needles, got num_needles={num_needles}, num_queries={num_queries}."
+        )
     if num_needles > min(2 * vocab.num_prefixes, vocab.num_values):
-        raise ValueError(f"num_needles={num_needles} exceeds what the vocabulary's prefixes and values allow "
-                         f"({min(2 * vocab.num_prefixes, vocab.num_values)}).")
+        raise ValueError(
+            f"num_needles={num_needles} exceeds what the vocabulary's prefixes and values allow "
+            f"({min(2 * vocab.num_prefixes, vocab.num_values)})."
+        )
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1] or None, got {depth}.")
     filler_count = length - 1 - 4 * num_needles - 4 * num_queries
     if filler_count < 0:
-        raise ValueError(f"length={length} is too short for {num_needles} needles and {num_queries} queries "
-                         f"(needs at least {1 + 4 * num_needles + 4 * num_queries} tokens).")
+        raise ValueError(
+            f"length={length} is too short for {num_needles} needles and {num_queries} queries "
+            f"(needs at least {1 + 4 * num_needles + 4 * num_queries} tokens)."
+        )
     # Needle i has prefix i // 2 and suffix i % 2 of two suffixes shared by the whole sequence: from 4 needles on,
     # neither key token alone names a needle (its prefix twin and the needles with the same suffix are distractors).
     groups = rng.sample(vocab.tokens("prefixes"), (num_needles + 1) // 2)
@@ -130,7 +137,7 @@ def multi_needle(vocab: TaskVocab, length: int, num_needles: int, num_queries: i
     filler = [rng.choice(vocab.tokens("filler")) for _ in range(filler_count)]
     ids, spans, f = [vocab.BOS], {}, 0
     for i in order:
-        ids += filler[f:slots[i]]
+        ids += filler[f : slots[i]]
         f = max(f, slots[i])
         spans[i] = (len(ids), len(ids) + 4)
         ids += [vocab.NEEDLE, *keys[i], values[i]]
@@ -147,8 +154,9 @@ def multi_needle(vocab: TaskVocab, length: int, num_needles: int, num_queries: i
     return TaskExample("needle", ids, targets, list(values), evidence, question_start, num_needles, depth, distractors)
 
 
-def mqar(vocab: TaskVocab, num_pairs: int, rng: random.Random, depth: float | None = None,
-         num_queries: int | None = None) -> TaskExample:
+def mqar(
+    vocab: TaskVocab, num_pairs: int, rng: random.Random, depth: float | None = None, num_queries: int | None = None
+) -> TaskExample:
     """One MQAR sequence: ``BOS k1 v1 ... kn vn SEP`` then ``num_queries`` distinct keys (default ``n // 2``) queried
     in random order, each followed by its value; ``2 + 2n + 2·num_queries`` tokens. ``depth`` (0 = first pair, 1 =
     last) puts the first query on that pair.
@@ -200,16 +208,29 @@ def repeated_copy(vocab: TaskVocab, length: int, rng: random.Random) -> TaskExam
     tokens = [rng.randrange(vocab.NUM_SPECIAL, vocab.size) for _ in range(m)]
     ids = [vocab.BOS, *tokens, vocab.SEP, *tokens]
     start = m + 2
-    return TaskExample("copy", ids, [(start + i - 1, tokens[i]) for i in range(m)], [], [(1 + i, 2 + i) for i in range(m)],
-                       start, m)
+    return TaskExample(
+        "copy", ids, [(start + i - 1, tokens[i]) for i in range(m)], [], [(1 + i, 2 + i) for i in range(m)], start, m
+    )
 
 
-def needle_grid(vocab: TaskVocab, lengths: Sequence[int], needle_counts: Sequence[int], depths: Sequence[float],
-                samples: int, seed: int, num_queries: int = 1) -> list[TaskExample]:
+def needle_grid(
+    vocab: TaskVocab,
+    lengths: Sequence[int],
+    needle_counts: Sequence[int],
+    depths: Sequence[float],
+    samples: int,
+    seed: int,
+    num_queries: int = 1,
+) -> list[TaskExample]:
     """Held-out multi-needle examples: ``samples`` per (length, needle count, depth) cell, ``min(num_queries, N)``
     queries each (the first one's needle at the cell's depth)."""
-    return [multi_needle(vocab, L, n, min(num_queries, n), seeded_rng(seed, "needle", L, n, d, s), d)
-            for L in lengths for n in needle_counts for d in depths for s in range(samples)]
+    return [
+        multi_needle(vocab, L, n, min(num_queries, n), seeded_rng(seed, "needle", L, n, d, s), d)
+        for L in lengths
+        for n in needle_counts
+        for d in depths
+        for s in range(samples)
+    ]
 
 
 def mqar_grid(vocab: TaskVocab, pair_counts: Sequence[int], samples: int, seed: int) -> list[TaskExample]:
@@ -217,20 +238,34 @@ def mqar_grid(vocab: TaskVocab, pair_counts: Sequence[int], samples: int, seed: 
     return [mqar(vocab, n, seeded_rng(seed, "mqar", n, s)) for n in pair_counts for s in range(samples)]
 
 
-def training_examples(vocab: TaskVocab, count: int, seed: int, max_length: int, needle_counts: Sequence[int],
-                      pair_counts: Sequence[int], needle_fraction: float = 0.5, max_queries: int = 4,
-                      min_length: int = 32, copy_fraction: float = 0.0, copy_lengths: tuple[int, int] = (8, 40)
-                      ) -> list[TaskExample]:
+def training_examples(
+    vocab: TaskVocab,
+    count: int,
+    seed: int,
+    max_length: int,
+    needle_counts: Sequence[int],
+    pair_counts: Sequence[int],
+    needle_fraction: float = 0.5,
+    max_queries: int = 4,
+    min_length: int = 32,
+    copy_fraction: float = 0.0,
+    copy_lengths: tuple[int, int] = (8, 40),
+) -> list[TaskExample]:
     """``count`` training sequences: a ``copy_fraction`` share :func:`repeated_copy` (length uniform in
-    ``copy_lengths``, capped at ``max_length``: short copies form induction heads fastest), a ``needle_fraction`` share multi-needle (length uniform in ``[min_length, max_length]``,
-    needle count drawn from ``needle_counts``, ``max(1, min(max_queries, N // 2))`` queries), the rest MQAR (pair count
-    from ``pair_counts``, only those whose sequence fits in ``max_length``)."""
+    ``copy_lengths``, capped at ``max_length``: short copies form induction heads fastest), a ``needle_fraction`` share
+    multi-needle (length uniform in ``[min_length, max_length]``, needle count drawn from ``needle_counts``, ``max(1,
+    min(max_queries, N // 2))`` queries), the rest MQAR (pair count from ``pair_counts``, only those whose sequence fits
+    in ``max_length``)."""
     if not 0.0 <= needle_fraction <= 1.0 or not 0.0 <= copy_fraction <= 1.0 or needle_fraction + copy_fraction > 1.0:
-        raise ValueError(f"needle_fraction and copy_fraction must be in [0, 1] with a sum <= 1, got {needle_fraction} "
-                         f"and {copy_fraction}.")
+        raise ValueError(
+            f"needle_fraction and copy_fraction must be in [0, 1] with a sum <= 1, got {needle_fraction} and "
+            f"{copy_fraction}."
+        )
     fitting_pairs = [n for n in pair_counts if mqar_length(n) <= max_length]
     if needle_fraction + copy_fraction < 1.0 and not fitting_pairs:
-        raise ValueError(f"no pair count of {list(pair_counts)} fits in max_length={max_length} (2 + 2n + 2(n // 2) tokens).")
+        raise ValueError(
+            f"no pair count of {list(pair_counts)} fits in max_length={max_length} (2 + 2n + 2(n // 2) tokens)."
+        )
     out = []
     for i in range(count):
         rng = seeded_rng(seed, "train", i)
@@ -242,7 +277,9 @@ def training_examples(vocab: TaskVocab, count: int, seed: int, max_length: int, 
             n = rng.choice(list(needle_counts))
             r = max(1, min(max_queries, n // 2))  # half the needles at most: no "not answered yet" shortcut (mqar)
             shortest = 1 + 4 * n + 4 * r
-            out.append(multi_needle(vocab, rng.randint(max(min_length, shortest), max(max_length, shortest)), n, r, rng))
+            out.append(
+                multi_needle(vocab, rng.randint(max(min_length, shortest), max(max_length, shortest)), n, r, rng)
+            )
         else:
             out.append(mqar(vocab, rng.choice(fitting_pairs), rng))
     return out
@@ -267,8 +304,9 @@ def encode(examples: Sequence[TaskExample], pad_to: int | None = None) -> tuple[
 @torch.no_grad()
 def score(model, examples: Sequence[TaskExample], batch_size: int = 32) -> list[dict]:
     """Per example: ``correct`` (list over its queries: the argmax over the whole vocabulary is the answer),
-    ``choice_correct`` (argmax over the example's candidates; the whole vocabulary where it has none), ``loss`` (cross-entropy of each answer, nats).
-    Examples are batched by equal length (no padding reaches the scored positions)."""
+    ``choice_correct`` (argmax over the example's candidates; the whole vocabulary where it has none), ``loss``
+    (cross-entropy of each answer, nats). Examples are batched by equal length (no padding reaches the scored
+    positions)."""
     by_length: dict[int, list[int]] = {}
     for i, ex in enumerate(examples):
         by_length.setdefault(ex.context_length, []).append(i)
@@ -291,10 +329,25 @@ def score(model, examples: Sequence[TaskExample], batch_size: int = 32) -> list[
                     choice_correct = cand[lp[:, cand].argmax(-1)] == ans
                 else:  # no candidate list (copy sequences): the whole vocabulary
                     choice_correct = correct
-                out[i] = {"correct": correct.tolist(), "choice_correct": choice_correct.tolist(),
-                          "loss": (-lp.gather(1, ans[:, None])[:, 0]).tolist()}
+                out[i] = {
+                    "correct": correct.tolist(),
+                    "choice_correct": choice_correct.tolist(),
+                    "loss": (-lp.gather(1, ans[:, None])[:, 0]).tolist(),
+                }
     return out  # type: ignore[return-value]
 
 
-__all__ = ["TASKS", "TaskExample", "TaskVocab", "encode", "mqar", "mqar_grid", "mqar_length", "multi_needle", "needle_grid", "repeated_copy", "score",
-           "training_examples"]
+__all__ = [
+    "TASKS",
+    "TaskExample",
+    "TaskVocab",
+    "encode",
+    "mqar",
+    "mqar_grid",
+    "mqar_length",
+    "multi_needle",
+    "needle_grid",
+    "repeated_copy",
+    "score",
+    "training_examples",
+]

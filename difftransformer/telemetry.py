@@ -77,8 +77,10 @@ def probe_metrics(model, probe_input_ids: torch.Tensor) -> dict[str, list[float]
     inputs: dict[int, tuple] = {}
 
     def keep_inputs(module, args, kwargs):  # what attention_maps' forward hands each attention layer
-        inputs[module.layer_idx] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
-                                    kwargs["position_embeddings"])
+        inputs[module.layer_idx] = (
+            kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+            kwargs["position_embeddings"],
+        )
 
     handles = [m.register_forward_pre_hook(keep_inputs, with_kwargs=True) for m in modules]
     was_training = base.training
@@ -92,8 +94,9 @@ def probe_metrics(model, probe_input_ids: torch.Tensor) -> dict[str, list[float]
     out: dict[str, list[float]] = {}
     for module, layer in zip(modules, layers):
         metrics = _layer_metrics(layer)
-        logits = split_pairs(attention_logits(module, *inputs[module.layer_idx]), module.pair_stride,
-                             noise_ratio=module.noise_ratio)
+        logits = split_pairs(
+            attention_logits(module, *inputs[module.layer_idx]), module.pair_stride, noise_ratio=module.noise_ratio
+        )
         metrics.update({name: float(map_logits.max()) for name, map_logits in zip(MAX_METRICS, logits)})
         for name, value in metrics.items():
             out.setdefault(name, []).append(value)
@@ -122,22 +125,27 @@ def _layer_metrics(layer) -> dict[str, float]:
     t, s = diff.shape[-2:]
     allowed = torch.ones(t, s, dtype=torch.bool, device=diff.device).tril(s - t)  # key ≤ query
     lam = layer.lam.double()
-    metrics = {"lambda": float(lam)} if lam.dim() == 0 else {
-        "lambda_mean": float(lam.mean()), "lambda_std": float(lam.std(unbiased=False))}
+    metrics = (
+        {"lambda": float(lam)}
+        if lam.dim() == 0
+        else {"lambda_mean": float(lam.mean()), "lambda_std": float(lam.std(unbiased=False))}
+    )
     metrics["negative_share"] = float(((diff < 0) & allowed).sum() / (allowed.sum() * diff.shape[0] * diff.shape[1]))
     metrics["first_token_mass"] = float(diff[..., 1:, 0].mean()) if t > 1 else float("nan")
     metrics["map_separation"] = float(0.5 * (a1 - a2).abs().sum(-1).mean())
     return metrics
 
 
-def grad_norm_spikes(log_history: list[dict], factor: float = 3.0, window: int = 20, min_history: int = 5) -> list[dict]:
+def grad_norm_spikes(
+    log_history: list[dict], factor: float = 3.0, window: int = 20, min_history: int = 5
+) -> list[dict]:
     """The logged gradient norms that are spikes: ``norm > factor × median`` of the up to ``window`` norms logged
     before it, once at least ``min_history`` precede it. Returns ``[{"step", "grad_norm", "median", "ratio"}]`` in
     log order (one entry per ``log_history`` record that holds ``grad_norm``)."""
     norms = [(e.get("step"), float(e["grad_norm"])) for e in log_history if e.get("grad_norm") is not None]
     spikes = []
     for i, (step, norm) in enumerate(norms):
-        previous = [n for _, n in norms[max(0, i - window):i]]
+        previous = [n for _, n in norms[max(0, i - window) : i]]
         if len(previous) >= min_history:
             median = statistics.median(previous)
             if norm > factor * median:
@@ -162,7 +170,7 @@ def unflatten(entry: dict, prefix: str = PREFIX) -> dict[str, list[float]]:
     for key, value in entry.items():
         parts = key.split("/")
         if len(parts) == 3 and parts[0] == prefix and parts[2].startswith("layer_"):
-            out.setdefault(parts[1], {})[int(parts[2][len("layer_"):])] = value
+            out.setdefault(parts[1], {})[int(parts[2][len("layer_") :])] = value
     return {name: [by_layer[i] for i in sorted(by_layer)] for name, by_layer in out.items()}
 
 
@@ -172,10 +180,20 @@ class DiffAttentionTelemetryCallback(TrainerCallback):
     ``probe_input_ids``: ``(B, T)`` token ids, unpadded (e.g. two held-out blocks of 128 tokens: one eager forward
     with every map of that batch in memory). Attach with ``callback.attach(trainer)``."""
 
-    def __init__(self, probe_input_ids: torch.Tensor, every: int = 10, spike_factor: float = 3.0, spike_window: int = 20,
-                 spike_min_history: int = 5, per_layer: bool = True, prefix: str = PREFIX):
+    def __init__(
+        self,
+        probe_input_ids: torch.Tensor,
+        every: int = 10,
+        spike_factor: float = 3.0,
+        spike_window: int = 20,
+        spike_min_history: int = 5,
+        per_layer: bool = True,
+        prefix: str = PREFIX,
+    ):
         if probe_input_ids.dim() != 2 or probe_input_ids.shape[1] < 2:
-            raise ValueError(f"`probe_input_ids` must be (batch, tokens) with tokens >= 2, got {tuple(probe_input_ids.shape)}.")
+            raise ValueError(
+                f"`probe_input_ids` must be (batch, tokens) with tokens >= 2, got {tuple(probe_input_ids.shape)}."
+            )
         if not isinstance(every, int) or every <= 0:
             raise ValueError(f"`every` must be a positive integer, got {every!r}.")
         if spike_factor <= 1.0:
@@ -206,8 +224,14 @@ class DiffAttentionTelemetryCallback(TrainerCallback):
 
     def _probe_and_log(self, model, state) -> None:
         if self.trainer is None:
-            raise RuntimeError("DiffAttentionTelemetryCallback logs through the Trainer: call callback.attach(trainer).")
-        logs = flatten(probe_metrics(model, self.probe_input_ids), self.prefix, self.per_layer) if is_differential(model) else {}
+            raise RuntimeError(
+                "DiffAttentionTelemetryCallback logs through the Trainer: call callback.attach(trainer)."
+            )
+        logs = (
+            flatten(probe_metrics(model, self.probe_input_ids), self.prefix, self.per_layer)
+            if is_differential(model)
+            else {}
+        )
         logs[f"{self.prefix}/grad_norm_spikes"] = len(self._spikes(state))
         self._log(logs)
 
@@ -231,12 +255,22 @@ class DiffAttentionTelemetryCallback(TrainerCallback):
             return
         spikes = self._spikes(state)  # `logs` is the last record of state.log_history already
         if spikes and spikes[-1]["step"] == state.global_step and spikes[-1]["grad_norm"] == float(logs["grad_norm"]):
-            self._log({f"{self.prefix}/grad_norm_spikes": len(spikes), f"{self.prefix}/grad_norm_spike_ratio": spikes[-1]["ratio"]})
+            self._log(
+                {
+                    f"{self.prefix}/grad_norm_spikes": len(spikes),
+                    f"{self.prefix}/grad_norm_spike_ratio": spikes[-1]["ratio"],
+                }
+            )
 
 
-_SUMMARY = (("lambda", "λ {:.3f}"), ("lambda_mean", "λ {:.3f}"), ("lambda_std", "± {:.3f}"),
-            ("map_separation", "map separation {:.3f}"), ("negative_share", "negative {:.3f}"),
-            ("first_token_mass", "first-token {:.3f}"))
+_SUMMARY = (
+    ("lambda", "λ {:.3f}"),
+    ("lambda_mean", "λ {:.3f}"),
+    ("lambda_std", "± {:.3f}"),
+    ("map_separation", "map separation {:.3f}"),
+    ("negative_share", "negative {:.3f}"),
+    ("first_token_mass", "first-token {:.3f}"),
+)
 
 
 def summary_line(logs: dict, prefix: str = PREFIX) -> str | None:
@@ -245,8 +279,10 @@ def summary_line(logs: dict, prefix: str = PREFIX) -> str | None:
     if f"{prefix}/grad_norm_spikes" not in logs:
         return None
     if f"{prefix}/grad_norm_spike_ratio" in logs:
-        return (f"[{prefix}] grad-norm spike: {logs[f'{prefix}/grad_norm_spike_ratio']:.1f}× the median of the norms "
-                f"before it ({logs[f'{prefix}/grad_norm_spikes']} so far)")
+        return (
+            f"[{prefix}] grad-norm spike: {logs[f'{prefix}/grad_norm_spike_ratio']:.1f}× the median of the norms "
+            f"before it ({logs[f'{prefix}/grad_norm_spikes']} so far)"
+        )
     layers = unflatten(logs, prefix)
     parts = [fmt.format(logs[f"{prefix}/{name}"]) for name, fmt in _SUMMARY if f"{prefix}/{name}" in logs]
     for i, name in enumerate(MAX_METRICS, start=1):
@@ -297,12 +333,22 @@ class TelemetryPrinterCallback(PrinterCallback):
 
 def telemetry_records(log_history: list[dict], prefix: str = PREFIX) -> list[dict]:
     """The probe records of a ``log_history``: ``[{"step": s, "metrics": {name: per-layer list}}]`` in order."""
-    return [{"step": e["step"], "metrics": unflatten(e, prefix)} for e in log_history
-            if f"{prefix}/grad_norm_spikes" in e and f"{prefix}/grad_norm_spike_ratio" not in e]
+    return [
+        {"step": e["step"], "metrics": unflatten(e, prefix)}
+        for e in log_history
+        if f"{prefix}/grad_norm_spikes" in e and f"{prefix}/grad_norm_spike_ratio" not in e
+    ]
 
 
-def plot_telemetry(log_history: list[dict], path: str | os.PathLike, title: str = "", prefix: str = PREFIX,
-                   spike_factor: float = 3.0, spike_window: int = 20, spike_min_history: int = 5) -> Path:
+def plot_telemetry(
+    log_history: list[dict],
+    path: str | os.PathLike,
+    title: str = "",
+    prefix: str = PREFIX,
+    spike_factor: float = 3.0,
+    spike_window: int = 20,
+    spike_min_history: int = 5,
+) -> Path:
     """One PNG: per-layer λ, map separation, negative share and first-token mass over the probed steps (one line per
     layer, coloured by depth), and the logged gradient norm with its spikes marked."""
     import matplotlib
@@ -314,15 +360,23 @@ def plot_telemetry(log_history: list[dict], path: str | os.PathLike, title: str 
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(1, 6, figsize=(26, 4.2), dpi=100)
     v1 = bool(records) and "lambda" in records[0]["metrics"]
-    panels = (("lambda", "λ per layer (V1)") if v1 else ("lambda_mean", "mean λ = sigmoid(x W_λ) over the probe (V2)"),
-              ("map_separation", "map separation ½Σ|A1 − A2|"), ("negative_share", "share of negative A1 − λA2 entries"),
-              ("first_token_mass", "weight of A1 − λA2 on the first token"),
-              ("max_logit_map1", "max attention logit q·k/√d: map 1 (—), map 2 (--)"))
+    panels = (
+        ("lambda", "λ per layer (V1)") if v1 else ("lambda_mean", "mean λ = sigmoid(x W_λ) over the probe (V2)"),
+        ("map_separation", "map separation ½Σ|A1 − A2|"),
+        ("negative_share", "share of negative A1 − λA2 entries"),
+        ("first_token_mass", "weight of A1 − λA2 on the first token"),
+        ("max_logit_map1", "max attention logit q·k/√d: map 1 (—), map 2 (--)"),
+    )
     for ax, (name, label) in zip(axes, panels):
         per_step = [r["metrics"].get(name, []) for r in records]
         layers = len(per_step[0]) if per_step else 0
         for layer in range(layers):
-            ax.plot(steps, [values[layer] for values in per_step], color=plt.cm.viridis(layer / max(1, layers - 1)), linewidth=1)
+            ax.plot(
+                steps,
+                [values[layer] for values in per_step],
+                color=plt.cm.viridis(layer / max(1, layers - 1)),
+                linewidth=1,
+            )
             if name == "max_logit_map1":
                 second = [r["metrics"].get("max_logit_map2", [])[layer] for r in records]
                 ax.plot(steps, second, "--", color=plt.cm.viridis(layer / max(1, layers - 1)), linewidth=1)
@@ -332,8 +386,13 @@ def plot_telemetry(log_history: list[dict], path: str | os.PathLike, title: str 
     _grad_norm_panel(axes[-1], log_history, spike_factor, spike_window, spike_min_history)
     if records:
         layers = len(records[0]["metrics"].get("map_separation", [0]))
-        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, max(1, layers - 1))), ax=axes.tolist(),
-                     label="layer (one line each)", fraction=0.015, pad=0.01)
+        fig.colorbar(
+            plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, max(1, layers - 1))),
+            ax=axes.tolist(),
+            label="layer (one line each)",
+            fraction=0.015,
+            pad=0.01,
+        )
     fig.suptitle(title, fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -348,8 +407,13 @@ def _grad_norm_panel(ax, log_history, factor, window, min_history) -> None:
         ax.plot(*zip(*norms), "-", color="tab:blue", linewidth=1, label="grad norm (before clipping)")
     spikes = grad_norm_spikes(log_history, factor, window, min_history)
     if spikes:
-        ax.plot([s["step"] for s in spikes], [s["grad_norm"] for s in spikes], "v", color="tab:red",
-                label=f"spike: > {factor:g}× median of the previous {window}")
+        ax.plot(
+            [s["step"] for s in spikes],
+            [s["grad_norm"] for s in spikes],
+            "v",
+            color="tab:red",
+            label=f"spike: > {factor:g}× median of the previous {window}",
+        )
     ax.set_title(f"gradient norm: {len(spikes)} spike(s)", fontsize=9)
     ax.set_xlabel("optimizer step")
     ax.grid(alpha=0.3)

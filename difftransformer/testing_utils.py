@@ -154,7 +154,9 @@ def reference_attention(sd, prefix, cfg, x, positions, allowed, layer_idx, rnd=_
     return out, torch.stack(maps), lam
 
 
-def reference_forward(model, input_ids, attention_mask=None, position_ids=None, rnd=_exact, state_dict=None, labels=None):
+def reference_forward(
+    model, input_ids, attention_mask=None, position_ids=None, rnd=_exact, state_dict=None, labels=None
+):
     """Float64 logits (B, T, V) and per-layer differential maps of a DiffTransformerForCausalLM, from its state dict
     (or ``state_dict``, e.g. float64 leaves that require grad). With ``labels`` (-100 = ignored), also returns the
     mean cross-entropy of the next-token predictions, as transformers' loss."""
@@ -181,7 +183,11 @@ def reference_forward(model, input_ids, attention_mask=None, position_ids=None, 
             x = rnd(x + attn)
             h = _rms(x, W(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps, rnd)
             gate, up = rnd(h @ W(p + "mlp.gate_proj.weight").T), rnd(h @ W(p + "mlp.up_proj.weight").T)
-            act = _poly_norm(gate, W(p + "mlp.act_fn.weight"), W(p + "mlp.act_fn.bias")) if cfg.hidden_act == "poly_norm" else torch.nn.functional.silu(gate)
+            act = (
+                _poly_norm(gate, W(p + "mlp.act_fn.weight"), W(p + "mlp.act_fn.bias"))
+                if cfg.hidden_act == "poly_norm"
+                else torch.nn.functional.silu(gate)
+            )
             x = rnd(x + rnd(rnd(rnd(act) * up) @ W(p + "mlp.down_proj.weight").T))
         x = _rms(x, W("model.norm.weight"), cfg.rms_norm_eps, rnd)
         head = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
@@ -231,7 +237,9 @@ class RoundingModel:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, x):
-        noise = [(torch.rand(x.shape, generator=self.generator, dtype=torch.float64) * 2 - 1) * self.u for _ in range(2)]
+        noise = [
+            (torch.rand(x.shape, generator=self.generator, dtype=torch.float64) * 2 - 1) * self.u for _ in range(2)
+        ]
         return _Round.apply(x, *noise)
 
 
@@ -243,7 +251,8 @@ def bf16_error_bound(draws, exact, factor: float = 4.0):
 
 def bf16_gradient_bounds(model, ids, mask, labels, draws: int, factor: float):
     """(exact, bounds): the float64 gradients of ``model``'s loss on the batch (:func:`reference_forward`), and per
-    parameter ``factor`` × the largest error of ``draws`` runs under :class:`RoundingModel` (:func:`bf16_error_bound`)."""
+    parameter ``factor`` × the largest error of ``draws`` runs under :class:`RoundingModel`
+    (:func:`bf16_error_bound`)."""
 
     def reference_grads(rnd):
         sd = {k: v.detach().double().requires_grad_() for k, v in model.state_dict().items()}
@@ -255,8 +264,9 @@ def bf16_gradient_bounds(model, ids, mask, labels, draws: int, factor: float):
     return exact, {k: bf16_error_bound([r[k] for r in runs], exact[k], factor) for k in exact}
 
 
-def reference_differential_attention(query, key, value, lam, scaling, pair_stride, noise_ratio=1, allowed=None,
-                                     rnd=_exact):
+def reference_differential_attention(
+    query, key, value, lam, scaling, pair_stride, noise_ratio=1, allowed=None, rnd=_exact
+):
     """DIFF V1 attention in float64, materialised, for checking a kernel of the same layout (triton_difftransformer.py,
     kernels_difftransformer.py): ``query`` ``(B, T, Hq, d)`` in q_proj row order (per KV group its n signal rows, then
     its ``n / noise_ratio`` noise rows), ``key``/``value`` ``(B, 2G, S, d)`` (group g: heads 2g, 2g + 1), ``lam`` a

@@ -185,11 +185,13 @@ LAUNCH_CONFIGS: dict[str, tuple[dict, ...]] = {
 # The one kernel not tuned: the backward's row reductions (memory-bound; one small launch per backward).
 _PREPROCESS_CONFIG = dict(BLOCK_T=32, num_warps=4)
 _TUNED_KINDS = ("forward", "dkdv", "dq")
-_CONFIG_KEYS = {"forward": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
-                "dkdv": ("BLOCK_T", "BLOCK_N", "num_warps", "num_stages"),
-                "dq": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
-                "decode": ("BLOCK_N", "num_warps", "num_stages", "min_split_blocks", "max_units", "splits"),
-                "preprocess": ("BLOCK_T", "num_warps")}
+_CONFIG_KEYS = {
+    "forward": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
+    "dkdv": ("BLOCK_T", "BLOCK_N", "num_warps", "num_stages"),
+    "dq": ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps", "num_stages"),
+    "decode": ("BLOCK_N", "num_warps", "num_stages", "min_split_blocks", "max_units", "splits"),
+    "preprocess": ("BLOCK_T", "num_warps"),
+}
 
 # Test hook: kind -> entries that override the picked configuration (tests shrink the tiles so that tiny problems cross
 # several; a decode entry may fix ``splits``). Nothing is autotuned or cached while it is non-empty.
@@ -227,8 +229,10 @@ def _jit(fn):
 
 # The autotuning buckets are kernel arguments only so that triton.autotune can key on them: never specialised on (a
 # bucket or batch of 1 would otherwise compile a second variant).
-_NOT_SPECIALISED = {name: ("t_bucket", "s_bucket", "b_bucket")
-                    for name in ("_diff_attn_fwd", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dq")}
+_NOT_SPECIALISED = {
+    name: ("t_bucket", "s_bucket", "b_bucket")
+    for name in ("_diff_attn_fwd", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dq")
+}
 
 
 def _jitted():
@@ -243,7 +247,6 @@ def _jitted():
         _JIT_STATE["tuners"] = {}  # autotuners wrap the decorated kernels: rebuilt on demand
         _PLANS.clear()
     return globals()
-
 
 
 if triton is not None:
@@ -277,8 +280,19 @@ if triton is not None:
         _INTERPRETED_FUNCTIONS.update(_sum=_sum_interpreted, _max=_max_interpreted)
 
     @_jit
-    def _visible(t_rows, t_ok, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL: tl.constexpr,
-                 HAS_MASK: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    def _visible(
+        t_rows,
+        t_ok,
+        keys,
+        MASK_B,
+        stride_mt,
+        stride_ms,
+        S,
+        T,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        KEYS_FIRST: tl.constexpr,
+    ):
         # Which keys the query rows (index t, position S − T + t) see: in range, causal, and the boolean mask.
         # Shape (rows, keys), or (keys, rows) with KEYS_FIRST.
         if KEYS_FIRST:
@@ -297,8 +311,9 @@ if triton is not None:
         return vis
 
     @_jit
-    def _packed_rows(t0, u0, T, M_NOISE, R: tl.constexpr, R_PAD: tl.constexpr, UNITS: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+    def _packed_rows(
+        t0, u0, T, M_NOISE, R: tl.constexpr, R_PAD: tl.constexpr, UNITS: tl.constexpr, BLOCK_T: tl.constexpr
+    ):
         # The rows of a program's two tiles. Noise tile: (noise row u0 + i, position t0 + j), UNITS × BLOCK_T rows.
         # Signal tile: (signal index s < r, noise row, position), R_PAD × UNITS × BLOCK_T rows, so that signal row i
         # pairs with noise row i mod (UNITS · BLOCK_T). Returns each row's head within the group, position, validity.
@@ -315,8 +330,17 @@ if triton is not None:
         return unit_s * R + sig, t_s, ok_s, unit_n, t_n, ok_n
 
     @_jit
-    def _key_ranges(lo, span, t0, S, T, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                    HAS_MASK: tl.constexpr):
+    def _key_ranges(
+        lo,
+        span,
+        t0,
+        S,
+        T,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+    ):
         # Keys [lo, hi) a block of query rows t0 … t0 + BLOCK_T − 1 can see (causal blocks above the diagonal are
         # skipped), and the end of the whole K/V blocks from lo on that every row sees in full (run without masks).
         hi = tl.minimum(S, lo + span)
@@ -330,11 +354,44 @@ if triton is not None:
         return hi, full
 
     @_jit
-    def _fwd_inner(acc1, l1, m1, acc2, l2, m2, q1, q2, K1_B, K2_B, V_ROW, MASK_B, t_s, ok_s, t_n, ok_n, d_ok, c_ok,
-                   stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale, start, end,
-                   D_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+    def _fwd_inner(
+        acc1,
+        l1,
+        m1,
+        acc2,
+        l2,
+        m2,
+        q1,
+        q2,
+        K1_B,
+        K2_B,
+        V_ROW,
+        MASK_B,
+        t_s,
+        ok_s,
+        t_n,
+        ok_n,
+        d_ok,
+        c_ok,
+        stride_ks,
+        stride_vs,
+        stride_mt,
+        stride_ms,
+        S,
+        T,
+        qk_scale,
+        start,
+        end,
+        D_PAD: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        IN_DTYPE: tl.constexpr,
+        OP_DTYPE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
         # One sweep over K/V blocks [start, end) for both maps: each block's K1, K2 and 2d-wide value loaded once.
         # MASKED=False only for blocks that every row sees in full.
         offs_d = tl.arange(0, D_PAD)
@@ -344,8 +401,9 @@ if triton is not None:
             k_mask = k_ok[:, None] & d_ok[None, :]
             k1 = tl.load(K1_B + keys[:, None] * stride_ks + offs_d[None, :], mask=k_mask, other=0.0).to(OP_DTYPE)
             k2 = tl.load(K2_B + keys[:, None] * stride_ks + offs_d[None, :], mask=k_mask, other=0.0).to(OP_DTYPE)
-            v = tl.load(V_ROW[None, :] + keys[:, None] * stride_vs, mask=k_ok[:, None] & c_ok[None, :],
-                        other=0.0).to(OP_DTYPE)
+            v = tl.load(V_ROW[None, :] + keys[:, None] * stride_vs, mask=k_ok[:, None] & c_ok[None, :], other=0.0).to(
+                OP_DTYPE
+            )
             s1 = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale
             s2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
             if MASKED:
@@ -375,16 +433,63 @@ if triton is not None:
         return acc1, l1, m1, acc2, l2, m2
 
     @_jit
-    def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE1, LSE2,
-                       stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_ks,
-                       stride_vb, stride_vh, stride_vs, stride_mb, stride_mt, stride_ms,
-                       stride_os, stride_ob, stride_ot, stride_oh, stride_ps, stride_pb, stride_pt, stride_ph,
-                       stride_l1s, stride_l2s, T, S, G, N_SIG, M_NOISE, split_len, qk_scale,
-                       t_bucket, s_bucket, b_bucket,
-                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                       UNITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                       HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, SAVE_STATS: tl.constexpr,
-                       IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    def _diff_attn_fwd(
+        Q,
+        K,
+        V,
+        LAM,
+        MASK,
+        OUT,
+        O2,
+        LSE1,
+        LSE2,
+        stride_qb,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        stride_mb,
+        stride_mt,
+        stride_ms,
+        stride_os,
+        stride_ob,
+        stride_ot,
+        stride_oh,
+        stride_ps,
+        stride_pb,
+        stride_pt,
+        stride_ph,
+        stride_l1s,
+        stride_l2s,
+        T,
+        S,
+        G,
+        N_SIG,
+        M_NOISE,
+        split_len,
+        qk_scale,
+        t_bucket,
+        s_bucket,
+        b_bucket,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        R: tl.constexpr,
+        R_PAD: tl.constexpr,
+        UNITS: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        SPLIT: tl.constexpr,
+        SAVE_STATS: tl.constexpr,
+        IN_DTYPE: tl.constexpr,
+        OP_DTYPE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
         # Grid: (query blocks, B × G × noise-row blocks, key splits). SPLIT: write each split's normalised outputs
         # of both maps and their log-sum-exps (OUT, O2, LSE1, LSE2 are then float32 partials) for the combine kernel.
         ROWS_N: tl.constexpr = UNITS * BLOCK_T
@@ -408,10 +513,16 @@ if triton is not None:
         out_cols = half * HEAD_DIM + c_d
 
         Q_B = Q + b * stride_qb
-        q1 = tl.load(Q_B + t_s[:, None] * stride_qt + (group_q + head_s)[:, None] * stride_qh + offs_d[None, :],
-                     mask=ok_s[:, None] & d_ok[None, :], other=0.0).to(OP_DTYPE)
-        q2 = tl.load(Q_B + t_n[:, None] * stride_qt + (group_q + N_SIG + unit_n)[:, None] * stride_qh
-                     + offs_d[None, :], mask=ok_n[:, None] & d_ok[None, :], other=0.0).to(OP_DTYPE)
+        q1 = tl.load(
+            Q_B + t_s[:, None] * stride_qt + (group_q + head_s)[:, None] * stride_qh + offs_d[None, :],
+            mask=ok_s[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(OP_DTYPE)
+        q2 = tl.load(
+            Q_B + t_n[:, None] * stride_qt + (group_q + N_SIG + unit_n)[:, None] * stride_qh + offs_d[None, :],
+            mask=ok_n[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(OP_DTYPE)
         K1_B = K + b * stride_kb + (2 * g) * stride_kh
         K2_B = K1_B + stride_kh
         V_ROW = V + b * stride_vb + (2 * g + half) * stride_vh + c_d
@@ -427,13 +538,81 @@ if triton is not None:
         lo = pid_s * split_len
         hi, full = _key_ranges(lo, split_len, t0, S, T, BLOCK_T, BLOCK_N, IS_CAUSAL, HAS_MASK)
         acc1, l1, m1, acc2, l2, m2 = _fwd_inner(
-            acc1, l1, m1, acc2, l2, m2, q1, q2, K1_B, K2_B, V_ROW, MASK_B, t_s, ok_s, t_n, ok_n, d_ok, c_ok,
-            stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale, lo, full,
-            D_PAD, R_PAD, BLOCK_N, False, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE, DOT_PREC)
+            acc1,
+            l1,
+            m1,
+            acc2,
+            l2,
+            m2,
+            q1,
+            q2,
+            K1_B,
+            K2_B,
+            V_ROW,
+            MASK_B,
+            t_s,
+            ok_s,
+            t_n,
+            ok_n,
+            d_ok,
+            c_ok,
+            stride_ks,
+            stride_vs,
+            stride_mt,
+            stride_ms,
+            S,
+            T,
+            qk_scale,
+            lo,
+            full,
+            D_PAD,
+            R_PAD,
+            BLOCK_N,
+            False,
+            IS_CAUSAL,
+            HAS_MASK,
+            IN_DTYPE,
+            OP_DTYPE,
+            DOT_PREC,
+        )
         acc1, l1, m1, acc2, l2, m2 = _fwd_inner(
-            acc1, l1, m1, acc2, l2, m2, q1, q2, K1_B, K2_B, V_ROW, MASK_B, t_s, ok_s, t_n, ok_n, d_ok, c_ok,
-            stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale, full, hi,
-            D_PAD, R_PAD, BLOCK_N, True, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE, DOT_PREC)
+            acc1,
+            l1,
+            m1,
+            acc2,
+            l2,
+            m2,
+            q1,
+            q2,
+            K1_B,
+            K2_B,
+            V_ROW,
+            MASK_B,
+            t_s,
+            ok_s,
+            t_n,
+            ok_n,
+            d_ok,
+            c_ok,
+            stride_ks,
+            stride_vs,
+            stride_mt,
+            stride_ms,
+            S,
+            T,
+            qk_scale,
+            full,
+            hi,
+            D_PAD,
+            R_PAD,
+            BLOCK_N,
+            True,
+            IS_CAUSAL,
+            HAS_MASK,
+            IN_DTYPE,
+            OP_DTYPE,
+            DOT_PREC,
+        )
 
         # A row that saw no key has l = 0 and acc = 0: its outputs are 0.
         l1_div = tl.where(l1 == 0.0, 1.0, l1)
@@ -442,10 +621,22 @@ if triton is not None:
         o2 = acc2 / l2_div[:, None]
         store_s = ok_s[:, None] & c_ok[None, :]
         store_n = ok_n[:, None] & c_ok[None, :]
-        OUT_S = (OUT + pid_s * stride_os + b * stride_ob + t_s[:, None] * stride_ot
-                 + (g * N_SIG + head_s)[:, None] * stride_oh + out_cols[None, :])
-        O2_N = (O2 + pid_s * stride_ps + b * stride_pb + t_n[:, None] * stride_pt
-                + (g * M_NOISE + unit_n)[:, None] * stride_ph + out_cols[None, :])
+        OUT_S = (
+            OUT
+            + pid_s * stride_os
+            + b * stride_ob
+            + t_s[:, None] * stride_ot
+            + (g * N_SIG + head_s)[:, None] * stride_oh
+            + out_cols[None, :]
+        )
+        O2_N = (
+            O2
+            + pid_s * stride_ps
+            + b * stride_pb
+            + t_n[:, None] * stride_pt
+            + (g * M_NOISE + unit_n)[:, None] * stride_ph
+            + out_cols[None, :]
+        )
         LSE1_S = LSE1 + pid_s * stride_l1s + ((b * G + g) * N_SIG + head_s) * T + t_s
         LSE2_N = LSE2 + pid_s * stride_l2s + ((b * G + g) * M_NOISE + unit_n) * T + t_n
         if SPLIT:
@@ -458,8 +649,10 @@ if triton is not None:
             if R_PAD == 1:
                 o2_s = o2
             else:  # the noise row of signal row i is row i mod ROWS_N
-                o2_s = tl.reshape(tl.broadcast_to(tl.reshape(o2, (1, ROWS_N, 2 * D_PAD)), (R_PAD, ROWS_N, 2 * D_PAD)),
-                                  (ROWS_S, 2 * D_PAD))
+                o2_s = tl.reshape(
+                    tl.broadcast_to(tl.reshape(o2, (1, ROWS_N, 2 * D_PAD)), (R_PAD, ROWS_N, 2 * D_PAD)),
+                    (ROWS_S, 2 * D_PAD),
+                )
             tl.store(OUT_S, (o1 - lam * o2_s).to(OUT.dtype.element_ty), mask=store_s)
             if SAVE_STATS:
                 # The backward's row statistics: log-sum-exp, +inf for a row that sees no key (its P is 0 there).
@@ -468,8 +661,9 @@ if triton is not None:
                 tl.store(LSE2_N, tl.where(l2 == 0.0, float("inf"), m2 + tl.math.log2(l2_div)), mask=ok_n)
 
     @_jit
-    def _merge_splits(PO, PL, row, rows_total, b, t, B, T, NSPLIT, out_cols, c_ok, HEAD_DIM: tl.constexpr,
-                      SPLITS_PAD: tl.constexpr):
+    def _merge_splits(
+        PO, PL, row, rows_total, b, t, B, T, NSPLIT, out_cols, c_ok, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr
+    ):
         # Σ_s 2^lse_s · o_s / Σ_s 2^lse_s over the key splits of one row (0 for a row no split saw a key of).
         sp = tl.arange(0, SPLITS_PAD)
         sp_ok = sp < NSPLIT
@@ -478,14 +672,38 @@ if triton is not None:
         top = tl.where(top == float("-inf"), 0.0, top)
         w = tl.math.exp2(lse - top)
         den = _sum(w, 0)
-        parts = tl.load(PO + ((sp * B + b) * T + t)[:, None] * (rows_total * 2 * HEAD_DIM) + row * (2 * HEAD_DIM)
-                        + out_cols[None, :], mask=sp_ok[:, None] & c_ok[None, :], other=0.0)
+        parts = tl.load(
+            PO
+            + ((sp * B + b) * T + t)[:, None] * (rows_total * 2 * HEAD_DIM)
+            + row * (2 * HEAD_DIM)
+            + out_cols[None, :],
+            mask=sp_ok[:, None] & c_ok[None, :],
+            other=0.0,
+        )
         return _sum(w[:, None] * parts, 0) / tl.where(den == 0.0, 1.0, den)
 
     @_jit
-    def _diff_attn_decode_combine(PO1, PO2, PL1, PL2, LAM, OUT, stride_ob, stride_ot, stride_oh, B, T, G, N_SIG,
-                                  M_NOISE, NSPLIT, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr,
-                                  SPLITS_PAD: tl.constexpr):
+    def _diff_attn_decode_combine(
+        PO1,
+        PO2,
+        PL1,
+        PL2,
+        LAM,
+        OUT,
+        stride_ob,
+        stride_ot,
+        stride_oh,
+        B,
+        T,
+        G,
+        N_SIG,
+        M_NOISE,
+        NSPLIT,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        R: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
         # Grid: (B × T, G × n). Merges one signal row's splits and its noise row's, then O = O1 − λ·O2.
         pid_bt = tl.program_id(0)
         h = tl.program_id(1)
@@ -500,14 +718,36 @@ if triton is not None:
         o1 = _merge_splits(PO1, PL1, h, G * N_SIG, b, t, B, T, NSPLIT, out_cols, c_ok, HEAD_DIM, SPLITS_PAD)
         o2 = _merge_splits(PO2, PL2, noise, G * M_NOISE, b, t, B, T, NSPLIT, out_cols, c_ok, HEAD_DIM, SPLITS_PAD)
         out = o1 - tl.load(LAM) * o2
-        tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + out_cols, out.to(OUT.dtype.element_ty),
-                 mask=c_ok)
+        tl.store(
+            OUT + b * stride_ob + t * stride_ot + h * stride_oh + out_cols, out.to(OUT.dtype.element_ty), mask=c_ok
+        )
 
     @_jit
-    def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA1, DELTA2, stride_ob, stride_ot, stride_oh,
-                                  stride_pb, stride_pt, stride_ph, stride_db, stride_dt, stride_dh, T, G, N_SIG,
-                                  M_NOISE, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr,
-                                  BLOCK_T: tl.constexpr):
+    def _diff_attn_bwd_preprocess(
+        OUT,
+        O2,
+        DO,
+        LAM,
+        DELTA1,
+        DELTA2,
+        stride_ob,
+        stride_ot,
+        stride_oh,
+        stride_pb,
+        stride_pt,
+        stride_ph,
+        stride_db,
+        stride_dt,
+        stride_dh,
+        T,
+        G,
+        N_SIG,
+        M_NOISE,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
         # Grid: (query blocks, B × G × m). δ1 = rowsum(dO ∘ (O + λ·O2)) for the r signal rows of a noise row and
         # δ2 = rowsum(dO' ∘ O2), dO' = the sum of their dO (map 2's gradient before its factor −λ).
         pid_t = tl.program_id(0)
@@ -523,25 +763,65 @@ if triton is not None:
         out_cols = (cols // D_PAD) * HEAD_DIM + c_d
         ok = t_ok[:, None] & c_ok[None, :]
         lam = tl.load(LAM)
-        o2 = tl.load(O2 + b * stride_pb + t[:, None] * stride_pt + (g * M_NOISE + u) * stride_ph + out_cols[None, :],
-                     mask=ok, other=0.0).to(tl.float32)
+        o2 = tl.load(
+            O2 + b * stride_pb + t[:, None] * stride_pt + (g * M_NOISE + u) * stride_ph + out_cols[None, :],
+            mask=ok,
+            other=0.0,
+        ).to(tl.float32)
         dsum = tl.full((BLOCK_T, 2 * D_PAD), 0.0, dtype=tl.float32)
         for s in tl.static_range(R):
             h = g * N_SIG + u * R + s
-            do = tl.load(DO + b * stride_db + t[:, None] * stride_dt + h * stride_dh + out_cols[None, :], mask=ok,
-                         other=0.0).to(tl.float32)
-            o = tl.load(OUT + b * stride_ob + t[:, None] * stride_ot + h * stride_oh + out_cols[None, :], mask=ok,
-                        other=0.0).to(tl.float32)
+            do = tl.load(
+                DO + b * stride_db + t[:, None] * stride_dt + h * stride_dh + out_cols[None, :], mask=ok, other=0.0
+            ).to(tl.float32)
+            o = tl.load(
+                OUT + b * stride_ob + t[:, None] * stride_ot + h * stride_oh + out_cols[None, :], mask=ok, other=0.0
+            ).to(tl.float32)
             tl.store(DELTA1 + (b * G * N_SIG + h) * T + t, _sum(do * (o + lam * o2), 1), mask=t_ok)
             dsum += do
         tl.store(DELTA2 + ((b * G + g) * M_NOISE + u) * T + t, _sum(dsum * o2, 1), mask=t_ok)
 
     @_jit
-    def _bwd_kv_inner(dk1, dk2, dv, k1, k2, v, Q1_B, Q2_B, DO_B, L1_B, L2_B, D1_B, D2_B, MASK_B, lam, keys,
-                      stride_qt, stride_qh, stride_dt, stride_dh, stride_mt, stride_ms, T, S, qk_scale, start, end,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                      BLOCK_T: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                      IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    def _bwd_kv_inner(
+        dk1,
+        dk2,
+        dv,
+        k1,
+        k2,
+        v,
+        Q1_B,
+        Q2_B,
+        DO_B,
+        L1_B,
+        L2_B,
+        D1_B,
+        D2_B,
+        MASK_B,
+        lam,
+        keys,
+        stride_qt,
+        stride_qh,
+        stride_dt,
+        stride_dh,
+        stride_mt,
+        stride_ms,
+        T,
+        S,
+        qk_scale,
+        start,
+        end,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        R: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        MASKED: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        IN_DTYPE: tl.constexpr,
+        OP_DTYPE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
         # Query blocks [start, end) of one noise row and its r signal rows against one K/V block, in transposed
         # tiles (keys × rows). Map 1 back-propagates dO, map 2 −λ·dO' (dO' summed over the r signal rows); dk2 is
         # accumulated without its factor −λ (applied once at the store).
@@ -558,12 +838,19 @@ if triton is not None:
             ok_s = (sig < R) & (t_s < T)
             t_n = t0 + tl.arange(0, BLOCK_T)
             ok_n = t_n < T
-            q1 = tl.load(Q1_B + t_s[:, None] * stride_qt + sig[:, None] * stride_qh + offs_d[None, :],
-                         mask=ok_s[:, None] & d_ok[None, :], other=0.0).to(OP_DTYPE)
-            q2 = tl.load(Q2_B + t_n[:, None] * stride_qt + offs_d[None, :], mask=ok_n[:, None] & d_ok[None, :],
-                         other=0.0).to(OP_DTYPE)
-            do = tl.load(DO_B + t_s[:, None] * stride_dt + sig[:, None] * stride_dh + out_cols[None, :],
-                         mask=ok_s[:, None] & c_ok[None, :], other=0.0)
+            q1 = tl.load(
+                Q1_B + t_s[:, None] * stride_qt + sig[:, None] * stride_qh + offs_d[None, :],
+                mask=ok_s[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(OP_DTYPE)
+            q2 = tl.load(
+                Q2_B + t_n[:, None] * stride_qt + offs_d[None, :], mask=ok_n[:, None] & d_ok[None, :], other=0.0
+            ).to(OP_DTYPE)
+            do = tl.load(
+                DO_B + t_s[:, None] * stride_dt + sig[:, None] * stride_dh + out_cols[None, :],
+                mask=ok_s[:, None] & c_ok[None, :],
+                other=0.0,
+            )
             lse1 = tl.load(L1_B + sig * T + t_s, mask=ok_s, other=float("inf"))
             delta1 = tl.load(D1_B + sig * T + t_s, mask=ok_s, other=0.0)
             lse2 = tl.load(L2_B + t_n, mask=ok_n, other=float("inf"))
@@ -584,10 +871,16 @@ if triton is not None:
                 ds2 = p2 * (dp - delta2[None, :])
             else:
                 if MASKED:
-                    p1 = tl.where(_visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK,
-                                           True), p1, 0.0)
-                    p2 = tl.where(_visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK,
-                                           True), p2, 0.0)
+                    p1 = tl.where(
+                        _visible(t_s, ok_s, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, True),
+                        p1,
+                        0.0,
+                    )
+                    p2 = tl.where(
+                        _visible(t_n, ok_n, keys, MASK_B, stride_mt, stride_ms, S, T, IS_CAUSAL, HAS_MASK, True),
+                        p2,
+                        0.0,
+                    )
                 # dO' of the noise row: the sum over its r signal rows, rounded to the inputs' type
                 dsum = _sum(tl.reshape(do.to(tl.float32), (R_PAD, BLOCK_T, 2 * D_PAD)), 0).to(IN_DTYPE).to(OP_DTYPE)
                 do = do.to(OP_DTYPE)
@@ -600,16 +893,62 @@ if triton is not None:
         return dk1, dk2, dv
 
     @_jit
-    def _diff_attn_bwd_dkdv(Q, K, V, DO, LAM, MASK, LSE1, LSE2, DELTA1, DELTA2, DK, DV,
-                            stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_ks,
-                            stride_vb, stride_vh, stride_vs, stride_db, stride_dt, stride_dh,
-                            stride_mb, stride_mt, stride_ms, stride_dkb, stride_dkh, stride_dks,
-                            stride_dvb, stride_dvh, stride_dvs, T, S, G, N_SIG, M_NOISE, qk_scale, sm_scale,
-                            t_bucket, s_bucket, b_bucket,
-                            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                            HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr,
-                            DOT_PREC: tl.constexpr):
+    def _diff_attn_bwd_dkdv(
+        Q,
+        K,
+        V,
+        DO,
+        LAM,
+        MASK,
+        LSE1,
+        LSE2,
+        DELTA1,
+        DELTA2,
+        DK,
+        DV,
+        stride_qb,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        stride_db,
+        stride_dt,
+        stride_dh,
+        stride_mb,
+        stride_mt,
+        stride_ms,
+        stride_dkb,
+        stride_dkh,
+        stride_dks,
+        stride_dvb,
+        stride_dvh,
+        stride_dvs,
+        T,
+        S,
+        G,
+        N_SIG,
+        M_NOISE,
+        qk_scale,
+        sm_scale,
+        t_bucket,
+        s_bucket,
+        b_bucket,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        R: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        IN_DTYPE: tl.constexpr,
+        OP_DTYPE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
         # Grid: (key blocks, B × G). The program loops over every query row of its group (n signal + m noise heads)
         # that can see its keys, so the K1/K2/V gradients sum over the group's heads in registers (deterministic).
         pid_n = tl.program_id(0)
@@ -630,8 +969,11 @@ if triton is not None:
         K1_B = K + b * stride_kb + (2 * g) * stride_kh + keys[:, None] * stride_ks + offs_d[None, :]
         k1 = tl.load(K1_B, mask=k_mask, other=0.0).to(OP_DTYPE)
         k2 = tl.load(K1_B + stride_kh, mask=k_mask, other=0.0).to(OP_DTYPE)
-        v = tl.load(V + b * stride_vb + (2 * g + half)[None, :] * stride_vh + c_d[None, :] + keys[:, None] * stride_vs,
-                    mask=v_mask, other=0.0).to(OP_DTYPE)
+        v = tl.load(
+            V + b * stride_vb + (2 * g + half)[None, :] * stride_vh + c_d[None, :] + keys[:, None] * stride_vs,
+            mask=v_mask,
+            other=0.0,
+        ).to(OP_DTYPE)
         lam = tl.load(LAM)
         dk1 = tl.full((BLOCK_N, D_PAD), 0.0, dtype=tl.float32)
         dk2 = tl.full((BLOCK_N, D_PAD), 0.0, dtype=tl.float32)
@@ -657,28 +999,136 @@ if triton is not None:
             row1 = ((b * G + g) * N_SIG + u * R) * T
             row2 = ((b * G + g) * M_NOISE + u) * T
             dk1, dk2, dv = _bwd_kv_inner(
-                dk1, dk2, dv, k1, k2, v, Q1_B, Q2_B, DO_B, LSE1 + row1, LSE2 + row2, DELTA1 + row1, DELTA2 + row2,
-                MASK_B, lam, keys, stride_qt, stride_qh, stride_dt, stride_dh, stride_mt, stride_ms, T, S, qk_scale,
-                t_lo, t_full, HEAD_DIM, D_PAD, R, R_PAD, BLOCK_T, True, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE,
-                DOT_PREC)
+                dk1,
+                dk2,
+                dv,
+                k1,
+                k2,
+                v,
+                Q1_B,
+                Q2_B,
+                DO_B,
+                LSE1 + row1,
+                LSE2 + row2,
+                DELTA1 + row1,
+                DELTA2 + row2,
+                MASK_B,
+                lam,
+                keys,
+                stride_qt,
+                stride_qh,
+                stride_dt,
+                stride_dh,
+                stride_mt,
+                stride_ms,
+                T,
+                S,
+                qk_scale,
+                t_lo,
+                t_full,
+                HEAD_DIM,
+                D_PAD,
+                R,
+                R_PAD,
+                BLOCK_T,
+                True,
+                IS_CAUSAL,
+                HAS_MASK,
+                IN_DTYPE,
+                OP_DTYPE,
+                DOT_PREC,
+            )
             dk1, dk2, dv = _bwd_kv_inner(
-                dk1, dk2, dv, k1, k2, v, Q1_B, Q2_B, DO_B, LSE1 + row1, LSE2 + row2, DELTA1 + row1, DELTA2 + row2,
-                MASK_B, lam, keys, stride_qt, stride_qh, stride_dt, stride_dh, stride_mt, stride_ms, T, S, qk_scale,
-                t_full, t_end, HEAD_DIM, D_PAD, R, R_PAD, BLOCK_T, False, IS_CAUSAL, HAS_MASK, IN_DTYPE, OP_DTYPE,
-                DOT_PREC)
+                dk1,
+                dk2,
+                dv,
+                k1,
+                k2,
+                v,
+                Q1_B,
+                Q2_B,
+                DO_B,
+                LSE1 + row1,
+                LSE2 + row2,
+                DELTA1 + row1,
+                DELTA2 + row2,
+                MASK_B,
+                lam,
+                keys,
+                stride_qt,
+                stride_qh,
+                stride_dt,
+                stride_dh,
+                stride_mt,
+                stride_ms,
+                T,
+                S,
+                qk_scale,
+                t_full,
+                t_end,
+                HEAD_DIM,
+                D_PAD,
+                R,
+                R_PAD,
+                BLOCK_T,
+                False,
+                IS_CAUSAL,
+                HAS_MASK,
+                IN_DTYPE,
+                OP_DTYPE,
+                DOT_PREC,
+            )
 
         DK1_B = DK + b * stride_dkb + (2 * g) * stride_dkh + keys[:, None] * stride_dks + offs_d[None, :]
         tl.store(DK1_B, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
         tl.store(DK1_B + stride_dkh, (dk2 * (-lam * sm_scale)).to(DK.dtype.element_ty), mask=k_mask)
-        tl.store(DV + b * stride_dvb + (2 * g + half)[None, :] * stride_dvh + c_d[None, :] + keys[:, None] * stride_dvs,
-                 dv.to(DV.dtype.element_ty), mask=v_mask)
+        tl.store(
+            DV + b * stride_dvb + (2 * g + half)[None, :] * stride_dvh + c_d[None, :] + keys[:, None] * stride_dvs,
+            dv.to(DV.dtype.element_ty),
+            mask=v_mask,
+        )
 
     @_jit
-    def _bwd_q_inner(dq1, dq2, q1, q2, do, dsum, lse1, lse2, delta1, delta2, K1_B, K2_B, V_ROW, MASK_B,
-                     t_s, ok_s, t_n, ok_n, d_ok, c_ok, stride_ks, stride_vs, stride_mt, stride_ms, S, T, qk_scale,
-                     start, end, D_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr,
-                     OP_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    def _bwd_q_inner(
+        dq1,
+        dq2,
+        q1,
+        q2,
+        do,
+        dsum,
+        lse1,
+        lse2,
+        delta1,
+        delta2,
+        K1_B,
+        K2_B,
+        V_ROW,
+        MASK_B,
+        t_s,
+        ok_s,
+        t_n,
+        ok_n,
+        d_ok,
+        c_ok,
+        stride_ks,
+        stride_vs,
+        stride_mt,
+        stride_ms,
+        S,
+        T,
+        qk_scale,
+        start,
+        end,
+        D_PAD: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        IN_DTYPE: tl.constexpr,
+        OP_DTYPE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
         offs_d = tl.arange(0, D_PAD)
         for n0 in range(start, end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
@@ -686,8 +1136,9 @@ if triton is not None:
             k_mask = k_ok[:, None] & d_ok[None, :]
             k1 = tl.load(K1_B + keys[:, None] * stride_ks + offs_d[None, :], mask=k_mask, other=0.0).to(OP_DTYPE)
             k2 = tl.load(K2_B + keys[:, None] * stride_ks + offs_d[None, :], mask=k_mask, other=0.0).to(OP_DTYPE)
-            v = tl.load(V_ROW[None, :] + keys[:, None] * stride_vs, mask=k_ok[:, None] & c_ok[None, :],
-                        other=0.0).to(OP_DTYPE)
+            v = tl.load(V_ROW[None, :] + keys[:, None] * stride_vs, mask=k_ok[:, None] & c_ok[None, :], other=0.0).to(
+                OP_DTYPE
+            )
             p1 = tl.math.exp2(tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale - lse1[:, None])
             p2 = tl.math.exp2(tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale - lse2[:, None])
             if MASKED:
@@ -710,15 +1161,59 @@ if triton is not None:
         return dq1, dq2
 
     @_jit
-    def _diff_attn_bwd_dq(Q, K, V, DO, LAM, MASK, LSE1, LSE2, DELTA1, DELTA2, DQ,
-                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_ks,
-                          stride_vb, stride_vh, stride_vs, stride_db, stride_dt, stride_dh,
-                          stride_mb, stride_mt, stride_ms, stride_dqb, stride_dqt, stride_dqh,
-                          T, S, G, N_SIG, M_NOISE, qk_scale, sm_scale, t_bucket, s_bucket, b_bucket,
-                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                          UNITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                          HAS_MASK: tl.constexpr, IN_DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr,
-                          DOT_PREC: tl.constexpr):
+    def _diff_attn_bwd_dq(
+        Q,
+        K,
+        V,
+        DO,
+        LAM,
+        MASK,
+        LSE1,
+        LSE2,
+        DELTA1,
+        DELTA2,
+        DQ,
+        stride_qb,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        stride_db,
+        stride_dt,
+        stride_dh,
+        stride_mb,
+        stride_mt,
+        stride_ms,
+        stride_dqb,
+        stride_dqt,
+        stride_dqh,
+        T,
+        S,
+        G,
+        N_SIG,
+        M_NOISE,
+        qk_scale,
+        sm_scale,
+        t_bucket,
+        s_bucket,
+        b_bucket,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        R: tl.constexpr,
+        R_PAD: tl.constexpr,
+        UNITS: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        IN_DTYPE: tl.constexpr,
+        OP_DTYPE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
         # Grid: (query blocks, B × G × noise-row blocks), rows packed as in the forward.
         ROWS_N: tl.constexpr = UNITS * BLOCK_T
         pid_t = tl.program_id(0)
@@ -744,8 +1239,15 @@ if triton is not None:
         Q_N = t_n[:, None] * stride_qt + (group_q + N_SIG + unit_n)[:, None] * stride_qh + offs_d[None, :]
         q1 = tl.load(Q + b * stride_qb + Q_S, mask=q_mask_s, other=0.0).to(OP_DTYPE)
         q2 = tl.load(Q + b * stride_qb + Q_N, mask=q_mask_n, other=0.0).to(OP_DTYPE)
-        do = tl.load(DO + b * stride_db + t_s[:, None] * stride_dt + (g * N_SIG + head_s)[:, None] * stride_dh
-                     + out_cols[None, :], mask=ok_s[:, None] & c_ok[None, :], other=0.0)
+        do = tl.load(
+            DO
+            + b * stride_db
+            + t_s[:, None] * stride_dt
+            + (g * N_SIG + head_s)[:, None] * stride_dh
+            + out_cols[None, :],
+            mask=ok_s[:, None] & c_ok[None, :],
+            other=0.0,
+        )
         if R_PAD == 1:
             dsum = do
         else:  # dO' of each noise row: the sum over its r signal rows, rounded to the inputs' type
@@ -766,19 +1268,105 @@ if triton is not None:
         dq1 = tl.full((R_PAD * ROWS_N, D_PAD), 0.0, dtype=tl.float32)
         dq2 = tl.full((ROWS_N, D_PAD), 0.0, dtype=tl.float32)
         hi, full = _key_ranges(0, S, t0, S, T, BLOCK_T, BLOCK_N, IS_CAUSAL, HAS_MASK)
-        dq1, dq2 = _bwd_q_inner(dq1, dq2, q1, q2, do, dsum, lse1, lse2, delta1, delta2, K1_B, K2_B, V_ROW, MASK_B,
-                                t_s, ok_s, t_n, ok_n, d_ok, c_ok, stride_ks, stride_vs, stride_mt, stride_ms, S, T,
-                                qk_scale, 0, full, D_PAD, R_PAD, BLOCK_N, False, IS_CAUSAL, HAS_MASK, IN_DTYPE,
-                                OP_DTYPE, DOT_PREC)
-        dq1, dq2 = _bwd_q_inner(dq1, dq2, q1, q2, do, dsum, lse1, lse2, delta1, delta2, K1_B, K2_B, V_ROW, MASK_B,
-                                t_s, ok_s, t_n, ok_n, d_ok, c_ok, stride_ks, stride_vs, stride_mt, stride_ms, S, T,
-                                qk_scale, full, hi, D_PAD, R_PAD, BLOCK_N, True, IS_CAUSAL, HAS_MASK, IN_DTYPE,
-                                OP_DTYPE, DOT_PREC)
+        dq1, dq2 = _bwd_q_inner(
+            dq1,
+            dq2,
+            q1,
+            q2,
+            do,
+            dsum,
+            lse1,
+            lse2,
+            delta1,
+            delta2,
+            K1_B,
+            K2_B,
+            V_ROW,
+            MASK_B,
+            t_s,
+            ok_s,
+            t_n,
+            ok_n,
+            d_ok,
+            c_ok,
+            stride_ks,
+            stride_vs,
+            stride_mt,
+            stride_ms,
+            S,
+            T,
+            qk_scale,
+            0,
+            full,
+            D_PAD,
+            R_PAD,
+            BLOCK_N,
+            False,
+            IS_CAUSAL,
+            HAS_MASK,
+            IN_DTYPE,
+            OP_DTYPE,
+            DOT_PREC,
+        )
+        dq1, dq2 = _bwd_q_inner(
+            dq1,
+            dq2,
+            q1,
+            q2,
+            do,
+            dsum,
+            lse1,
+            lse2,
+            delta1,
+            delta2,
+            K1_B,
+            K2_B,
+            V_ROW,
+            MASK_B,
+            t_s,
+            ok_s,
+            t_n,
+            ok_n,
+            d_ok,
+            c_ok,
+            stride_ks,
+            stride_vs,
+            stride_mt,
+            stride_ms,
+            S,
+            T,
+            qk_scale,
+            full,
+            hi,
+            D_PAD,
+            R_PAD,
+            BLOCK_N,
+            True,
+            IS_CAUSAL,
+            HAS_MASK,
+            IN_DTYPE,
+            OP_DTYPE,
+            DOT_PREC,
+        )
         lam = tl.load(LAM)
-        tl.store(DQ + b * stride_dqb + t_s[:, None] * stride_dqt + (group_q + head_s)[:, None] * stride_dqh
-                 + offs_d[None, :], (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask_s)
-        tl.store(DQ + b * stride_dqb + t_n[:, None] * stride_dqt + (group_q + N_SIG + unit_n)[:, None] * stride_dqh
-                 + offs_d[None, :], (dq2 * (-lam * sm_scale)).to(DQ.dtype.element_ty), mask=q_mask_n)
+        tl.store(
+            DQ
+            + b * stride_dqb
+            + t_s[:, None] * stride_dqt
+            + (group_q + head_s)[:, None] * stride_dqh
+            + offs_d[None, :],
+            (dq1 * sm_scale).to(DQ.dtype.element_ty),
+            mask=q_mask_s,
+        )
+        tl.store(
+            DQ
+            + b * stride_dqb
+            + t_n[:, None] * stride_dqt
+            + (group_q + N_SIG + unit_n)[:, None] * stride_dqh
+            + offs_d[None, :],
+            (dq2 * (-lam * sm_scale)).to(DQ.dtype.element_ty),
+            mask=q_mask_n,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -818,15 +1406,19 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
         raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     if key.device != query.device or value.device != query.device:
         raise ValueError(
-            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
+        )
     b, t, hq, d = query.shape
     if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape (B, 2G, S, d), got {tuple(key.shape)} and "
-                         f"{tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must have the same shape (B, 2G, S, d), got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
     kb, hkv, s, kd = key.shape
     if kb != b or kd != d:
-        raise ValueError(f"key/value shape {tuple(key.shape)} does not match query shape {tuple(query.shape)}: "
-                         "expected (B, 2G, S, d) with the query's batch size B and head_dim d")
+        raise ValueError(
+            f"key/value shape {tuple(key.shape)} does not match query shape {tuple(query.shape)}: "
+            "expected (B, 2G, S, d) with the query's batch size B and head_dim d"
+        )
     if hkv % 2:
         raise ValueError(f"key/value have {hkv} heads; DIFF V1 needs an even count (K1/V0 and K2/V1 per KV group)")
     if _head_pad(d) > 256:
@@ -838,13 +1430,17 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
     g, n = hkv // 2, pair_stride
     m = n // noise_ratio
     if hq != g * (n + m):
-        raise ValueError(f"query has {hq} heads; with {hkv} key/value heads ({g} KV groups), pair_stride={n} and "
-                         f"noise_ratio={noise_ratio} it must have {g} × ({n} + {m}) = {g * (n + m)}")
+        raise ValueError(
+            f"query has {hq} heads; with {hkv} key/value heads ({g} KV groups), pair_stride={n} and "
+            f"noise_ratio={noise_ratio} it must have {g} × ({n} + {m}) = {g * (n + m)}"
+        )
     if t > s:
         raise ValueError(f"query length {t} exceeds the key length {s}: the queries are the last T of the S keys")
     if not isinstance(lam, torch.Tensor) or lam.dim() != 0 or not lam.is_floating_point():
-        raise ValueError(f"lam must be a 0-dimensional floating-point tensor (the layer's λ), got "
-                         f"{getattr(lam, 'shape', type(lam).__name__)}")
+        raise ValueError(
+            f"lam must be a 0-dimensional floating-point tensor (the layer's λ), got "
+            f"{getattr(lam, 'shape', type(lam).__name__)}"
+        )
     if lam.device != query.device:
         raise ValueError(f"lam must be on the query's device {query.device}, got {lam.device}")
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not math.isfinite(scaling):
@@ -854,22 +1450,29 @@ def _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attenti
     mask = None
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
-            raise TypeError("attention_mask must be a boolean tensor (True = visible) broadcastable to (B, 1, T, S), "
-                            f"got {getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
+            raise TypeError(
+                "attention_mask must be a boolean tensor (True = visible) broadcastable to (B, 1, T, S), "
+                f"got {getattr(attention_mask, 'dtype', type(attention_mask).__name__)}"
+            )
         if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
             raise ValueError(
-                f"attention_mask must have shape (B or 1, 1, T or 1, S), got {tuple(attention_mask.shape)}")
+                f"attention_mask must have shape (B or 1, 1, T or 1, S), got {tuple(attention_mask.shape)}"
+            )
         if attention_mask.device != query.device:
             raise ValueError(
-                f"attention_mask must be on the query's device {query.device}, got {attention_mask.device}")
+                f"attention_mask must be on the query's device {query.device}, got {attention_mask.device}"
+            )
         # transformers' sdpa path slices a longer mask to the keys the same way.
         mask = attention_mask[..., :s]
         try:
             mask = mask.expand(b, 1, t, s)
         except RuntimeError:
-            raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not broadcast to "
-                             f"(B, 1, T, S) = {(b, 1, t, s)}") from None
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not broadcast to (B, 1, T, S) = "
+                f"{(b, 1, t, s)}"
+            ) from None
     return b, t, s, g, n, m, d, mask
+
 
 _VALIDATED: dict = {}  # input signature -> (B, T, S, G, n, m, d): what _validate found, for inputs that passed it
 _VALIDATED_MAX = 256  # signatures kept (oldest dropped first): a model has a few per layer shape
@@ -879,12 +1482,32 @@ def _validated(query, key, value, lam, scaling, pair_stride, noise_ratio, attent
     """_validate, run once per input signature (every shape, stride, dtype and device it reads, and the scalars): a
     signature that passed once passes again, so later calls skip the checks. Returns what _validate returns."""
     try:
-        signature = (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype,
-                     key.device, value.shape, value.stride(), value.dtype, value.device, lam.shape, lam.dtype,
-                     lam.device, scaling, pair_stride, noise_ratio, is_causal, type(scaling), type(pair_stride),
-                     type(noise_ratio), type(is_causal),
-                     None if attention_mask is None else (attention_mask.shape, attention_mask.dtype,
-                                                          attention_mask.device))
+        signature = (
+            query.shape,
+            query.stride(),
+            query.dtype,
+            query.device,
+            key.shape,
+            key.stride(),
+            key.dtype,
+            key.device,
+            value.shape,
+            value.stride(),
+            value.dtype,
+            value.device,
+            lam.shape,
+            lam.dtype,
+            lam.device,
+            scaling,
+            pair_stride,
+            noise_ratio,
+            is_causal,
+            type(scaling),
+            type(pair_stride),
+            type(noise_ratio),
+            type(is_causal),
+            None if attention_mask is None else (attention_mask.shape, attention_mask.dtype, attention_mask.device),
+        )
         found = _VALIDATED.get(signature)
     except (AttributeError, TypeError):  # not tensors, or unhashable scalars: the checks say what is wrong
         return _validate(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask, is_causal)
@@ -917,8 +1540,11 @@ def _dtype_flags(dtype) -> dict:
     """The kernels' dtype constexprs (see the note above the kernels)."""
     in_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
     upcast = _interpreting() and dtype == torch.bfloat16
-    return dict(IN_DTYPE=in_dtype, OP_DTYPE=tl.float32 if upcast else in_dtype,
-                DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
+    return dict(
+        IN_DTYPE=in_dtype,
+        OP_DTYPE=tl.float32 if upcast else in_dtype,
+        DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -942,8 +1568,12 @@ class _Shape(NamedTuple):
     device: torch.device
 
 
-_KERNELS = {"forward": "_diff_attn_fwd", "decode": "_diff_attn_fwd", "dkdv": "_diff_attn_bwd_dkdv",
-            "dq": "_diff_attn_bwd_dq"}
+_KERNELS = {
+    "forward": "_diff_attn_fwd",
+    "decode": "_diff_attn_fwd",
+    "dkdv": "_diff_attn_bwd_dkdv",
+    "dq": "_diff_attn_bwd_dq",
+}
 # The autotuning key (kernel arguments; triton.autotune adds every tensor argument's dtype): head dim, GDA's ratio and
 # noise rows, KV groups, causal, mask, the power-of-two buckets of the batch, query and key lengths, and for the
 # forward whether it saves the backward's statistics.
@@ -1042,9 +1672,14 @@ def _pinned(kind: str, shape: _Shape):
 
 
 _FEATURES = {  # what a pinned rule's "when" may name, read off a launch
-    "head_dim": lambda sh: sh.d, "dtype": lambda sh: str(sh.dtype).removeprefix("torch."),
-    "noise_ratio": lambda sh: sh.r, "causal": lambda sh: sh.causal, "masked": lambda sh: sh.masked,
-    "t_bucket": lambda sh: _bucket(sh.t), "s_bucket": lambda sh: _bucket(sh.s), "b_bucket": lambda sh: _next_pow2(sh.b),
+    "head_dim": lambda sh: sh.d,
+    "dtype": lambda sh: str(sh.dtype).removeprefix("torch."),
+    "noise_ratio": lambda sh: sh.r,
+    "causal": lambda sh: sh.causal,
+    "masked": lambda sh: sh.masked,
+    "t_bucket": lambda sh: _bucket(sh.t),
+    "s_bucket": lambda sh: _bucket(sh.s),
+    "b_bucket": lambda sh: _next_pow2(sh.b),
 }
 
 
@@ -1067,8 +1702,19 @@ def _pick(kind: str, shape: _Shape) -> tuple[dict, bool, bool]:
 def _prune_for_autotune(kind, configs, named_args, **kwargs):
     """triton.autotune's early_config_prune: the same rules (_prune) on the launch's own arguments."""
     q = named_args["Q"]
-    shape = _Shape(named_args["b_bucket"], named_args["T"], named_args["S"], named_args["G"], named_args["N_SIG"],
-                   kwargs["R"], kwargs["HEAD_DIM"], q.dtype, kwargs["IS_CAUSAL"], kwargs["HAS_MASK"], q.device)
+    shape = _Shape(
+        named_args["b_bucket"],
+        named_args["T"],
+        named_args["S"],
+        named_args["G"],
+        named_args["N_SIG"],
+        kwargs["R"],
+        kwargs["HEAD_DIM"],
+        q.dtype,
+        kwargs["IS_CAUSAL"],
+        kwargs["HAS_MASK"],
+        q.device,
+    )
     by_dict = {_config_key(_config_dict(c)): c for c in configs}
     return [by_dict[_config_key(c)] for c in _prune(kind, [_config_dict(c) for c in configs], shape)]
 
@@ -1086,11 +1732,18 @@ def _autotuner(kind: str):
     """triton.autotune over LAUNCH_CONFIGS[kind] wrapping the kernel (made once per decoration of the kernels)."""
     tuners = _JIT_STATE["tuners"]
     if kind not in tuners:
-        configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
-                                 num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in LAUNCH_CONFIGS[kind]]
+        configs = [
+            triton.Config(
+                {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                num_warps=c["num_warps"],
+                num_stages=c["num_stages"],
+            )
+            for c in LAUNCH_CONFIGS[kind]
+        ]
         prune = {"early_config_prune": partial(_prune_for_autotune, kind)}
         tuners[kind] = triton.autotune(configs, key=list(_TUNE_KEYS_OF[kind]), prune_configs_by=prune)(
-            _jitted()[_KERNELS[kind]])
+            _jitted()[_KERNELS[kind]]
+        )
     return tuners[kind]
 
 
@@ -1130,8 +1783,9 @@ def _launch(kind: str, shape: _Shape, grid, args, fixed: dict, config=None, extr
 
 def _shape_of(query, key, n, r, mask, is_causal) -> _Shape:
     b, t, _, d = query.shape
-    return _Shape(b, t, key.shape[2], key.shape[1] // 2, n, r, d, query.dtype, is_causal, mask is not None,
-                  query.device)
+    return _Shape(
+        b, t, key.shape[2], key.shape[1] // 2, n, r, d, query.dtype, is_causal, mask is not None, query.device
+    )
 
 
 def _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats, config=None):
@@ -1152,13 +1806,60 @@ def _forward(query, key, value, lam, scaling, n, r, mask, is_causal, save_stats,
     def grid(cfg):
         return triton.cdiv(t, cfg["BLOCK_T"]), b * g * triton.cdiv(m, cfg["UNITS"]), 1
 
-    args = (query, key, value, lam, mask_t, out, o2, lse1, lse2,
-            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), smb, smt, sms,
-            0, out.stride(0), out.stride(1), out.stride(2), 0, o2.stride(0), o2.stride(1), o2.stride(2),
-            0, 0, t, s, g, n, m, s, scaling * _LOG2E, _bucket(t), _bucket(s), _next_pow2(b))
-    fixed = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, IS_CAUSAL=is_causal, HAS_MASK=mask is not None,
-                 SPLIT=False, SAVE_STATS=save_stats, **_dtype_flags(query.dtype))
+    args = (
+        query,
+        key,
+        value,
+        lam,
+        mask_t,
+        out,
+        o2,
+        lse1,
+        lse2,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        smb,
+        smt,
+        sms,
+        0,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        0,
+        o2.stride(0),
+        o2.stride(1),
+        o2.stride(2),
+        0,
+        0,
+        t,
+        s,
+        g,
+        n,
+        m,
+        s,
+        scaling * _LOG2E,
+        _bucket(t),
+        _bucket(s),
+        _next_pow2(b),
+    )
+    fixed = dict(
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        R=r,
+        R_PAD=r_pad,
+        IS_CAUSAL=is_causal,
+        HAS_MASK=mask is not None,
+        SPLIT=False,
+        SAVE_STATS=save_stats,
+        **_dtype_flags(query.dtype),
+    )
     _launch("forward", _shape_of(query, key, n, r, mask, is_causal), grid, args, fixed, config, extra=(save_stats,))
     return out, (o2 if save_stats else None), (lse1 if save_stats else None), (lse2 if save_stats else None)
 
@@ -1173,13 +1874,21 @@ def _decode_plan(b, g, m, s, r_pad, cfg, device) -> dict:
     if "splits" in cfg:
         splits = cfg["splits"]
     else:
-        sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if torch.device(device).type == "cuda" else 132)
+        sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if torch.device(device).type == "cuda"
+            else 132
+        )
         programs = b * g * unit_blocks
         splits = max(1, min(-(-2 * sms // programs), -(-s // (cfg["min_split_blocks"] * block_n))))
     split_len = -(-(-(-s // splits)) // block_n) * block_n
-    return {"config": cfg, "units": units, "unit_blocks": unit_blocks, "splits": -(-s // split_len),
-            "split_len": split_len}
+    return {
+        "config": cfg,
+        "units": units,
+        "unit_blocks": unit_blocks,
+        "splits": -(-s // split_len),
+        "split_len": split_len,
+    }
 
 
 def _decode(query, key, value, lam, scaling, n, r, mask, is_causal, config=None):
@@ -1204,30 +1913,128 @@ def _decode(query, key, value, lam, scaling, n, r, mask, is_causal, config=None)
     cfg, splits = plan["config"], plan["splits"]
     out = query.new_empty(b, t, g * n, 2 * d)
     mask_t, smb, smt, sms = _mask_args(mask, key)
-    common = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, UNITS=plan["units"], BLOCK_T=1, BLOCK_N=cfg["BLOCK_N"],
-                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, SAVE_STATS=False, **_dtype_flags(query.dtype),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        R=r,
+        R_PAD=r_pad,
+        UNITS=plan["units"],
+        BLOCK_T=1,
+        BLOCK_N=cfg["BLOCK_N"],
+        IS_CAUSAL=is_causal,
+        HAS_MASK=mask is not None,
+        SAVE_STATS=False,
+        **_dtype_flags(query.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     grid = (t, b * g * plan["unit_blocks"], splits)
-    strides = (query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-               value.stride(0), value.stride(1), value.stride(2), smb, smt, sms)
+    strides = (
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        smb,
+        smt,
+        sms,
+    )
     buckets = (_bucket(t), _bucket(s), _next_pow2(b))
     if splits == 1:
         k["_diff_attn_fwd"][grid](
-            query, key, value, lam, mask_t, out, out, out, out, *strides,
-            0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0, 0, 0, 0, t, s, g, n, m, s, scaling * _LOG2E,
-            *buckets, SPLIT=False, **common)
+            query,
+            key,
+            value,
+            lam,
+            mask_t,
+            out,
+            out,
+            out,
+            out,
+            *strides,
+            0,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            t,
+            s,
+            g,
+            n,
+            m,
+            s,
+            scaling * _LOG2E,
+            *buckets,
+            SPLIT=False,
+            **common,
+        )
         return out
     f32 = dict(device=query.device, dtype=torch.float32)
     po1, po2 = torch.empty(splits, b, t, g * n, 2 * d, **f32), torch.empty(splits, b, t, g * m, 2 * d, **f32)
     pl1, pl2 = torch.empty(splits, b, g * n, t, **f32), torch.empty(splits, b, g * m, t, **f32)
     k["_diff_attn_fwd"][grid](
-        query, key, value, lam, mask_t, po1, po2, pl1, pl2, *strides,
-        po1.stride(0), po1.stride(1), po1.stride(2), po1.stride(3), po2.stride(0), po2.stride(1), po2.stride(2),
-        po2.stride(3), pl1.stride(0), pl2.stride(0), t, s, g, n, m, plan["split_len"], scaling * _LOG2E, *buckets,
-        SPLIT=True, **common)
+        query,
+        key,
+        value,
+        lam,
+        mask_t,
+        po1,
+        po2,
+        pl1,
+        pl2,
+        *strides,
+        po1.stride(0),
+        po1.stride(1),
+        po1.stride(2),
+        po1.stride(3),
+        po2.stride(0),
+        po2.stride(1),
+        po2.stride(2),
+        po2.stride(3),
+        pl1.stride(0),
+        pl2.stride(0),
+        t,
+        s,
+        g,
+        n,
+        m,
+        plan["split_len"],
+        scaling * _LOG2E,
+        *buckets,
+        SPLIT=True,
+        **common,
+    )
     k["_diff_attn_decode_combine"][(b * t, g * n)](
-        po1, po2, pl1, pl2, lam, out, out.stride(0), out.stride(1), out.stride(2), b, t, g, n, m, splits,
-        HEAD_DIM=d, D_PAD=d_pad, R=r, SPLITS_PAD=_next_pow2(splits), num_warps=4)
+        po1,
+        po2,
+        pl1,
+        pl2,
+        lam,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        b,
+        t,
+        g,
+        n,
+        m,
+        splits,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        R=r,
+        SPLITS_PAD=_next_pow2(splits),
+        num_warps=4,
+    )
     return out
 
 
@@ -1246,9 +2053,31 @@ class _Backward:
         delta1, delta2 = torch.empty(b, g * n, t, **f32), torch.empty(b, g * m, t, **f32)
         cfg = {**_PREPROCESS_CONFIG, **_TUNING.get("preprocess", {})}
         _jitted()["_diff_attn_bwd_preprocess"][(triton.cdiv(t, cfg["BLOCK_T"]), b * g * m)](
-            out, o2, dout, lam, delta1, delta2, out.stride(0), out.stride(1), out.stride(2),
-            o2.stride(0), o2.stride(1), o2.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), t, g, n, m,
-            HEAD_DIM=d, D_PAD=d_pad, R=r, BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"])
+            out,
+            o2,
+            dout,
+            lam,
+            delta1,
+            delta2,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            o2.stride(0),
+            o2.stride(1),
+            o2.stride(2),
+            dout.stride(0),
+            dout.stride(1),
+            dout.stride(2),
+            t,
+            g,
+            n,
+            m,
+            HEAD_DIM=d,
+            D_PAD=d_pad,
+            R=r,
+            BLOCK_T=cfg["BLOCK_T"],
+            num_warps=cfg["num_warps"],
+        )
         self.dlam = -delta2.sum()  # dλ = Σ_h Σ_t dO_h · (−O2 of its noise row) = −Σ δ2
         self.shape = _shape_of(query, key, n, r, mask, is_causal)
         self.dims = (b, t, s, g, m)
@@ -1258,27 +2087,68 @@ class _Backward:
         self.common = (query, key, value, dout, lam, mask_t, lse1, lse2, delta1, delta2)
         self.strides = (*q_strides, *kv_strides, *d_strides, smb, smt, sms)
         self.scalars = (scaling * _LOG2E, scaling, _bucket(t), _bucket(s), _next_pow2(b))
-        self.fixed = dict(HEAD_DIM=d, D_PAD=d_pad, R=r, R_PAD=r_pad, IS_CAUSAL=is_causal, HAS_MASK=mask is not None,
-                          **_dtype_flags(query.dtype))
+        self.fixed = dict(
+            HEAD_DIM=d,
+            D_PAD=d_pad,
+            R=r,
+            R_PAD=r_pad,
+            IS_CAUSAL=is_causal,
+            HAS_MASK=mask is not None,
+            **_dtype_flags(query.dtype),
+        )
         self.dkey, self.dvalue = key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous, as the fakes
         self.dquery = query.new_empty(query.shape)
 
     def dkdv(self, config=None) -> dict:
         b, t, s, g, m = self.dims
         dk, dv = self.dkey, self.dvalue
-        args = (*self.common, dk, dv, *self.strides, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
-                dv.stride(1), dv.stride(2), t, s, g, self.shape.n, m, *self.scalars)
-        return _launch("dkdv", self.shape, lambda cfg: (triton.cdiv(s, cfg["BLOCK_N"]), b * g), args, self.fixed,
-                       config)
+        args = (
+            *self.common,
+            dk,
+            dv,
+            *self.strides,
+            dk.stride(0),
+            dk.stride(1),
+            dk.stride(2),
+            dv.stride(0),
+            dv.stride(1),
+            dv.stride(2),
+            t,
+            s,
+            g,
+            self.shape.n,
+            m,
+            *self.scalars,
+        )
+        return _launch(
+            "dkdv", self.shape, lambda cfg: (triton.cdiv(s, cfg["BLOCK_N"]), b * g), args, self.fixed, config
+        )
 
     def dq(self, config=None) -> dict:
         b, t, s, g, m = self.dims
         dq = self.dquery
-        args = (*self.common, dq, *self.strides, dq.stride(0), dq.stride(1), dq.stride(2), t, s, g, self.shape.n, m,
-                *self.scalars)
-        return _launch("dq", self.shape,
-                       lambda cfg: (triton.cdiv(t, cfg["BLOCK_T"]), b * g * triton.cdiv(m, cfg["UNITS"])), args,
-                       self.fixed, config)
+        args = (
+            *self.common,
+            dq,
+            *self.strides,
+            dq.stride(0),
+            dq.stride(1),
+            dq.stride(2),
+            t,
+            s,
+            g,
+            self.shape.n,
+            m,
+            *self.scalars,
+        )
+        return _launch(
+            "dq",
+            self.shape,
+            lambda cfg: (triton.cdiv(t, cfg["BLOCK_T"]), b * g * triton.cdiv(m, cfg["UNITS"])),
+            args,
+            self.fixed,
+            config,
+        )
 
 
 def _backward(dout, query, key, value, lam, out, o2, lse1, lse2, scaling, n, r, mask, is_causal):
@@ -1305,15 +2175,17 @@ def _checked_config(kind: str, config, where: str) -> dict:
     unknown = sorted(set(config) - set(_CONFIG_KEYS[kind]))
     missing = [k for k in _required(kind) if k not in config]
     if unknown or missing:
-        raise ValueError(f"{where}: {kind} configurations take {', '.join(_CONFIG_KEYS[kind])} (all but 'splits' "
-                         f"required); unknown {unknown}, missing {missing}")
+        raise ValueError(
+            f"{where}: {kind} configurations take {', '.join(_CONFIG_KEYS[kind])} (all but 'splits' "
+            f"required); unknown {unknown}, missing {missing}"
+        )
     for name, value in config.items():
         pow2 = name in ("BLOCK_T", "BLOCK_N", "UNITS", "num_warps")
         smallest = _MIN_DOT if name in ("BLOCK_T", "BLOCK_N") else 1
-        if (not isinstance(value, int) or isinstance(value, bool) or value < smallest
-                or (pow2 and value & (value - 1))):
-            raise ValueError(f"{where}[{name!r}] must be an int >= {smallest}{' and a power of two' if pow2 else ''}, "
-                             f"got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < smallest or (pow2 and value & (value - 1)):
+            raise ValueError(
+                f"{where}[{name!r}] must be an int >= {smallest}{' and a power of two' if pow2 else ''}, got {value!r}"
+            )
     return dict(config)
 
 
@@ -1341,8 +2213,9 @@ def set_configs(configs=None, *, autotune: bool = True) -> None:
         for i, rule in enumerate(entries):
             where = f"set_configs: {kind}[{i}]"
             if not isinstance(rule, dict) or "config" not in rule or set(rule) - {"when", "config"}:
-                raise ValueError(f"{where} must be {{'when': {{...}}, 'config': {{...}}}} ('when' optional), "
-                                 f"got {rule!r}")
+                raise ValueError(
+                    f"{where} must be {{'when': {{...}}, 'config': {{...}}}} ('when' optional), got {rule!r}"
+                )
             when = rule.get("when") or {}
             unknown = sorted(set(when) - set(_FEATURES))
             if not isinstance(when, dict) or unknown:
@@ -1377,9 +2250,18 @@ _SWEEP_MODEL = {"groups": 4, "n": 4, "noise_ratio": 1, "head_dim": 64, "causal":
 # Tiny problems for a smoke run of the sweep under the interpreter (TRITON_INTERPRET=1, device="cpu"): its logic, not
 # its timings; the configurations whose tiles fit 24 tokens (seconds).
 SWEEP_SMOKE_SHAPES = tuple(
-    {"name": f"smoke {name}", "kernels": kernels, "batch": 1, "queries": t, "keys": 24, "groups": 1, "n": 2,
-     "head_dim": 16}
-    for name, kernels, t in (("prefill", ["forward"], 24), ("train", ["dkdv", "dq"], 24), ("decode", ["decode"], 1)))
+    {
+        "name": f"smoke {name}",
+        "kernels": kernels,
+        "batch": 1,
+        "queries": t,
+        "keys": 24,
+        "groups": 1,
+        "n": 2,
+        "head_dim": 16,
+    }
+    for name, kernels, t in (("prefill", ["forward"], 24), ("train", ["dkdv", "dq"], 24), ("decode", ["decode"], 1))
+)
 
 
 def _time_ms(fn, rep_ms: float, device) -> float:
@@ -1407,15 +2289,27 @@ def _sweep_case(spec: dict, dtype, device):
 
     def backward():
         if "bw" not in state:
-            stats = _forward(query, key, value, lam, scaling, n, r, None, causal, True,
-                             config=_prune("forward", LAUNCH_CONFIGS["forward"], shape)[0])
+            stats = _forward(
+                query,
+                key,
+                value,
+                lam,
+                scaling,
+                n,
+                r,
+                None,
+                causal,
+                True,
+                config=_prune("forward", LAUNCH_CONFIGS["forward"], shape)[0],
+            )
             dout = torch.randn(stats[0].shape, generator=gen, device=device, dtype=dtype)
             state["bw"] = _Backward(dout, query, key, value, lam, *stats, scaling, n, r, None, causal)
         return state["bw"]
 
     def forward(cfg):
-        state["out"] = _forward(query, key, value, lam, scaling, n, r, None, causal, p.get("save_stats", False),
-                                config=cfg)[0]
+        state["out"] = _forward(
+            query, key, value, lam, scaling, n, r, None, causal, p.get("save_stats", False), config=cfg
+        )[0]
 
     def decode(cfg):
         state["out"] = _decode(query, key, value, lam, scaling, n, r, None, causal, config=cfg)
@@ -1426,8 +2320,16 @@ def _sweep_case(spec: dict, dtype, device):
         "dkdv": (lambda cfg: backward().dkdv(cfg), lambda: [backward().dkey, backward().dvalue]),
         "dq": (lambda cfg: backward().dq(cfg), lambda: [backward().dquery]),
     }
-    problem = {"batch": b, "queries": t, "keys": s, "groups": g, "n": n, "noise_ratio": r, "head_dim": d,
-               "causal": causal}
+    problem = {
+        "batch": b,
+        "queries": t,
+        "keys": s,
+        "groups": g,
+        "n": n,
+        "noise_ratio": r,
+        "head_dim": d,
+        "causal": causal,
+    }
     return shape, problem, kernels
 
 
@@ -1438,12 +2340,24 @@ def _sweep_plan(shapes, dtype, device) -> list:
     plan = []
     for i, spec in enumerate(shapes):
         p = {**_SWEEP_MODEL, **spec}
-        shape = _Shape(p["batch"], p["queries"], p["keys"], p["groups"], p["n"], p["noise_ratio"], p["head_dim"],
-                       dtype, p["causal"], False, device)
+        shape = _Shape(
+            p["batch"],
+            p["queries"],
+            p["keys"],
+            p["groups"],
+            p["n"],
+            p["noise_ratio"],
+            p["head_dim"],
+            dtype,
+            p["causal"],
+            False,
+            device,
+        )
         for kind in spec["kernels"]:
             if kind not in _KINDS:
-                raise ValueError(f"sweep problem {spec.get('name')!r}: unknown kernel {kind!r}; kernels: "
-                                 f"{', '.join(_KINDS)}")
+                raise ValueError(
+                    f"sweep problem {spec.get('name')!r}: unknown kernel {kind!r}; kernels: {', '.join(_KINDS)}"
+                )
             configs = LAUNCH_CONFIGS[kind]
             timed = [c for c in configs if _keep(kind, c, shape, smem, heuristics=False)] or configs[-1:]
             plan.append((i, kind, shape, [(c, _keep(kind, c, shape, smem)) for c in timed]))
@@ -1482,8 +2396,16 @@ def _warm_in_workers(shapes, dtype, device, plan, workers: int, timeout_s: float
     seen, items = set(), []
     for i, kind, shape, configs in plan:
         for cfg, _ in configs:
-            variant = (kind, _config_key(cfg), shape.r, shape.d, shape.causal, shape.masked,
-                       shapes[i].get("save_stats", False), shape.t == 1)
+            variant = (
+                kind,
+                _config_key(cfg),
+                shape.r,
+                shape.d,
+                shape.causal,
+                shape.masked,
+                shapes[i].get("save_stats", False),
+                shape.t == 1,
+            )
             if variant not in seen:
                 seen.add(variant)
                 items.append((i, kind, cfg))
@@ -1502,8 +2424,9 @@ def _warm_in_workers(shapes, dtype, device, plan, workers: int, timeout_s: float
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def tuning_sweep(shapes=SWEEP_SHAPES, dtype=torch.bfloat16, device="cuda", rep_ms: float = 20.0,
-                 budget_s: float = 85.0, workers=None) -> dict:
+def tuning_sweep(
+    shapes=SWEEP_SHAPES, dtype=torch.bfloat16, device="cuda", rep_ms: float = 20.0, budget_s: float = 85.0, workers=None
+) -> dict:
     """Time every launch configuration of every kernel on the given problems, and say which is fastest.
 
     ``shapes``: problems, dicts with ``name``, ``kernels`` (among ``"forward"``, ``"dkdv"``, ``"dq"``, ``"decode"``),
@@ -1571,9 +2494,17 @@ def tuning_sweep(shapes=SWEEP_SHAPES, dtype=torch.bfloat16, device="cuda", rep_m
             timings, reference = [], None
             for cfg, kept in configs:
                 warm = next((v for k, v in compiled.items() if k[1] == kind and k[2] == _config_key(cfg)), None)
-                row = {"config": dict(cfg), "pruned": not kept,
-                       "compile_s": warm if isinstance(warm, float) else None, "first_call_s": None, "ms": None,
-                       "max_rel_diff": None, "agrees": None, "error": None, "skipped": None}
+                row = {
+                    "config": dict(cfg),
+                    "pruned": not kept,
+                    "compile_s": warm if isinstance(warm, float) else None,
+                    "first_call_s": None,
+                    "ms": None,
+                    "max_rel_diff": None,
+                    "agrees": None,
+                    "error": None,
+                    "skipped": None,
+                }
                 timings.append(row)
                 if time.perf_counter() - start > budget_s:
                     row["skipped"] = f"time budget ({budget_s:.0f} s) spent"
@@ -1597,19 +2528,35 @@ def tuning_sweep(shapes=SWEEP_SHAPES, dtype=torch.bfloat16, device="cuda", rep_m
             best = min(ok, key=lambda row: row["ms"]) if ok else None
             default = _prune(kind, LAUNCH_CONFIGS[kind], shape)[0]
             default_row = next((row for row in timings if row["config"] == default), None)
-            results.append({
-                "kernel": kind, "shape": shapes[i]["name"], "problem": problem,
-                "when": {name: _FEATURES[name](shape) for name in ("head_dim", "dtype", "noise_ratio", "causal",
-                                                                    "t_bucket", "s_bucket", "b_bucket")},
-                "timings": timings, "best": best["config"] if best else None, "best_ms": best["ms"] if best else None,
-                "default": dict(default), "default_ms": default_row["ms"] if default_row else None,
-            })
+            results.append(
+                {
+                    "kernel": kind,
+                    "shape": shapes[i]["name"],
+                    "problem": problem,
+                    "when": {
+                        name: _FEATURES[name](shape)
+                        for name in ("head_dim", "dtype", "noise_ratio", "causal", "t_bucket", "s_bucket", "b_bucket")
+                    },
+                    "timings": timings,
+                    "best": best["config"] if best else None,
+                    "best_ms": best["ms"] if best else None,
+                    "default": dict(default),
+                    "default_ms": default_row["ms"] if default_row else None,
+                }
+            )
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "triton interpreter (CPU)",
         "capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else None,
-        "dtype": str(dtype).removeprefix("torch."), "triton": triton.__version__, "torch": torch.__version__,
-        "rep_ms": rep_ms, "budget_s": budget_s, "workers": workers, "warm_s": warm_s,
-        "elapsed_s": round(time.perf_counter() - start, 1), "results": results, "pinned": _pinned_from(results),
+        "dtype": str(dtype).removeprefix("torch."),
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "rep_ms": rep_ms,
+        "budget_s": budget_s,
+        "workers": workers,
+        "warm_s": warm_s,
+        "elapsed_s": round(time.perf_counter() - start, 1),
+        "results": results,
+        "pinned": _pinned_from(results),
     }
 
 
@@ -1623,8 +2570,10 @@ def _pinned_from(results) -> dict:
         rules = [{"when": e["when"], "config": e["best"]} for e in entries]
         totals = {}
         for config in {_config_key(e["best"]): e["best"] for e in entries}.values():
-            times = [next((row["ms"] for row in e["timings"] if row["config"] == config and row["agrees"]), None)
-                     for e in entries]
+            times = [
+                next((row["ms"] for row in e["timings"] if row["config"] == config and row["agrees"]), None)
+                for e in entries
+            ]
             if None not in times:
                 totals[_config_key(config)] = (sum(times), config)
         overall = min(totals.values(), key=lambda x: x[0])[1] if totals else entries[0]["best"]
@@ -1635,39 +2584,50 @@ def _pinned_from(results) -> dict:
 def _config_name(cfg) -> str:
     if cfg is None:
         return "-"
-    short = {"BLOCK_T": "T", "BLOCK_N": "N", "UNITS": "U", "num_warps": "w", "num_stages": "s",
-             "min_split_blocks": "split≥", "max_units": "units≤", "splits": "splits="}
+    short = {
+        "BLOCK_T": "T",
+        "BLOCK_N": "N",
+        "UNITS": "U",
+        "num_warps": "w",
+        "num_stages": "s",
+        "min_split_blocks": "split≥",
+        "max_units": "units≤",
+        "splits": "splits=",
+    }
     return " ".join(f"{short.get(k, k)}{v}" for k, v in cfg.items())
 
 
 def format_sweep(result: dict, every: bool = False) -> str:
     """A tuning_sweep result as a text table: per kernel and problem, the fastest configuration, its time, the
     default's, and how many configurations ran, failed or were skipped; ``every=True`` lists each configuration."""
-    lines = [f"tuning sweep on {result['device']} (sm {result['capability']}), {result['dtype']}, triton "
-             f"{result['triton']}, torch {result['torch']}: {result['elapsed_s']} s",
-             f"{'kernel':8} {'problem':18} {'best configuration':34} {'best ms':>8} {'default ms':>10}  "
-             "ran/failed/skipped"]
+    lines = [
+        f"tuning sweep on {result['device']} (sm {result['capability']}), {result['dtype']}, triton "
+        f"{result['triton']}, torch {result['torch']}: {result['elapsed_s']} s",
+        f"{'kernel':8} {'problem':18} {'best configuration':34} {'best ms':>8} {'default ms':>10}  ran/failed/skipped",
+    ]
     for e in result["results"]:
         ran = sum(row["ms"] is not None for row in e["timings"])
         failed = sum(row["error"] is not None or row["agrees"] is False for row in e["timings"])
         skipped = sum(row["skipped"] is not None for row in e["timings"])
         best = "-" if e["best_ms"] is None else f"{e['best_ms']:.4f}"
         default = "-" if e["default_ms"] is None else f"{e['default_ms']:.4f}"
-        lines.append(f"{e['kernel']:8} {e['shape']:18} {_config_name(e['best']):34} {best:>8} {default:>10}  "
-                     f"{ran}/{failed}/{skipped}")
+        lines.append(
+            f"{e['kernel']:8} {e['shape']:18} {_config_name(e['best']):34} {best:>8} {default:>10}  "
+            f"{ran}/{failed}/{skipped}"
+        )
         if every:
             for row in e["timings"]:
-                what = (f"{row['ms']:.4f} ms" if row["ms"] is not None else row["error"] or row["skipped"] or "-")
+                what = f"{row['ms']:.4f} ms" if row["ms"] is not None else row["error"] or row["skipped"] or "-"
                 flag = "" if row["agrees"] in (None, True) else f"  DISAGREES (max rel diff {row['max_rel_diff']:.3g})"
                 lines.append(f"    {_config_name(row['config']):40} {what}{flag}")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# PyTorch custom ops (torch.library.custom_op), so that torch.compile (fullgraph, inductor, CUDA graphs) keeps the kernels
-# in its graph as opaque calls: the dispatcher runs the host code above on real tensors, the fake implementations give
-# the outputs' shapes, dtypes and strides to the tracer, and the autograd registration ties the backward op to the
-# forward one. Eager calls go through the same ops and the same kernels.
+# PyTorch custom ops (torch.library.custom_op), so that torch.compile (fullgraph, inductor, CUDA graphs) keeps the
+# kernels in its graph as opaque calls: the dispatcher runs the host code above on real tensors, the fake
+# implementations give the outputs' shapes, dtypes and strides to the tracer, and the autograd registration ties the
+# backward op to the forward one. Eager calls go through the same ops and the same kernels.
 # ----------------------------------------------------------------------------------------------------------------------
 
 _OP_NAMESPACE = "difftransformer"
@@ -1675,8 +2635,8 @@ _ARGS = "Tensor query, Tensor key, Tensor value, Tensor lam, Tensor? mask, float
 _OP_SCHEMAS = {  # explicit schemas: the same on every torch from 2.7.1 on, whatever its annotation parser accepts
     "diff_attn_v1_forward": f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
     "diff_attn_v1_backward": "(Tensor dout, Tensor query, Tensor key, Tensor value, Tensor lam, Tensor out, Tensor o2, "
-                             "Tensor lse1, Tensor lse2, Tensor? mask, float scaling, int n, int r, bool is_causal) "
-                             "-> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor lse1, Tensor lse2, Tensor? mask, float scaling, int n, int r, bool is_causal) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
     "diff_attn_v1_inference": f"({_ARGS}) -> Tensor",
 }
 
@@ -1700,21 +2660,43 @@ def _forward_impl(query, key, value, lam, mask, scaling, n, r, is_causal):
 
 def _forward_fake(query, key, value, lam, mask, scaling, n, r, is_causal):
     out, o2, lse1, lse2 = _output_shapes(query, key, n, r)
-    return (query.new_empty(out), query.new_empty(o2), query.new_empty(lse1, dtype=torch.float32),
-            query.new_empty(lse2, dtype=torch.float32))
+    return (
+        query.new_empty(out),
+        query.new_empty(o2),
+        query.new_empty(lse1, dtype=torch.float32),
+        query.new_empty(lse2, dtype=torch.float32),
+    )
 
 
 def _backward_impl(dout, query, key, value, lam, out, o2, lse1, lse2, mask, scaling, n, r, is_causal):
     query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
     out, o2 = _last_contiguous(out), _last_contiguous(o2)
     with _on_device(query.device):
-        return _backward(dout, query, key, value, lam, out, o2, lse1.contiguous(), lse2.contiguous(), scaling, n, r,
-                         _mask_bits(mask), is_causal)
+        return _backward(
+            dout,
+            query,
+            key,
+            value,
+            lam,
+            out,
+            o2,
+            lse1.contiguous(),
+            lse2.contiguous(),
+            scaling,
+            n,
+            r,
+            _mask_bits(mask),
+            is_causal,
+        )
 
 
 def _backward_fake(dout, query, key, value, lam, out, o2, lse1, lse2, mask, scaling, n, r, is_causal):
-    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
-            query.new_empty((), dtype=torch.float32))
+    return (
+        query.new_empty(query.shape),
+        key.new_empty(key.shape),
+        value.new_empty(value.shape),
+        query.new_empty((), dtype=torch.float32),
+    )
 
 
 def _inference_impl(query, key, value, lam, mask, scaling, n, r, is_causal):
@@ -1749,8 +2731,10 @@ def _backward_formula(ctx, dout, *_unused):
 
 
 def _no_double_backward(ctx, *grads):
-    raise RuntimeError(f"{_OP_NAMESPACE}::diff_attn_v1_backward is once_differentiable: the fused kernel's backward is "
-                       "not itself differentiable (no second-order gradients through differential_attention_triton)")
+    raise RuntimeError(
+        f"{_OP_NAMESPACE}::diff_attn_v1_backward is once_differentiable: the fused kernel's backward is "
+        "not itself differentiable (no second-order gradients through differential_attention_triton)"
+    )
 
 
 def _define_ops():
@@ -1763,12 +2747,24 @@ def _define_ops():
 
 
 def _register_ops():
-    forward = torch.library.custom_op(f"{_OP_NAMESPACE}::diff_attn_v1_forward", _forward_impl, mutates_args=(),
-                                      schema=_OP_SCHEMAS["diff_attn_v1_forward"])
-    backward = torch.library.custom_op(f"{_OP_NAMESPACE}::diff_attn_v1_backward", _backward_impl, mutates_args=(),
-                                       schema=_OP_SCHEMAS["diff_attn_v1_backward"])
-    inference = torch.library.custom_op(f"{_OP_NAMESPACE}::diff_attn_v1_inference", _inference_impl,
-                                        mutates_args=(), schema=_OP_SCHEMAS["diff_attn_v1_inference"])
+    forward = torch.library.custom_op(
+        f"{_OP_NAMESPACE}::diff_attn_v1_forward",
+        _forward_impl,
+        mutates_args=(),
+        schema=_OP_SCHEMAS["diff_attn_v1_forward"],
+    )
+    backward = torch.library.custom_op(
+        f"{_OP_NAMESPACE}::diff_attn_v1_backward",
+        _backward_impl,
+        mutates_args=(),
+        schema=_OP_SCHEMAS["diff_attn_v1_backward"],
+    )
+    inference = torch.library.custom_op(
+        f"{_OP_NAMESPACE}::diff_attn_v1_inference",
+        _inference_impl,
+        mutates_args=(),
+        schema=_OP_SCHEMAS["diff_attn_v1_inference"],
+    )
     forward.register_fake(_forward_fake)
     backward.register_fake(_backward_fake)
     inference.register_fake(_inference_fake)
@@ -1780,8 +2776,9 @@ def _register_ops():
 _OP_FORWARD, _OP_BACKWARD, _OP_INFERENCE = _define_ops()
 
 
-def differential_attention_triton(query, key, value, lam, scaling, pair_stride, noise_ratio=1, attention_mask=None,
-                                  is_causal=True):
+def differential_attention_triton(
+    query, key, value, lam, scaling, pair_stride, noise_ratio=1, attention_mask=None, is_causal=True
+):
     """DIFF V1 attention ``O_h = (A1 − λ·A2)·[V0 | V1]`` in one pass over keys and values (module docstring).
 
     ``query`` ``(B, T, Hq, d)`` in q_proj row order (per KV group its ``n = pair_stride`` signal rows, then its
@@ -1796,8 +2793,9 @@ def differential_attention_triton(query, key, value, lam, scaling, pair_stride, 
     """
     # Under torch.compile the checks are traced once per graph anyway (and a traced cache would only add guards).
     checks = _validate if torch.compiler.is_compiling() else _validated
-    b, t, s, g, n, m, d, mask = checks(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask,
-                                       is_causal)
+    b, t, s, g, n, m, d, mask = checks(
+        query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask, is_causal
+    )
     if b == 0 or t == 0 or s == 0:
         return query.new_zeros(b, t, g * n, 2 * d)
     query, key, value = _last_contiguous(query), _last_contiguous(key), _last_contiguous(value)
@@ -1820,5 +2818,14 @@ def _direct_call(*tensors) -> bool:
     return all(x is None or type(x) is torch.Tensor for x in tensors)
 
 
-__all__ = ["LAUNCH_CONFIGS", "SWEEP_SHAPES", "SWEEP_SMOKE_SHAPES", "differential_attention_triton", "format_sweep", "is_available",
-           "load_configs", "set_configs", "tuning_sweep"]
+__all__ = [
+    "LAUNCH_CONFIGS",
+    "SWEEP_SHAPES",
+    "SWEEP_SMOKE_SHAPES",
+    "differential_attention_triton",
+    "format_sweep",
+    "is_available",
+    "load_configs",
+    "set_configs",
+    "tuning_sweep",
+]

@@ -36,8 +36,25 @@ def _jitted() -> dict:
     if _KERNELS:
         return _KERNELS
 
-    def v1_combine_norm_kernel(o1, o2, w, lam, out, s1_b, s1_g, s1_r, s2_b, s2_g, s2_r, groups, rows, eps,
-                               R: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def v1_combine_norm_kernel(
+        o1,
+        o2,
+        w,
+        lam,
+        out,
+        s1_b,
+        s1_g,
+        s1_r,
+        s2_b,
+        s2_g,
+        s2_r,
+        groups,
+        rows,
+        eps,
+        R: tl.constexpr,
+        WIDTH: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # one program per (sequence, group, signal row); the row's noise row is row // R of the group
         pid = tl.program_id(0)
         j = pid % rows
@@ -52,8 +69,9 @@ def _jitted() -> dict:
         weight = tl.load(w + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out + pid * WIDTH + cols, (diff * rstd * weight).to(out.dtype.element_ty), mask=keep)
 
-    def v2_sigmoid_combine_kernel(a, z, out, lam, s_b, s_g, s_r, sz_b, groups, blocks,
-                                  R: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def v2_sigmoid_combine_kernel(
+        a, z, out, lam, s_b, s_g, s_r, sz_b, groups, blocks, R: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr
+    ):
         # one program per (sequence, head h = (g·blocks + k)·R + i): rows k·(R + 1) + i and k·(R + 1) + R of group g
         pid = tl.program_id(0)
         heads = groups * blocks * R
@@ -100,9 +118,25 @@ def v1_combine_norm(o1, o2, lam, weight, eps: float, dtype: torch.dtype) -> torc
     contiguous."""
     b, g, n, width = o1.shape
     out = torch.empty(b, g * n, width, dtype=dtype, device=o1.device)
-    _jitted()["v1"][(b * g * n,)](o1, o2, weight, lam, out, o1.stride(0), o1.stride(1), o1.stride(2), o2.stride(0),
-                                  o2.stride(1), o2.stride(2), g, n, eps, R=n // o2.shape[2], WIDTH=width,
-                                  BLOCK=_block(width))
+    _jitted()["v1"][(b * g * n,)](
+        o1,
+        o2,
+        weight,
+        lam,
+        out,
+        o1.stride(0),
+        o1.stride(1),
+        o1.stride(2),
+        o2.stride(0),
+        o2.stride(1),
+        o2.stride(2),
+        g,
+        n,
+        eps,
+        R=n // o2.shape[2],
+        WIDTH=width,
+        BLOCK=_block(width),
+    )
     return out
 
 
@@ -116,9 +150,21 @@ def v2_sigmoid_combine(attended, logits, noise_ratio: int = 1) -> tuple[torch.Te
     heads = g * rows // (r + 1) * r
     out = torch.empty(b, 1, heads, d, dtype=attended.dtype, device=attended.device)
     lam = torch.empty(b, 1, heads, dtype=logits.dtype, device=logits.device)
-    _jitted()["v2"][(b * heads,)](attended, logits, out, lam, attended.stride(0), attended.stride(1),
-                                  attended.stride(2), logits.stride(0), g, rows // (r + 1), R=r, WIDTH=d,
-                                  BLOCK=_block(d))
+    _jitted()["v2"][(b * heads,)](
+        attended,
+        logits,
+        out,
+        lam,
+        attended.stride(0),
+        attended.stride(1),
+        attended.stride(2),
+        logits.stride(0),
+        g,
+        rows // (r + 1),
+        R=r,
+        WIDTH=d,
+        BLOCK=_block(d),
+    )
     return out, lam
 
 

@@ -9,20 +9,21 @@ attention layer per layer (vLLM writes the KV cache inside that call, so prefix 
 batching are vLLM's own), and both cache exactly the bytes of a Llama with the same ``num_key_value_heads`` (``Hkv``)
 and ``head_dim`` (``d``):
 
-**V2** (docs/model.md, "What it computes"; :class:`DiffTransformerV2Attention`): the fused ``qkv_proj`` holds the ``2H`` query heads and ``G``
-KV heads; vLLM's attention layer runs over them (query head ``j`` reads KV head ``⌊j/2n⌋``, vLLM's GQA rule);
-``λ = sigmoid(x W_λᵀ)`` per token and head, ``o_h = a_2h − λ_h · a_2h+1``, and ``o_proj`` maps the ``H·d`` combined
-features back.
+**V2** (docs/model.md, "What it computes"; :class:`DiffTransformerV2Attention`): the fused ``qkv_proj`` holds the ``2H``
+query heads and ``G`` KV heads; vLLM's attention layer runs over them (query head ``j`` reads KV head ``⌊j/2n⌋``, vLLM's
+GQA rule); ``λ = sigmoid(x W_λᵀ)`` per token and head, ``o_h = a_2h − λ_h · a_2h+1``, and ``o_proj`` maps the ``H·d``
+combined features back.
 
-**V1** (docs/model.md, "What it computes"; :class:`DiffTransformerV1Attention`): the padded single call of the transformers model. vLLM's
-attention layer is built with ``G = Hkv/2`` KV heads of width ``2d`` (each one KV group: keys ``[K1 | K2]``, values
-``[V_g,0 | V_g,1]``, a free view of the ``Hkv`` rotated ``d``-wide key and value heads the projection gives, so the
-cache holds a Llama's bytes), ``2H`` query heads of width ``2d`` (each map-1 query ``[q1 | 0]``, each map-2 query
-``[0 | q2]``) and the scale ``1/√d``. Query half-head ``i = (2g + c)·n + r`` (the group-major rows of docs/model.md) reads KV head
-``⌊i / 2n⌋ = g`` by vLLM's GQA rule, and ``[q1 | 0]·[K1 | K2]ᵀ = q1·K1ᵀ``: the call returns ``A_c·[V_g,0; V_g,1]`` for
-every map, exactly. Then ``(A1 − λA2)·V = A1·V − λ·A2·V`` (λ one float32 scalar per layer from ``lambda_q1 … k2``),
-the per-head RMSNorm over ``2d`` (``subln.weight``, ``subln_eps``) times ``1 − λinit``, and ``o_proj``. The padded call
-does twice the attention arithmetic of V1's math (the zero halves); docs/serving.md measures what that costs.
+**V1** (docs/model.md, "What it computes"; :class:`DiffTransformerV1Attention`): the padded single call of the
+transformers model. vLLM's attention layer is built with ``G = Hkv/2`` KV heads of width ``2d`` (each one KV group: keys
+``[K1 | K2]``, values ``[V_g,0 | V_g,1]``, a free view of the ``Hkv`` rotated ``d``-wide key and value heads the
+projection gives, so the cache holds a Llama's bytes), ``2H`` query heads of width ``2d`` (each map-1 query ``[q1 |
+0]``, each map-2 query ``[0 | q2]``) and the scale ``1/√d``. Query half-head ``i = (2g + c)·n + r`` (the group-major
+rows of docs/model.md) reads KV head ``⌊i / 2n⌋ = g`` by vLLM's GQA rule, and ``[q1 | 0]·[K1 | K2]ᵀ = q1·K1ᵀ``: the call
+returns ``A_c·[V_g,0; V_g,1]`` for every map, exactly. Then ``(A1 − λA2)·V = A1·V − λ·A2·V`` (λ one float32 scalar per
+layer from ``lambda_q1 … k2``), the per-head RMSNorm over ``2d`` (``subln.weight``, ``subln_eps``) times ``1 − λinit``,
+and ``o_proj``. The padded call does twice the attention arithmetic of V1's math (the zero halves); docs/serving.md
+measures what that costs.
 
 **Grouped differential attention** (``num_noise_heads``, r signal maps per noise map; r = 1 is the paper's model):
 the query rows of each KV group are its signal rows, then its noise rows (V1), or ``[signal × r, noise]`` per noise
@@ -296,8 +297,13 @@ class DiffTransformerV1Attention(LlamaAttention):
         self.query_pad = DiffTransformerQueryPadOp(groups, self.num_heads // groups, self.pair_stride, d)
 
     def lambda_full(self) -> torch.Tensor:
-        """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``: a float32 scalar, as ``DiffTransformerV1Attention.lambda_full``."""
-        return torch.exp(torch.dot(self.lambda_q1, self.lambda_k1)) - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2)) + self.lambda_init
+        """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``: a float32 scalar, as
+        ``DiffTransformerV1Attention.lambda_full``."""
+        return (
+            torch.exp(torch.dot(self.lambda_q1, self.lambda_k1))
+            - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2))
+            + self.lambda_init
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)

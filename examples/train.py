@@ -39,14 +39,36 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings fro
 # Model and data settings that must match a checkpoint to resume from it (optimisation settings such as
 # --max-steps or --learning-rate may change: e.g. resume with a larger --max-steps to train longer).
 RUN_KEYS = (
-    "diff_version", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-    "block_size", "train_max_chars",
+    "diff_version",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "block_size",
+    "train_max_chars",
 )
 
 SMOKE = dict(
-    vocab_size=512, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, block_size=32,
-    batch_size=4, max_steps=6, warmup_steps=1, eval_steps=3, save_steps=3, logging_steps=1, eval_blocks=8,
-    train_max_chars=60_000, validation_max_chars=20_000, sample_tokens=16, telemetry_every=3,
+    vocab_size=512,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    block_size=32,
+    batch_size=4,
+    max_steps=6,
+    warmup_steps=1,
+    eval_steps=3,
+    save_steps=3,
+    logging_steps=1,
+    eval_blocks=8,
+    train_max_chars=60_000,
+    validation_max_chars=20_000,
+    sample_tokens=16,
+    telemetry_every=3,
 )
 
 
@@ -55,26 +77,48 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small Differential Transformer (arXiv 2410.05258) on the Python stdlib sources, on CPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--output-dir", default="runs/difftransformer-stdlib",
-                   help="folder for checkpoints, the final model (OUTPUT_DIR/model), sample, plot and metrics")
-    p.add_argument("--diff-version", type=int, choices=(1, 2), default=1,
-                   help="1: the paper's DIFF V1 (scalar λ per layer, per-head RMSNorm); 2: DIFF V2 (per-token λ)")
+    p.add_argument(
+        "--output-dir",
+        default="runs/difftransformer-stdlib",
+        help="folder for checkpoints, the final model (OUTPUT_DIR/model), sample, plot and metrics",
+    )
+    p.add_argument(
+        "--diff-version",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: the paper's DIFF V1 (scalar λ per layer, per-head RMSNorm); 2: DIFF V2 (per-token λ)",
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size of the tokenizer trained on the corpus")
+    g.add_argument(
+        "--vocab-size", type=int, default=4096, help="BPE vocabulary size of the tokenizer trained on the corpus"
+    )
     g.add_argument("--hidden-size", type=int, default=256, help="model width")
     g.add_argument("--num-layers", type=int, default=4, help="decoder layers")
-    g.add_argument("--num-heads", type=int, default=8,
-                   help="query heads of width head_dim = hidden/num_heads, two per differential head (must be even)")
-    g.add_argument("--num-kv-heads", type=int, default=4,
-                   help="key/value heads (V1: even; V1 and V2: must divide the differential heads into equal groups)")
+    g.add_argument(
+        "--num-heads",
+        type=int,
+        default=8,
+        help="query heads of width head_dim = hidden/num_heads, two per differential head (must be even)",
+    )
+    g.add_argument(
+        "--num-kv-heads",
+        type=int,
+        default=4,
+        help="key/value heads (V1: even; V1 and V2: must divide the differential heads into equal groups)",
+    )
     g.add_argument("--intermediate-size", type=int, default=688, help="SwiGLU MLP width")
     g = p.add_argument_group("data and optimisation")
     g.add_argument("--block-size", type=int, default=256, help="tokens per training sequence")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (per device)")
     g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     g.add_argument("--max-steps", type=int, default=300, help="optimizer steps (sets the length of the LR schedule)")
-    g.add_argument("--max-minutes", type=float, default=None,
-                   help="optional wall-clock budget: stop (with a checkpoint) after this many minutes of training")
+    g.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="optional wall-clock budget: stop (with a checkpoint) after this many minutes of training",
+    )
     g.add_argument("--learning-rate", type=float, default=1e-3, help="peak AdamW learning rate (cosine decay)")
     g.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
@@ -87,23 +131,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-steps", type=int, default=100, help="evaluate the validation loss every N steps")
     g.add_argument("--save-steps", type=int, default=100, help="save a resumable checkpoint every N steps")
     g.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps")
-    g.add_argument("--telemetry-every", type=int, default=50,
-                   help="differential-attention telemetry on two held-out blocks every N steps (one summary line in "
-                        "the terminal; every per-layer value to --report-to and trainer_state.json); 0: off")
-    g.add_argument("--report-to", default="none",
-                   help="transformers' report_to: where the logs go besides trainer_state.json (none, tensorboard, "
-                        "wandb, all, or a comma-separated list)")
+    g.add_argument(
+        "--telemetry-every",
+        type=int,
+        default=50,
+        help="differential-attention telemetry on two held-out blocks every N steps (one summary line in "
+        "the terminal; every per-layer value to --report-to and trainer_state.json); 0: off",
+    )
+    g.add_argument(
+        "--report-to",
+        default="none",
+        help="transformers' report_to: where the logs go besides trainer_state.json (none, tensorboard, "
+        "wandb, all, or a comma-separated list)",
+    )
     g.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in OUTPUT_DIR and start over")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--use-cpu", action="store_true", help="train on CPU even if an accelerator is available")
-    g.add_argument("--tokenizer-cache", default=None,
-                   help="folder caching the trained tokenizer (default: $DIFFTRANSFORMER_CACHE or ~/.cache/difftransformer)")
+    g.add_argument(
+        "--tokenizer-cache",
+        default=None,
+        help="folder caching the trained tokenizer (default: $DIFFTRANSFORMER_CACHE or ~/.cache/difftransformer)",
+    )
     g = p.add_argument_group("sample")
     g.add_argument("--prompt", default="def ", help="prompt for the generated sample")
     g.add_argument("--sample-tokens", type=int, default=64, help="new tokens to sample after training")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny model and data, a few steps: checks the whole pipeline in seconds "
-                        f"(overrides: {', '.join(f'{k}={v}' for k, v in SMOKE.items())})")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model and data, a few steps: checks the whole pipeline in seconds "
+        f"(overrides: {', '.join(f'{k}={v}' for k, v in SMOKE.items())})",
+    )
     return p
 
 
@@ -113,13 +170,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.smoke:
         # Smoke settings replace the defaults but not what the user typed explicitly.
         typed = argv if argv is not None else sys.argv[1:]
-        explicit = {a.dest for a in parser._actions
-                    if any(t == opt or t.startswith(opt + "=") for t in typed for opt in a.option_strings)}
+        explicit = {
+            a.dest
+            for a in parser._actions
+            if any(t == opt or t.startswith(opt + "=") for t in typed for opt in a.option_strings)
+        }
         for key, value in SMOKE.items():
             if key not in explicit:
                 setattr(args, key, value)
-    for name in ("max_steps", "batch_size", "grad_accum", "block_size", "eval_steps", "save_steps", "logging_steps",
-                 "eval_blocks", "sample_tokens"):
+    for name in (
+        "max_steps",
+        "batch_size",
+        "grad_accum",
+        "block_size",
+        "eval_steps",
+        "save_steps",
+        "logging_steps",
+        "eval_blocks",
+        "sample_tokens",
+    ):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.telemetry_every < 0:
@@ -202,16 +271,26 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     print(f"difftransformer {difftransformer.__version__}: corpus = Python {sys.version.split()[0]} stdlib sources")
     tokenizer = get_tokenizer(args.vocab_size, cache_dir=args.tokenizer_cache)
     train_set, valid_set = lm_datasets(
-        tokenizer, args.block_size, train_max_chars=args.train_max_chars,
-        validation_max_chars=args.validation_max_chars, max_validation_blocks=args.eval_blocks,
+        tokenizer,
+        args.block_size,
+        train_max_chars=args.train_max_chars,
+        validation_max_chars=args.validation_max_chars,
+        max_validation_blocks=args.eval_blocks,
     )
     print(f"train: {len(train_set)} blocks x {args.block_size} tokens; validation: {len(valid_set)} blocks")
 
     config = DiffTransformerConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-        max_position_embeddings=max(args.block_size, 2048), diff_version=args.diff_version,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=max(args.block_size, 2048),
+        diff_version=args.diff_version,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(args.seed)
     model = DiffTransformerForCausalLM(config)
@@ -246,8 +325,12 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     )
     stop = StopControl(args.max_minutes)
     trainer = Trainer(
-        model=model, args=training_args, train_dataset=train_set, eval_dataset=valid_set,
-        processing_class=tokenizer, callbacks=[stop, *callbacks],
+        model=model,
+        args=training_args,
+        train_dataset=train_set,
+        eval_dataset=valid_set,
+        processing_class=tokenizer,
+        callbacks=[stop, *callbacks],
     )
     if args.telemetry_every:
         from difftransformer.telemetry import DiffAttentionTelemetryCallback
@@ -263,22 +346,34 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     # A signal stops without a final model (resume later); the time budget ends the run normally.
     interrupted = stop.signal_received is not None
     metrics = {
-        "diff_version": args.diff_version, "parameters": n_params, "global_step": trainer.state.global_step,
-        "max_steps": args.max_steps, "interrupted": interrupted,
+        "diff_version": args.diff_version,
+        "parameters": n_params,
+        "global_step": trainer.state.global_step,
+        "max_steps": args.max_steps,
+        "interrupted": interrupted,
         "stopped_early": trainer.state.global_step < args.max_steps,
-        "train_loss": train_output.training_loss, "train_runtime_s": train_output.metrics.get("train_runtime"),
+        "train_loss": train_output.training_loss,
+        "train_runtime_s": train_output.metrics.get("train_runtime"),
         "tokens_seen": trainer.state.global_step * args.batch_size * args.grad_accum * args.block_size,
     }
-    plot_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png",
-                    title=f"DiffTransformer V{args.diff_version} on the Python stdlib")
+    plot_loss_curve(
+        trainer.state.log_history,
+        output_dir / "loss_curve.png",
+        title=f"DiffTransformer V{args.diff_version} on the Python stdlib",
+    )
     if args.telemetry_every:
         from difftransformer.telemetry import plot_telemetry
 
-        plot_telemetry(trainer.state.log_history, output_dir / "telemetry.png",
-                       title=f"DiffTransformer V{args.diff_version}: differential-attention telemetry")
+        plot_telemetry(
+            trainer.state.log_history,
+            output_dir / "telemetry.png",
+            title=f"DiffTransformer V{args.diff_version}: differential-attention telemetry",
+        )
     if interrupted:
-        print(f"stopped at step {trainer.state.global_step}/{args.max_steps} ({stop.signal_received}); checkpoint saved in "
-              f"{output_dir}. Run the same command again to resume.")
+        print(
+            f"stopped at step {trainer.state.global_step}/{args.max_steps} ({stop.signal_received}); checkpoint saved "
+            f"in {output_dir}. Run the same command again to resume."
+        )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         return metrics
 
@@ -289,7 +384,9 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
 
     model_dir = output_dir / "model"
     save_for_hub(
-        trainer.model, model_dir, tokenizer=tokenizer,
+        trainer.model,
+        model_dir,
+        tokenizer=tokenizer,
         training_note=(
             f"Trained with `examples/train.py` for {trainer.state.global_step} steps on the Python "
             f"{sys.version.split()[0]} standard library sources (validation loss {metrics['validation_loss']:.3f})."
@@ -301,8 +398,14 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
     inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
     torch.manual_seed(args.seed)
     with torch.no_grad():
-        generated = model.generate(**inputs, max_new_tokens=args.sample_tokens, do_sample=True, top_k=40,
-                                   temperature=0.8, pad_token_id=tokenizer.pad_token_id)
+        generated = model.generate(
+            **inputs,
+            max_new_tokens=args.sample_tokens,
+            do_sample=True,
+            top_k=40,
+            temperature=0.8,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     sample = tokenizer.decode(generated[0], skip_special_tokens=True)
     (output_dir / "sample.txt").write_text(sample, encoding="utf-8")
     metrics["sample"] = sample

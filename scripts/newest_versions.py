@@ -1,5 +1,5 @@
-"""The newest releases pyproject.toml allows, as pip's dry run resolved them (``pip install --dry-run --report``), against
-the pins of requirements-dev.txt (what the pinned run installs).
+"""The newest releases pyproject.toml allows, as pip's dry run resolved them (``pip install --dry-run --report``),
+against the pins of requirements-dev.txt (what the pinned run installs).
 
     python3 scripts/newest_versions.py REPORT.json
 

@@ -85,8 +85,9 @@ t=$(date +%s)
 bash scripts/setup.sh
 phase setup "$t" "$(versions .venv)"
 
-# Lint: ruff with the rules of pyproject.toml ([tool.ruff]); seconds.
+# Lint and layout: ruff with the rules of pyproject.toml ([tool.ruff]), and its formatter's check; seconds.
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 
 # 1. pinned: the whole suite. Two workers (pytest-xdist), each test file whole on one worker (module fixtures once),
 #    the slowest files first (tests/conftest.py, SLOWEST_FIRST).

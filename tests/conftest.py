@@ -74,10 +74,13 @@ def smollm2_llama(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def smollm2_v2(smollm2_gguf, tmp_path_factory):
-    """The GGUF file converted to DIFF V2 by ``difftransformer.convert`` (``--from llama --diff-version 2 --verify``)."""
+    """The GGUF file converted to DIFF V2 by ``difftransformer.convert`` (``--from llama --diff-version 2
+    --verify``)."""
     from difftransformer.convert import convert
 
-    return convert("llama", smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "v2", diff_version=2, verify=True, progress=False)
+    return convert(
+        "llama", smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "v2", diff_version=2, verify=True, progress=False
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -88,8 +91,9 @@ def smollm2_v2(smollm2_gguf, tmp_path_factory):
 _QUANTIZED = "tests/test_quantization.py::test_quantization_leaves_the_differential_parameters_alone"
 GUARDED_CLAIMS = {
     "tests/test_generation_difftransformer.py::test_flex_attention_generate": "flex_attention inside generate()",
-    "tests/test_modeling_difftransformer.py::test_backends_bfloat16_within_the_rounding_model[flex_attention":
-        "bf16 on every attention backend (flex_attention)",
+    "tests/test_modeling_difftransformer.py::test_backends_bfloat16_within_the_rounding_model[flex_attention": (
+        "bf16 on every attention backend (flex_attention)"
+    ),
     "tests/test_trainer.py::test_bf16_mixed_precision_training": "bf16 mixed-precision training with Trainer",
     "tests/test_transformers_common.py": "transformers' own common model tests, run against V1 and V2",
     "tests/test_real_model.py": "the real SmolLM2-135M conversions and chat",
@@ -98,15 +102,17 @@ GUARDED_CLAIMS = {
     "tests/test_generation_difftransformer.py::test_quantized_cache": "the quantized cache",
     # Quantized loading, one entry per backend (torchao's CUDA-only int4 scheme is no CPU claim: skipped by design).
     f"{_QUANTIZED}[bnb-": "quantized loading with bitsandbytes",
-    "tests/test_quantization.py::test_a_users_skip_list_keeps_the_differential_parameters_too":
-        "quantized loading with bitsandbytes (a user's skip list)",
+    "tests/test_quantization.py::test_a_users_skip_list_keeps_the_differential_parameters_too": (
+        "quantized loading with bitsandbytes (a user's skip list)"
+    ),
     f"{_QUANTIZED}[torchao-int8-": "quantized loading with torchao",
     **{f"{_QUANTIZED}[torchao-int4-{version}]": "quantized loading with torchao (int4 on CPU)" for version in (1, 2)},
     f"{_QUANTIZED}[quanto-": "quantized loading with optimum-quanto",
     "tests/test_quantization.py::test_qlora_trains_lambda_with_the_adapter": "QLoRA (bitsandbytes, torchao)",
     "tests/test_export.py::test_onnx_logits_within_float32_rounding": "ONNX export (onnxruntime)",
-    "tests/test_convert_io.py::test_installed_console_command_converts_with_a_progress_bar":
-        "the difftransformer-convert console script",
+    "tests/test_convert_io.py::test_installed_console_command_converts_with_a_progress_bar": (
+        "the difftransformer-convert console script"
+    ),
     "tests/test_distributed.py::test_ddp_": "DDP training on 2 processes",
     "tests/test_distributed.py::test_fsdp2_": "FSDP2 training on 2 processes",
     "tests/test_distributed.py::test_tensor_parallel_": "tensor-parallel inference on 2 processes",
@@ -126,11 +132,27 @@ def pytest_runtest_logreport(report):
 # first (scripts/test.sh passes --no-loadscope-reorder to pytest-xdist, which then hands out files in this order), so
 # that the last files to finish are short ones and neither worker idles long while the other finishes a slow file.
 SLOWEST_FIRST = [
-    "test_benchmarks_smoke.py", "test_real_model.py", "test_modeling_difftransformer.py",
-    "test_grouped_differential_attention.py", "test_transformers_common.py", "test_generation_difftransformer.py",
-    "test_distributed.py", "test_upcycle.py", "test_remote_code_folders.py", "test_export.py", "test_compare_small.py",
-    "test_lm_eval.py", "test_analysis.py", "test_gpu_check.py", "test_examples_train.py", "test_quantization.py",
-    "test_triton_dispatch.py", "test_trl.py", "test_convert_io.py", "test_kernels_difftransformer.py", "test_motif.py",
+    "test_benchmarks_smoke.py",
+    "test_real_model.py",
+    "test_modeling_difftransformer.py",
+    "test_grouped_differential_attention.py",
+    "test_transformers_common.py",
+    "test_generation_difftransformer.py",
+    "test_distributed.py",
+    "test_upcycle.py",
+    "test_remote_code_folders.py",
+    "test_export.py",
+    "test_compare_small.py",
+    "test_lm_eval.py",
+    "test_analysis.py",
+    "test_gpu_check.py",
+    "test_examples_train.py",
+    "test_quantization.py",
+    "test_triton_dispatch.py",
+    "test_trl.py",
+    "test_convert_io.py",
+    "test_kernels_difftransformer.py",
+    "test_motif.py",
 ]
 
 

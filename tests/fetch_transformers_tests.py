@@ -46,11 +46,22 @@ def fetch(version: str | None = None, timeout: float = 300) -> Path:
     CACHE_ROOT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_ROOT, prefix=".fetch-") as tmp:
         download = Path(tmp) / "download"
-        args = ["download", "--no-binary", ":all:", "--no-deps", "--disable-pip-version-check", f"transformers=={version}"]
+        args = [
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "--disable-pip-version-check",
+            f"transformers=={version}",
+        ]
         shown = f"pip {' '.join(args)}"
         try:
-            proc = subprocess.run([sys.executable, "-m", "pip", *args, "-d", str(download)], capture_output=True,
-                                  text=True, timeout=timeout)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", *args, "-d", str(download)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired as err:
             raise FetchError(f"`{shown}` did not finish within {timeout:.0f} s") from err
         sdists = sorted(download.glob("transformers-*.tar.gz"))
@@ -62,7 +73,7 @@ def fetch(version: str | None = None, timeout: float = 300) -> Path:
         with tarfile.open(sdists[0]) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
             for member in members:
-                member.name = member.name[len(prefix):]
+                member.name = member.name[len(prefix) :]
             tar.extractall(extracted, members=[m for m in members if m.name], filter="data")
         missing = [name for name in REQUIRED if not (extracted / name).is_file()]
         if missing:

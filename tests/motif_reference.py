@@ -210,8 +210,16 @@ _KINDS["tiny"] = _KINDS["tiny-mha"]
 
 # Fields of the released configs that were inferred (parameter-count arithmetic, fixtures), not read from config.json.
 UNVERIFIED_FIELDS = {
-    "2.6b": ("num_hidden_layers", "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta",
-             "tie_word_embeddings", "rms_norm_eps", "attn_rms_norm_eps"),
+    "2.6b": (
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "rope_theta",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "attn_rms_norm_eps",
+    ),
     "12.7b": ("num_hidden_layers", "vocab_size", "max_position_embeddings", "rope_theta", "tie_word_embeddings"),
 }
 
@@ -246,12 +254,15 @@ def motif_head_layout(config: dict) -> dict:
             raise ValueError(f"num_attention_heads={hq} must be even when num_noise_heads is absent")
         hn = hq // 2
     if config.get("k_ratio", 1) != 1:
-        raise NotImplementedError(f"k_ratio={config['k_ratio']}: only k_ratio = 1 is published (and Motif's vLLM "
-                                  "code ignores the field)")
+        raise NotImplementedError(
+            f"k_ratio={config['k_ratio']}: only k_ratio = 1 is published (and Motif's vLLM code ignores the field)"
+        )
     hs = hq - hn
     if hn <= 0 or hs <= 0 or hs % hn:
-        raise ValueError(f"num_attention_heads={hq}, num_noise_heads={hn}: signal heads {hs} must be a positive "
-                         "multiple of the noise heads")
+        raise ValueError(
+            f"num_attention_heads={hq}, num_noise_heads={hn}: signal heads {hs} must be a positive multiple of the "
+            "noise heads"
+        )
     if hkv % 2:
         raise ValueError(f"num_key_value_heads={hkv} must be even (K1/K2 and V1/V2 are its even/odd half-heads)")
     g = hkv // 2
@@ -260,10 +271,21 @@ def motif_head_layout(config: dict) -> dict:
     if config.get("hidden_act", "poly_norm") != "poly_norm":
         raise NotImplementedError(f"hidden_act={config['hidden_act']!r}: Motif uses poly_norm")
     if config.get("rope_scaling") not in (None, {}):
-        raise NotImplementedError(f"rope_scaling={config['rope_scaling']!r} is not implemented (the released "
-                                  "models use none)")
-    return {"hidden": hidden, "d": d, "hq": hq, "hkv": hkv, "hn": hn, "hs": hs, "r": hs // hn, "kv_pairs": g,
-            "signal_per_kv": hs // g, "noise_per_kv": hn // g}
+        raise NotImplementedError(
+            f"rope_scaling={config['rope_scaling']!r} is not implemented (the released models use none)"
+        )
+    return {
+        "hidden": hidden,
+        "d": d,
+        "hq": hq,
+        "hkv": hkv,
+        "hn": hn,
+        "hs": hs,
+        "r": hs // hn,
+        "kv_pairs": g,
+        "signal_per_kv": hs // g,
+        "noise_per_kv": hn // g,
+    }
 
 
 def _biases(config: dict) -> tuple[bool, bool, bool]:
@@ -323,8 +345,9 @@ def parameter_count(kind: str, **overrides) -> int:
     return sum(math.prod(shape) for shape in motif_state_dict_shapes(motif_config(kind, **overrides)).values())
 
 
-def random_motif_checkpoint(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
-                            lambda_std: float = 0.25) -> dict[str, torch.Tensor]:
+def random_motif_checkpoint(
+    config: dict, seed: int = 0, dtype: torch.dtype = torch.float32, lambda_std: float = 0.25
+) -> dict[str, torch.Tensor]:
     """Random weights in Motif's exact key layout, scaled so every stage carries O(1) activations and the logits have a
     spread of a few units (not a near-uniform distribution): projections N(0, 1/fan_in); embeddings N(0, 1) (untied)
     or N(0, 9/hidden) (tied, so logits stay O(3)); lm_head N(0, 9/hidden); norm weights 1 + N(0, 0.1^2) and subln
@@ -377,7 +400,7 @@ def polynorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
     def norm(z):
         return z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps)
 
-    y = w[0] * norm(xf ** 3) + w[1] * norm(xf ** 2) + w[2] * norm(xf) + b
+    y = w[0] * norm(xf**3) + w[1] * norm(xf**2) + w[2] * norm(xf) + b
     return y.to(x.dtype)
 
 
@@ -422,9 +445,17 @@ def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     return probs @ v
 
 
-def differential_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | float,
-                                lam_init: float, subln_weight: torch.Tensor, eps: float, layout: dict,
-                                allowed: torch.Tensor | None = None) -> torch.Tensor:
+def differential_attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor | float,
+    lam_init: float,
+    subln_weight: torch.Tensor,
+    eps: float,
+    layout: dict,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Motif's attention after RoPE (§3-§9), written as explicit loops.
 
     q (B, Hq, T, d), k and v (B, Hkv, S, d) in checkpoint half-head order; ``allowed`` (B, T, S) bool (default:
@@ -435,7 +466,7 @@ def differential_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     r, hn, hs = layout["r"], layout["hn"], layout["hs"]
     if allowed is None:
         allowed = torch.ones(t, s, dtype=torch.bool).tril(s - t)[None].expand(bsz, t, s)
-    scale = d ** -0.5
+    scale = d**-0.5
     out = q.new_zeros(bsz, t, 2 * hs * d)
     for b in range(bsz):
         # noise outputs, one per noise head (Q2 head g is query half-head g * (r + 1) + r)
@@ -444,17 +475,22 @@ def differential_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             kv = g // layout["noise_per_kv"]  # flash GQA rule over the Hkv/2 K2 heads
             q2 = q[b, g * (r + 1) + r]
             k2, v1, v2 = k[b, 2 * kv + 1], v[b, 2 * kv], v[b, 2 * kv + 1]
-            noise.append(torch.cat([_softmax_attend(q2, k2, v1, allowed[b], scale),
-                                    _softmax_attend(q2, k2, v2, allowed[b], scale)], dim=-1))
+            noise.append(
+                torch.cat(
+                    [_softmax_attend(q2, k2, v1, allowed[b], scale), _softmax_attend(q2, k2, v2, allowed[b], scale)],
+                    dim=-1,
+                )
+            )
         for i in range(hs):
             g, j = divmod(i, r)  # signal head i is signal j of group g; Q1 head i = query half-head g * (r + 1) + j
             kv = i // layout["signal_per_kv"]  # flash GQA rule over the Hkv/2 K1 heads
             q1 = q[b, g * (r + 1) + j]
             k1, v1, v2 = k[b, 2 * kv], v[b, 2 * kv], v[b, 2 * kv + 1]
-            signal = torch.cat([_softmax_attend(q1, k1, v1, allowed[b], scale),
-                                _softmax_attend(q1, k1, v2, allowed[b], scale)], dim=-1)
+            signal = torch.cat(
+                [_softmax_attend(q1, k1, v1, allowed[b], scale), _softmax_attend(q1, k1, v2, allowed[b], scale)], dim=-1
+            )
             head = rms_norm(signal - lam * noise[g], subln_weight, eps) * (1.0 - lam_init)
-            out[b, :, 2 * i * d:2 * (i + 1) * d] = head
+            out[b, :, 2 * i * d : 2 * (i + 1) * d] = head
     return out
 
 
@@ -475,10 +511,14 @@ def _attention_block(config, layout, sd, prefix, layer, x, cos, sin, allowed):
     v = v.view(bsz, t, layout["hkv"], d).transpose(1, 2)
     q, k = _rope_neox(q, cos, sin), _rope_neox(k, cos, sin)
     lam_init = lambda_init(layer)
-    lam = (torch.exp(torch.sum(sd[prefix + "lambda_q1"] * sd[prefix + "lambda_k1"]))
-           - torch.exp(torch.sum(sd[prefix + "lambda_q2"] * sd[prefix + "lambda_k2"])) + lam_init)
-    attn = differential_attention_core(q, k, v, lam, lam_init, sd[prefix + "subln.weight"],
-                                       float(config["attn_rms_norm_eps"]), layout, allowed)
+    lam = (
+        torch.exp(torch.sum(sd[prefix + "lambda_q1"] * sd[prefix + "lambda_k1"]))
+        - torch.exp(torch.sum(sd[prefix + "lambda_q2"] * sd[prefix + "lambda_k2"]))
+        + lam_init
+    )
+    attn = differential_attention_core(
+        q, k, v, lam, lam_init, sd[prefix + "subln.weight"], float(config["attn_rms_norm_eps"]), layout, allowed
+    )
     return _linear(attn, sd[prefix + "o_proj.weight"], sd.get(prefix + "o_proj.bias") if o_bias else None)
 
 
@@ -491,8 +531,13 @@ def _mlp_block(config, sd, prefix, x):
 
 
 @torch.no_grad()
-def motif_forward(config: dict, state_dict: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def motif_forward(
+    config: dict,
+    state_dict: dict,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Logits (B, T, vocab) of Motif's forward (§13, §14) for ``input_ids`` (B, T), causal, computed in ``dtype``.
 
     ``attention_mask`` (B, T) of 1/0 supports left padding (§17). The state dict must have Motif's key names; extra
@@ -521,8 +566,17 @@ def motif_forward(config: dict, state_dict: dict, input_ids: torch.Tensor, atten
     h = sd["model.embed_tokens.weight"][input_ids]
     for layer in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{layer}."
-        h = h + _attention_block(config, layout, sd, p + "self_attn.", layer,
-                                 rms_norm(h, sd[p + "input_layernorm.weight"], eps), cos, sin, allowed)
+        h = h + _attention_block(
+            config,
+            layout,
+            sd,
+            p + "self_attn.",
+            layer,
+            rms_norm(h, sd[p + "input_layernorm.weight"], eps),
+            cos,
+            sin,
+            allowed,
+        )
         h = h + _mlp_block(config, sd, p + "mlp.", rms_norm(h, sd[p + "post_attention_layernorm.weight"], eps))
     h = rms_norm(h, sd["model.norm.weight"], eps)
     head = sd["model.embed_tokens.weight"] if config.get("tie_word_embeddings", False) else sd["lm_head.weight"]

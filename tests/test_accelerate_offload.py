@@ -15,15 +15,24 @@ from transformers import AutoModelForCausalLM
 import difftransformer  # noqa: F401
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 
-pytest.importorskip("accelerate", reason="accelerate is not installed, though the package requires it "
-                                 "(pyproject.toml): this venv is incomplete")
+pytest.importorskip(
+    "accelerate",
+    reason="accelerate is not installed, though the package requires it (pyproject.toml): this venv is incomplete",
+)
 
 
 def _tiny(diff_version: int) -> DiffTransformerForCausalLM:
     torch.manual_seed(0)
     config = DiffTransformerConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, diff_version=diff_version, eos_token_id=None, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        diff_version=diff_version,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     return DiffTransformerForCausalLM(config).eval()
 
@@ -32,9 +41,7 @@ def _nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-@pytest.mark.parametrize(
-    "diff_version", [1, 2]
-)
+@pytest.mark.parametrize("diff_version", [1, 2])
 def test_disk_offload_loads_and_generates_like_the_plain_model(tmp_path, diff_version):
     model = _tiny(diff_version)
     folder = tmp_path / "model"

@@ -16,9 +16,18 @@ LAYOUTS = {"v1_mha": (1, 8, 8), "v1_gqa": (1, 8, 4), "v1_gqa4": (1, 8, 2), "v2_m
 
 def diff_model(layout, seed=0, **overrides):
     version, hq, hkv = LAYOUTS[layout]
-    kwargs = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=hq,
-                  num_key_value_heads=hkv, head_dim=8, diff_version=version, initializer_range=0.3,
-                  **({"lambda_std": 0.3} if version == 1 else {}))  # V1-only field (a V2 config warns that it does not read it)
+    kwargs = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=8,
+        diff_version=version,
+        initializer_range=0.3,
+        **({"lambda_std": 0.3} if version == 1 else {}),
+    )  # V1-only field (a V2 config warns that it does not read it)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(DiffTransformerConfig(**kwargs)).eval()
@@ -26,8 +35,15 @@ def diff_model(layout, seed=0, **overrides):
 
 def llama_model(seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -66,7 +82,9 @@ def test_a_wrong_pairing_would_be_detected():
     handle = module.register_forward_pre_hook(lambda m, a, k: captured.update(k), with_kwargs=True)
     layers = attention_maps(model, ids)
     handle.remove()
-    maps = analysis.softmax_maps(module, captured["hidden_states"], captured["position_embeddings"], captured["attention_mask"])
+    maps = analysis.softmax_maps(
+        module, captured["hidden_states"], captured["position_embeddings"], captured["attention_mask"]
+    )
     wrong1, wrong2 = split_pairs(maps, pair_stride=1)
     lam = layers[0].lam
     assert (wrong1 - lam * wrong2 - layers[0].maps["diff"]).abs().max() > 1e-2
@@ -88,7 +106,14 @@ def test_padding_mask_is_respected():
         torch.testing.assert_close(diff[:, :, 3:], ref[:, :, 3:], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("make", [llama_model, lambda: GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()], ids=["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        llama_model,
+        lambda: GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval(),
+    ],
+    ids=["llama", "gpt2"],
+)
 def test_standard_models_softmax_shares_sum_to_one(make):
     model = make()
     ids = torch.randint(0, 61, (14,), generator=torch.Generator().manual_seed(4))
@@ -101,7 +126,9 @@ def test_standard_models_softmax_shares_sum_to_one(make):
     torch.testing.assert_close(shares.sum(-1), torch.ones(2, 4))
     assert torch.all(shares[..., 2] == 0)  # no context span: nothing is "other"
     # With a context span the three regions still sum to one, and every mode agrees for softmax maps.
-    with_ctx = {m: lens(model, ids, (3, 6), context_span=(0, 9), mode=m).shares["softmax"] for m in analysis.SHARE_MODES}
+    with_ctx = {
+        m: lens(model, ids, (3, 6), context_span=(0, 9), mode=m).shares["softmax"] for m in analysis.SHARE_MODES
+    }
     torch.testing.assert_close(with_ctx["positive"].sum(-1), torch.ones(2, 4))
     assert torch.all(with_ctx["positive"][..., 2] > 0)
     torch.testing.assert_close(with_ctx["positive"], with_ctx["signed"])
@@ -128,7 +155,9 @@ def test_lens_report_shapes_lambdas_and_json(layout):
     rows = report.rows()
     assert len(rows) == 3 * 2 * 4 and {"answer", "noise", "other"} <= set(rows[0])
     blob = json.loads(json.dumps(report.to_json()))
-    assert blob["diff_version"] == model.config.diff_version and len(blob["lambdas"]) == (2 if model.config.diff_version == 1 else 8)
+    assert blob["diff_version"] == model.config.diff_version and len(blob["lambdas"]) == (
+        2 if model.config.diff_version == 1 else 8
+    )
     md = report.to_markdown()
     assert "| diff | 1 |" in md and "λ" in md
 
@@ -177,13 +206,21 @@ def _marker_embeddings(model, marker):
 
 def _marker_model(kind, marker=7):
     """A one-layer model whose every head puts (almost) all its attention on the token ``marker``."""
-    common = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, head_dim=8,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e12})
+    common = dict(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e12},
+    )
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_attention_heads=2, num_key_value_heads=2, **common)).eval()
         key_heads = range(2)
     else:
-        model = DiffTransformerForCausalLM(DiffTransformerConfig(num_attention_heads=4, num_key_value_heads=2, diff_version=int(kind[1]), **common)).eval()
+        model = DiffTransformerForCausalLM(
+            DiffTransformerConfig(num_attention_heads=4, num_key_value_heads=2, diff_version=int(kind[1]), **common)
+        ).eval()
         # Only the first map of every head gets the marker key; the second map stays uniform (q·k = 0).
         key_heads = [0] if kind == "v1" else [0, 1]  # V1 key rows (g, c): c = 0 is row 0; V2: both pairs' shared head
     _marker_embeddings(model, marker)
@@ -311,7 +348,9 @@ def test_docs_examples_run(tmp_path, monkeypatch):
     for command in commands:
         argv = shlex.split(command.strip())
         assert argv[0] == "python"
-        done = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert "| diff | 1 |" in done.stdout
     saved = json.loads((tmp_path / "lens_out" / "lens.json").read_text())

@@ -15,8 +15,9 @@ SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, vo
 
 
 def config(hq: int, hkv: int, version: int | None, **overrides) -> SimpleNamespace:
-    return SimpleNamespace(**{**SMOLLM2, **overrides}, num_attention_heads=hq, num_key_value_heads=hkv,
-                           diff_version=version)
+    return SimpleNamespace(
+        **{**SMOLLM2, **overrides}, num_attention_heads=hq, num_key_value_heads=hkv, diff_version=version
+    )
 
 
 def padded_attention_flops_counted(cfg, prompt_len: int, new_tokens: int) -> tuple[float, float]:
@@ -66,10 +67,17 @@ def test_recorded_command_names_the_allocator_settings(monkeypatch):
 
     plain = harness.command_line(["--compile"], "benchmarks/bench_vllm.py", env={})
     assert plain == "python benchmarks/bench_vllm.py --compile"
-    started = harness.measured_env({"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "1073741824",
-                                    "HOME": "/root", "GLIBC_TUNABLES": ""})
+    started = harness.measured_env(
+        {
+            "MALLOC_MMAP_THRESHOLD_": "268435456",
+            "MALLOC_TRIM_THRESHOLD_": "1073741824",
+            "HOME": "/root",
+            "GLIBC_TUNABLES": "",
+        }
+    )
     assert harness.command_line(["--compile"], "benchmarks/bench_vllm.py", env=started) == (
-        "MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 " + plain)
+        "MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 " + plain
+    )
     monkeypatch.setattr(harness, "STARTUP_ENV", {})
     monkeypatch.setenv("LD_PRELOAD", "/somewhere/libgomp.so.1")  # set after start: not part of the command
     assert harness.command_line(["--compile"], "benchmarks/bench_vllm.py") == plain

@@ -53,8 +53,14 @@ def test_bench_smoke_runs_every_row_and_writes_json_and_png(tmp_path):
     smoke = [args for args in _doc_commands("bench.py") if "--smoke" in args]
     assert smoke, "docs/performance.md must show the smoke command"
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run([sys.executable, "benchmarks/bench.py", *smoke[0], "--json", str(out_json), "--png", str(out_png)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench.py", *smoke[0], "--json", str(out_json), "--png", str(out_png)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| metric | llama |" in proc.stdout
     report = json.loads(out_json.read_text())
@@ -64,19 +70,29 @@ def test_bench_smoke_runs_every_row_and_writes_json_and_png(tmp_path):
     expected = {f"prefill {b}x{t}" for b, t in plan.prefill_shapes}
     expected |= {f"decode b{b} {c}" for b in plan.decode_batches for c in ("dynamic", "static")}
     expected |= {"train {}x{}".format(*plan.train_shape), "train {}x{} ckpt".format(*plan.train_shape)}
-    expected |= {"peak MiB prefill {}x{}".format(*plan.memory_prefill), f"peak MiB decode b{plan.memory_decode_batch}",
-                 "peak MiB train {}x{}".format(*plan.train_shape)}
+    expected |= {
+        "peak MiB prefill {}x{}".format(*plan.memory_prefill),
+        f"peak MiB decode b{plan.memory_decode_batch}",
+        "peak MiB train {}x{}".format(*plan.train_shape),
+    }
     assert set(rows) == expected
     # The code the run executed, recorded by tracing one untimed call per workload: the models' code and the
     # workloads, not the timing loop or the table formatting.
     code = report["provenance"]["code"]
     assert code["how"] == "traced"
-    for name in ("difftransformer/modeling_difftransformer.py:DiffTransformerForCausalLM.forward",
-                 "benchmarks/bench.py:prefill_workload", "benchmarks/bench.py:decode_workload",
-                 "benchmarks/bench.py:train_workload", "benchmarks/bench.py:build_model"):
+    for name in (
+        "difftransformer/modeling_difftransformer.py:DiffTransformerForCausalLM.forward",
+        "benchmarks/bench.py:prefill_workload",
+        "benchmarks/bench.py:decode_workload",
+        "benchmarks/bench.py:train_workload",
+        "benchmarks/bench.py:build_model",
+    ):
         assert name in code["digests"], name
-    assert not [n for n in code["digests"] if n.startswith("benchmarks/harness.py") or n.endswith(
-        (":format_table", ":main", ":chart_figure"))]
+    assert not [
+        n
+        for n in code["digests"]
+        if n.startswith("benchmarks/harness.py") or n.endswith((":format_table", ":main", ":chart_figure"))
+    ]
     for item, row in rows.items():
         assert set(row["models"]) == set(bench.MODELS), item
         for kind, stats in row["models"].items():
@@ -89,10 +105,16 @@ def test_bench_smoke_runs_every_row_and_writes_json_and_png(tmp_path):
         if row["unit"] == "s":
             assert row["models"]["llama"]["ratio"] == pytest.approx(1.0)
             if row.get("tokens"):
-                assert row["models"]["llama"]["tokens_per_s"] == pytest.approx(row["tokens"] / row["models"]["llama"]["median"])
+                assert row["models"]["llama"]["tokens_per_s"] == pytest.approx(
+                    row["tokens"] / row["models"]["llama"]["median"]
+                )
     # The chart marks every model's own target on its bar (not only V1's), and each timed row's paired quartiles.
-    drawn = [(row, kind) for row in report["results"]["fp32"] for kind, stats in row["models"].items()
-             if kind != "llama" and stats.get("ratio") is not None and math.isfinite(stats["ratio"])]  # the bars
+    drawn = [
+        (row, kind)
+        for row in report["results"]["fp32"]
+        for kind, stats in row["models"].items()
+        if kind != "llama" and stats.get("ratio") is not None and math.isfinite(stats["ratio"])
+    ]  # the bars
     targets = [bench.model_target(row, kind) for row, kind in drawn]
     targets = sorted(round(t, 9) for t in targets if t is not None)
     assert round(bench.TARGETS["decode"]["ours_v2"][None], 9) in targets  # V2's targets too
@@ -166,14 +188,25 @@ def test_targets_and_ratios():
     assert bench.target_for("prefill", "ours_v1_padded", 512) == 1.10
     assert bench.target_for("decode", "ours_v2", None) == 1.03
     assert bench.target_for("train", "diffllama", None) is None
-    stats = {"llama": {"median": 2.0}, "diffllama": {"median": 2.6}, "ours_v1": {"median": 2.4}, "ours_v2": {"median": 2.04}}
-    result = bench.with_ratios({"item": "prefill 1x512", "family": "prefill", "length": 512, "tokens": 512}, stats, unit="s")
+    stats = {
+        "llama": {"median": 2.0},
+        "diffllama": {"median": 2.6},
+        "ours_v1": {"median": 2.4},
+        "ours_v2": {"median": 2.04},
+    }
+    result = bench.with_ratios(
+        {"item": "prefill 1x512", "family": "prefill", "length": 512, "tokens": 512}, stats, unit="s"
+    )
     assert result["models"]["ours_v1"]["ratio"] == pytest.approx(1.2)
     assert result["models"]["llama"]["tokens_per_s"] == pytest.approx(256)
     checks = bench.check_targets(result)
     assert checks["ours_v1"] == {"target": 1.10, "met": False}
     assert checks["ours_v2"]["met"] and checks["beats_diffllama"]["ours_v1"]
-    zero = bench.with_ratios({"item": "m", "family": "memory", "length": None}, {"llama": {"median": 0.0}, "ours_v1": {"median": 3.0}}, unit="MiB")
+    zero = bench.with_ratios(
+        {"item": "m", "family": "memory", "length": None},
+        {"llama": {"median": 0.0}, "ours_v1": {"median": 3.0}},
+        unit="MiB",
+    )
     assert zero["models"]["ours_v1"]["ratio"] is None  # no ratio against a zero baseline
     assert bench.summarize([1.0, 2.0, 3.0, 4.0, 100.0])["median"] == 3.0
 
@@ -247,5 +280,6 @@ def test_generation_flops_equal_a_closed_form_count():
     assert bench.generation_flops(v2, P, N) == pytest.approx(by_hand(18, 2 * e * 9), rel=1e-12)
     assert bench.generation_flops(llama, P, 1) == pytest.approx(
         layers * (P * (2 * e * 15 * d + 2 * 9 * d * e + 6 * e * inter) + keys_prompt * 4 * 9 * d) + 2 * e * vocab,
-        rel=1e-12)
+        rel=1e-12,
+    )
     assert 1.10 < by_hand(18, 2 * e * 9) / by_hand(9, 0) < 1.12

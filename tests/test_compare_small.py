@@ -29,13 +29,23 @@ def tok():
 @pytest.mark.parametrize("size", ["default", "reduced"])
 def test_models_are_parameter_matched(cs, size):
     p = cs.SIZES[size]
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "seq_len")
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "seq_len",
+    )
     configs = cs.build_configs(4096, *(p[k] for k in keys))
     counts = {name: cs._count(cs.build_model(name, cfg, 0)) for name, cfg in configs.items()}
     E, L, d = p["hidden_size"], p["num_hidden_layers"], p["head_dim"]
     assert counts["v1"] - counts["llama"] == L * (4 * d + 2 * d)  # only λ vectors and the subln weight differ
     assert abs(counts["v2"] - counts["llama"]) <= L * 3 * E / 2  # within half an MLP unit per layer
-    assert configs["v1"].num_attention_heads == configs["llama"].num_attention_heads == configs["v2"].num_attention_heads
+    assert (
+        configs["v1"].num_attention_heads == configs["llama"].num_attention_heads == configs["v2"].num_attention_heads
+    )
 
 
 def test_training_data_is_deterministic_and_mixed(cs, tok):
@@ -131,9 +141,13 @@ def test_docs_tables_are_rendered_from_the_committed_runs():
     results = ROOT / "benchmarks" / "results"
     default = json.loads((results / "compare_small_default" / "results.json").read_text())
     assert default["meta"]["command"] == "python benchmarks/compare_small.py --size default --no-progress"
-    assert [json.loads((results / d / "results.json").read_text())["meta"]["args"]["seed"]
-            for d in ("compare_small_reduced", "compare_small_reduced_seed1")] == [0, 1]
+    assert [
+        json.loads((results / d / "results.json").read_text())["meta"]["args"]["seed"]
+        for d in ("compare_small_reduced", "compare_small_reduced_seed1")
+    ] == [0, 1]
     report = (ROOT / "docs" / "reports" / "2026-11-23-small-comparison.md").read_text()
     assert "<!-- table: compare-small benchmarks/results/compare_small_default/results.json -->" in report
-    assert ("<!-- table: compare-small benchmarks/results/compare_small_reduced/results.json "
-            "benchmarks/results/compare_small_reduced_seed1/results.json -->") in report
+    assert (
+        "<!-- table: compare-small benchmarks/results/compare_small_reduced/results.json "
+        "benchmarks/results/compare_small_reduced_seed1/results.json -->"
+    ) in report

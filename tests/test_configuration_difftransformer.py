@@ -1,4 +1,5 @@
-"""DiffTransformerConfig: derived sizes, strict validation with field-naming errors, serialisation, Auto registration."""
+"""DiffTransformerConfig: derived sizes, strict validation with field-naming errors, serialisation, Auto
+registration."""
 
 import logging
 
@@ -26,7 +27,10 @@ def test_derived_sizes(version, hkv, groups, n):
         (dict(num_key_value_heads=3), ["num_key_value_heads", "even"]),
         (dict(num_attention_heads=12, num_key_value_heads=8, head_dim=8), ["num_key_value_heads", "one of"]),
         (dict(diff_version=2, num_key_value_heads=8), ["num_key_value_heads", "one of [1, 2, 4]"]),
-        (dict(diff_version=2, num_attention_heads=12, num_key_value_heads=4, head_dim=8), ["num_key_value_heads", "[1, 2, 3, 6]"]),
+        (
+            dict(diff_version=2, num_attention_heads=12, num_key_value_heads=4, head_dim=8),
+            ["num_key_value_heads", "[1, 2, 3, 6]"],
+        ),
         (dict(diff_version=3), ["diff_version", "(1, 2)"]),
         (dict(attention_dropout=0.1), ["attention_dropout", "must be 0"]),
         (dict(hidden_size=60), ["hidden_size", "num_attention_heads", "head_dim"]),
@@ -57,7 +61,8 @@ def test_invalid_configs_raise_value_error_naming_fields(overrides, fields):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("hidden_size", "64"), ("num_attention_heads", 8.0), ("attention_bias", "yes"), ("num_key_value_heads", True)]
+    "field,value",
+    [("hidden_size", "64"), ("num_attention_heads", 8.0), ("attention_bias", "yes"), ("num_key_value_heads", True)],
 )
 def test_wrong_types_raise_naming_the_field(field, value):
     """huggingface_hub's @strict checks the declared types (its own exception type, whose message names the field);
@@ -103,7 +108,11 @@ def test_validation_also_applies_when_loading(tmp_path):
 
 
 def test_round_trip_and_auto_config(tmp_path):
-    cfg = DiffTransformerConfig(**{**BASE, "num_key_value_heads": 2}, diff_version=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
+    cfg = DiffTransformerConfig(
+        **{**BASE, "num_key_value_heads": 2},
+        diff_version=2,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+    )
     cfg.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert type(loaded) is DiffTransformerConfig and loaded.model_type == "difftransformer"

@@ -27,9 +27,16 @@ PROMPTS = [[5, 17, 3, 99, 42, 7], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
 def _model(diff_version: int, attn_implementation: str) -> DiffTransformerForCausalLM:
     torch.manual_seed(0)
     config = DiffTransformerConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4 if diff_version == 1 else 2, diff_version=diff_version, pad_token_id=0,
-        eos_token_id=2, bos_token_id=1,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4 if diff_version == 1 else 2,
+        diff_version=diff_version,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
     )
     config._attn_implementation = attn_implementation
     return DiffTransformerForCausalLM(config).eval()

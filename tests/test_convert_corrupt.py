@@ -65,7 +65,12 @@ def truncated_gguf(src: Path):
     gguf = write_tiny_gguf(src / "model.gguf")
     size = gguf.stat().st_size
     _truncate(gguf, size - 1000)
-    return gguf, gguf, rf"is truncated: its tensor table places tensor data up to byte {size} \(last tensor '[\w.]+'\), but the file has {size - 1000} bytes"
+    return (
+        gguf,
+        gguf,
+        rf"is truncated: its tensor table places tensor data up to byte {size} \(last tensor '[\w.]+'\), but the file "
+        rf"has {size - 1000} bytes",
+    )
 
 
 def gguf_cut_in_header(src: Path):
@@ -82,8 +87,11 @@ def random_gguf(src: Path):
     return gguf, gguf, r"is not a readable GGUF file: .*does not start with the GGUF magic bytes"
 
 
-CASES = {f.__name__: f for f in (truncated_safetensors, random_safetensors, malformed_config, wrong_field_type, truncated_gguf,
-                                 gguf_cut_in_header, random_gguf)}  # fmt: skip
+CASES = {
+    f.__name__: f
+    for f in (truncated_safetensors, random_safetensors, malformed_config, wrong_field_type, truncated_gguf,
+              gguf_cut_in_header, random_gguf)
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -110,7 +118,12 @@ def test_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
         argv = [sys.executable, str(REPO / "convert_scripts" / "convert.py"), "--from", "llama", "--diff-version", "2",
                 "--input", str(source), "--output", str(work / "out")]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        runs[case] = (subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), work, damaged, what)
+        runs[case] = (
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+            work,
+            damaged,
+            what,
+        )
     for case, (proc, work, damaged, what) in runs.items():
         stdout, stderr = proc.communicate(timeout=300)
         lines = own_stderr_lines(stderr)  # without the lines any import of the libraries prints

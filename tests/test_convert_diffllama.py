@@ -53,11 +53,16 @@ def test_diffllama_to_v1_logits_and_round_trip(tmp_path, hq, hkv):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ours.eval()
     for attn in ("eager", "sdpa"):
-        torch.testing.assert_close(logits(ours, attn)[MASK.bool()], logits(source, attn)[MASK.bool()], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            logits(ours, attn)[MASK.bool()], logits(source, attn)[MASK.bool()], atol=1e-5, rtol=1e-5
+        )
 
     # ...and back: the original weights, bit for bit.
     convert("difftransformer", tmp_path / "ours", tmp_path / "back", target="diffllama", progress=False)
-    original, back = load_file(tmp_path / "dl" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = (
+        load_file(tmp_path / "dl" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
     assert original.keys() == back.keys()
     for key in original:
         assert torch.equal(original[key], back[key]), key
@@ -83,11 +88,20 @@ def test_trained_v1_model_exports_to_diffllama(tmp_path):
     served = DiffLlamaForCausalLM.from_pretrained(tmp_path / "dl").eval()
     assert served.config.tie_word_embeddings
     for attn in ("eager", "sdpa"):
-        torch.testing.assert_close(logits(served, attn)[MASK.bool()], logits(ours, attn)[MASK.bool()], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            logits(served, attn)[MASK.bool()], logits(ours, attn)[MASK.bool()], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_what_diffllama_cannot_represent_is_refused(tmp_path):
-    base = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    base = dict(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     cases = [
         (dict(diff_version=2), "DIFF V1 only"),
         (dict(subln_eps=1e-6, rms_norm_eps=1e-5), r"subln_eps \(1e-06\)"),

@@ -61,8 +61,9 @@ def test_loaded_gguf_model_is_plain_trainable_and_saveable_with_the_files_functi
     validate_quantization_for_training(model)
     torch.testing.assert_close(logits(model), logits(reference), rtol=0, atol=0)
     model.save_pretrained(tmp_path / "saved")
-    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()), logits(reference),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        logits(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()), logits(reference), rtol=0, atol=0
+    )
 
 
 def test_load_gguf_parses_the_file_once_and_restores_the_reader(tmp_path, monkeypatch):
@@ -102,7 +103,9 @@ def test_tiny_gguf_to_v2_is_exact_and_brings_tokenizer_and_generation_config(tmp
     result = convert("llama", gguf, tmp_path / "v2", diff_version=2, verify=True, progress=False)
     reference = gguf_llama(gguf)
     assert result.exact and result.max_logit_diff == pytest.approx(0.0, abs=1e-6)
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(result.copied_files)
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(
+        result.copied_files
+    )
 
     config = json.loads((tmp_path / "v2" / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
@@ -121,14 +124,17 @@ def test_tiny_gguf_to_v2_is_exact_and_brings_tokenizer_and_generation_config(tmp
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template == CHAT_TEMPLATE
     text = "the tiny test, the end"
     assert tokenizer(text).input_ids == gguf_tokenizer(text).input_ids
-    assert tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True) == gguf_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True) == gguf_tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True
+    )
 
 
 def test_tiny_gguf_command_line_bfloat16_and_verify(tmp_path, capsys):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hq=4, hkv=2, head_dim=12)
     out = tmp_path / "v2-bf16"
-    assert main(["--from", "llama", "--diff-version", "2", "--input", str(gguf), "--output", str(out), "--dtype", "bfloat16",
-                 "--verify", "--no-progress"]) == 0  # fmt: skip
+    argv = ["--from", "llama", "--diff-version", "2", "--input", str(gguf), "--output", str(out), "--dtype", "bfloat16",
+            "--verify", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "exact conversion" in printed and re.search(r"max \|logit difference\|.*: [0-9.e+-]+", printed)
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -146,8 +152,9 @@ def test_tiny_gguf_command_line_bfloat16_and_verify(tmp_path, capsys):
 def test_command_line_v1_subln_eps_is_written_and_checked(tmp_path, capsys):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hq=3, hkv=1)
     out = tmp_path / "v1"
-    assert main(["--from", "llama", "--diff-version", "1", "--v1-subln-eps", "1", "--input", str(gguf), "--output", str(out),
-                 "--no-progress"]) == 0  # fmt: skip
+    argv = ["--from", "llama", "--diff-version", "1", "--v1-subln-eps", "1", "--input", str(gguf), "--output", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
     assert json.loads((out / "config.json").read_text())["subln_eps"] == 1.0
     capsys.readouterr()
     assert main(["--from", "llama", "--diff-version", "1", "--v1-subln-eps", "0", "--input", str(gguf), "--output",
@@ -189,17 +196,25 @@ def test_tiny_gguf_to_v1_duplicates_odd_heads_and_calibrates_with_its_tokenizer(
     # Calibration matters: the same conversion with ρ = 1 (o_proj scales not calibrated) amplifies every head by about
     # 1/ρ (ρ here about 0.13) and starts farther from the source; deterministic given the seeds (GGUF weights, λ), far
     # beyond rounding (measured 0.62 against 1.30).
-    uncalibrated = convert("llama", gguf, tmp_path / "v1-none", diff_version=1, v1_calibration="none", verify=True,
-                           progress=False)
-    assert result.max_logit_diff < 0.75 * uncalibrated.max_logit_diff, (result.max_logit_diff, uncalibrated.max_logit_diff)
+    uncalibrated = convert(
+        "llama", gguf, tmp_path / "v1-none", diff_version=1, v1_calibration="none", verify=True, progress=False
+    )
+    assert result.max_logit_diff < 0.75 * uncalibrated.max_logit_diff, (
+        result.max_logit_diff,
+        uncalibrated.max_logit_diff,
+    )
 
 
 def test_gguf_of_another_architecture_or_source_is_refused(tmp_path):
     gpt2 = write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ConversionError, match=r"gpt2\.gguf holds a GGUF model of architecture 'gpt2'.*\['llama', 'qwen2'\]"):
+    with pytest.raises(
+        ConversionError, match=r"gpt2\.gguf holds a GGUF model of architecture 'gpt2'.*\['llama', 'qwen2'\]"
+    ):
         convert("llama", gpt2, tmp_path / "out", diff_version=2, progress=False)
     llama = write_tiny_gguf(tmp_path / "llama.gguf")
-    with pytest.raises(ConversionError, match=r"is a GGUF file: GGUF files convert with --from llama .*not --from diffllama"):
+    with pytest.raises(
+        ConversionError, match=r"is a GGUF file: GGUF files convert with --from llama .*not --from diffllama"
+    ):
         convert("diffllama", llama, tmp_path / "out", progress=False)
     with pytest.raises(ConversionError, match="--from llama needs --diff-version"):
         convert("llama", llama, tmp_path / "out", progress=False)
@@ -217,12 +232,32 @@ def test_measure_v1_init_script_runs_on_a_tiny_gguf(tmp_path):
     from convert_scripts.measure_v1_init import main as measure
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hq=3, hkv=1)
-    assert measure(["--gguf", str(gguf), "--blocks", "2", "--length", "32", "--threads", "1", "--json", str(tmp_path / "r.json")]) == 0
+    assert (
+        measure(
+            [
+                "--gguf",
+                str(gguf),
+                "--blocks",
+                "2",
+                "--length",
+                "32",
+                "--threads",
+                "1",
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "r.json").read_text())
     ppl = record["perplexity"]
-    assert list(ppl) == ["source (Llama, GGUF de-quantised)", "V2 (exact upcycling)", "V1 duplicate, calibration corpus",
+    assert list(ppl) == ["source (Llama, GGUF de-quantised)", "V2 (exact upcycling)", "V1 duplicate, calibration "
+                                                                                      "corpus",
                          "V1 duplicate, calibration random", "V1 duplicate, calibration none",
-                         "V1 duplicate, calibration corpus, subln_eps 0.01", "V1 duplicate, calibration corpus, subln_eps 1"]  # fmt: skip
+                         "V1 duplicate, calibration corpus, subln_eps 0.01", "V1 duplicate, calibration corpus, "
+                                                                             "subln_eps 1"]  # fmt: skip
     for text in record["texts"]:
-        assert ppl["V2 (exact upcycling)"][text] == pytest.approx(ppl["source (Llama, GGUF de-quantised)"][text], rel=1e-5)
+        assert ppl["V2 (exact upcycling)"][text] == pytest.approx(
+            ppl["source (Llama, GGUF de-quantised)"][text], rel=1e-5
+        )
         assert all(math.isfinite(v[text]) and v[text] > 1 for v in ppl.values())

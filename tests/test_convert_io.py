@@ -51,11 +51,17 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(60)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
 
 
 def logits_of(folder_or_model):
-    model = AutoModelForCausalLM.from_pretrained(folder_or_model) if isinstance(folder_or_model, (str, Path)) else folder_or_model
+    model = (
+        AutoModelForCausalLM.from_pretrained(folder_or_model)
+        if isinstance(folder_or_model, (str, Path))
+        else folder_or_model
+    )
     with torch.no_grad():
         return model.eval()(IDS).logits
 
@@ -90,7 +96,9 @@ def test_unknown_missing_and_misshaped_tensors_are_named(tmp_path, llama_dir):
 
 
 def test_wrong_source_format_or_architecture(tmp_path, llama_dir):
-    with pytest.raises(ConversionError, match=r"--from diffllama expects .*'diffllama'.*found 'llama'; did you mean --from llama"):
+    with pytest.raises(
+        ConversionError, match=r"--from diffllama expects .*'diffllama'.*found 'llama'; did you mean --from llama"
+    ):
         convert("diffllama", llama_dir, tmp_path / "o", progress=False)
     with pytest.raises(ConversionError, match=r"--from difftransformer expects .*found 'llama'"):
         convert("difftransformer", llama_dir, tmp_path / "o", progress=False)
@@ -113,8 +121,9 @@ def test_wrong_source_format_or_architecture(tmp_path, llama_dir):
     with pytest.raises(ConversionError, match=r"--dtype 'float8'; allowed: auto, float32, float16, bfloat16"):
         convert("llama", llama_dir, tmp_path / "o", diff_version=2, dtype="float8", progress=False)
     with pytest.raises(ConversionError, match=r"--diff-version 2 conflicts with --from diffllama"):
-        convert("diffllama", DiffLlamaForCausalLM(DiffLlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=32)), tmp_path / "o", diff_version=2)  # fmt: skip
+        config = DiffLlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=32)  # fmt: skip
+        convert("diffllama", DiffLlamaForCausalLM(config), tmp_path / "o", diff_version=2)
     assert not (tmp_path / "o").exists()
 
 
@@ -166,7 +175,9 @@ def test_resave_in_memory_model_leaves_it_untouched(tmp_path):
     stored = load_file(tmp_path / "bf16" / "model.safetensors")
     assert stored["model.layers.0.self_attn.lambda_q1"].dtype == torch.float32
     assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    torch.testing.assert_close(stored["model.layers.1.self_attn.lambda_k2"], model.model.layers[1].self_attn.lambda_k2.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        stored["model.layers.1.self_attn.lambda_k2"], model.model.layers[1].self_attn.lambda_k2.detach(), rtol=0, atol=0
+    )
 
 
 # ------------------------------------------------------------------ output safety
@@ -224,7 +235,10 @@ def test_side_files_copied_and_remote_code_loads_without_the_package(tmp_path, l
     out = tmp_path / "out"
     result = convert("llama", llama_dir, out, diff_version=2, progress=False)
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(result.copied_files)
-    assert AutoTokenizer.from_pretrained(out)("w1 w2").input_ids == AutoTokenizer.from_pretrained(llama_dir)("w1 w2").input_ids
+    assert (
+        AutoTokenizer.from_pretrained(out)("w1 w2").input_ids
+        == AutoTokenizer.from_pretrained(llama_dir)("w1 w2").input_ids
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DiffTransformerForCausalLM"]
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_difftransformer.DiffTransformerForCausalLM"
@@ -254,7 +268,9 @@ def test_side_files_copied_and_remote_code_loads_without_the_package(tmp_path, l
         """
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     assert proc.returncode == 0 and "remote code ok" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -273,18 +289,24 @@ def test_cli_help_explains_every_option():
                  "--v1-init", "--v1-calibration"):  # fmt: skip
         assert flag in text
     # The file runs as a script too (python convert_scripts/convert.py), importing the installed package.
-    proc = subprocess.run([sys.executable, str(REPO / "convert_scripts" / "convert.py"), "--help"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "convert_scripts" / "convert.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "--allow-pickle" in proc.stdout
 
 
 def test_installed_console_command_converts_with_a_progress_bar(tmp_path, llama_dir):
-    """`difftransformer-convert` (pyproject.toml's console script) runs the same CLI; tqdm reports progress over tensors."""
+    """`difftransformer-convert` (pyproject.toml's console script) runs the same CLI; tqdm reports progress over
+    tensors."""
     command = Path(sys.executable).parent / "difftransformer-convert"
     if not command.exists():
         pytest.skip(f"difftransformer-convert is not installed beside {sys.executable} (package not pip-installed)")
     out = tmp_path / "v2"
-    proc = subprocess.run([str(command), "--from", "llama", "--diff-version", "2", "--input", str(llama_dir), "--output",
-                           str(out)], capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    argv = [str(command), "--from", "llama", "--diff-version", "2", "--input", str(llama_dir), "--output", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     n_tensors = len(load_file(out / "model.safetensors"))
     assert re.search(rf"Converting tensors: 100%.*{n_tensors}/{n_tensors}", proc.stderr), proc.stderr
@@ -305,7 +327,23 @@ def test_auto_dtype_follows_the_weights_not_the_float32_lambdas(tmp_path):
 
 
 def test_cli_converts_verifies_and_reports_errors(tmp_path, llama_dir, capsys):
-    assert main(["--from", "llama", "--diff-version", "2", "--input", str(llama_dir), "--output", str(tmp_path / "o"), "--verify", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--from",
+                "llama",
+                "--diff-version",
+                "2",
+                "--input",
+                str(llama_dir),
+                "--output",
+                str(tmp_path / "o"),
+                "--verify",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     diff = float(re.search(r"max \|logit difference\|.*: ([0-9.e+-]+)", out).group(1))
     assert diff < 1e-4 and "exact conversion" in out
@@ -324,8 +362,9 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     tiny_llama(seed=5).save_pretrained("my-llama")
     tiny_tokenizer().save_pretrained("my-llama")
     torch.manual_seed(6)
-    DiffLlamaForCausalLM(DiffLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5)).save_pretrained("my-diffllama")  # fmt: skip
+    config = DiffLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5)  # fmt: skip
+    DiffLlamaForCausalLM(config).save_pretrained("my-diffllama")
     (key_map,) = _docs_blocks("json")
     Path("torchscale-keys.json").write_text(key_map)
     inverse = sorted(((v, k) for k, v in json.loads(key_map).items()), key=lambda kv: -len(kv[0]))
@@ -340,10 +379,20 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     sd = {torchscale_name(k): v for k, v in ms_state_dict(1, 4, 2).items()}
     write_source(tmp_path / "my-microsoft-v1", sd, ms_config(4, 2))
     write_source(tmp_path / "my-microsoft-v2", ms_state_dict(2, 4, 2, d=8), ms_config(4, 2, d=8))
-    write_tiny_gguf(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf", hq=3, hkv=1)  # a tiny stand-in with the same layout rules
+    write_tiny_gguf(
+        tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf", hq=3, hkv=1
+    )  # a tiny stand-in with the same layout rules
     # Motif-2-12.7B's head topology (8 groups of 4 signal + 1 noise half-heads, 16 KV half-heads), tiny widths
-    motif_folder(tmp_path / "Motif-2-12.7B", "12.7b", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                 head_dim=8, vocab_size=64, max_position_embeddings=64)
+    motif_folder(
+        tmp_path / "Motif-2-12.7B",
+        "12.7b",
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        head_dim=8,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
 
     commands = [c for block in _docs_blocks("bash") for c in block.replace("\\\n", " ").splitlines() if c.strip()]
     assert len(commands) == 12

@@ -27,8 +27,14 @@ COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_la
 
 def llama_like(kind, hq=6, hkv=2, seed=0, **overrides):
     torch.manual_seed(seed)
-    cls, cfg_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "mistral": (MistralForCausalLM, MistralConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
-    model = cls(cfg_cls(**{**COMMON, "num_attention_heads": hq, "num_key_value_heads": hkv, "head_dim": 8, **overrides})).eval()
+    cls, cfg_cls = {
+        "llama": (LlamaForCausalLM, LlamaConfig),
+        "mistral": (MistralForCausalLM, MistralConfig),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+    }[kind]
+    model = cls(
+        cfg_cls(**{**COMMON, "num_attention_heads": hq, "num_key_value_heads": hkv, "head_dim": 8, **overrides})
+    ).eval()
     with torch.no_grad():  # non-trivial norms and biases, so that every tensor's placement matters
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", ".bias")):
@@ -137,7 +143,9 @@ def test_upcycle_to_v1_keeps_kv_and_moves_o_proj_blocks(tmp_path):
 
 def test_v1_pair_needs_even_kv_heads_and_llama_needs_a_version(tmp_path):
     source = llama_like("qwen2", 6, 3)
-    with pytest.raises(ConversionError, match=r"--v1-init pair needs an even num_key_value_heads.*has 3.*--v1-init duplicate"):
+    with pytest.raises(
+        ConversionError, match=r"--v1-init pair needs an even num_key_value_heads.*has 3.*--v1-init duplicate"
+    ):
         convert("llama", source, tmp_path / "v1", diff_version=1, v1_init="pair", progress=False)
     with pytest.raises(ConversionError, match="--from llama needs --diff-version"):
         convert("llama", source, tmp_path / "v1", progress=False)
@@ -173,7 +181,9 @@ def test_v1_duplicate_layout_tensor_by_tensor(tmp_path, case):
     source = duplicate_source(case)
     hq, hkv, d = source.config.num_attention_heads, source.config.num_key_value_heads, source.config.head_dim
     n = hq // hkv
-    result = convert("llama", source, tmp_path / "v1", diff_version=1, v1_init="duplicate", v1_calibration="random", progress=False)
+    result = convert(
+        "llama", source, tmp_path / "v1", diff_version=1, v1_init="duplicate", v1_calibration="random", progress=False
+    )
     cfg = result.config
     assert (cfg.diff_version, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (1, 2 * hq, 2 * hkv, d)
     assert (cfg.num_diff_heads, cfg.num_kv_groups) == (hq, hkv)
@@ -204,7 +214,9 @@ def test_v1_duplicate_layout_tensor_by_tensor(tmp_path, case):
         for h in range(hq):
             block = wo_src[:, h * d : (h + 1) * d].double() * scales[layer][h] / 2
             for c in range(2):
-                torch.testing.assert_close(wo[:, (2 * h + c) * d : (2 * h + c + 1) * d].double(), block, rtol=1e-6, atol=0)
+                torch.testing.assert_close(
+                    wo[:, (2 * h + c) * d : (2 * h + c + 1) * d].double(), block, rtol=1e-6, atol=0
+                )
         if cfg.attention_bias:
             expected_bias = sd.get(p + "o_proj.bias", torch.zeros(cfg.hidden_size))
             assert torch.equal(stored[p + "o_proj.bias"], expected_bias)
@@ -241,8 +253,16 @@ def test_v1_subln_eps_makes_the_duplicated_start_near_exact_everywhere(tmp_path)
     errors = {}
     for eps in (None, 1e4):
         out = tmp_path / f"v1-{eps}"
-        convert("llama", source, out, diff_version=1, v1_init="duplicate", v1_calibration=other[:, :1], v1_subln_eps=eps,
-                progress=False)
+        convert(
+            "llama",
+            source,
+            out,
+            diff_version=1,
+            v1_init="duplicate",
+            v1_calibration=other[:, :1],
+            v1_subln_eps=eps,
+            progress=False,
+        )
         model = DiffTransformerForCausalLM.from_pretrained(out).eval()
         assert model.config.subln_eps == (source.config.rms_norm_eps if eps is None else eps)
         errors[eps] = (logits_of(model, other) - reference).abs().max().item()
@@ -266,7 +286,10 @@ def test_calibration_is_the_mean_per_token_rms_of_each_heads_o_proj_input():
     ids = torch.tensor([[3, 9, 27, 81, 50, 11], [4, 8, 15, 16, 23, 42]])
     mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
     seen = []
-    hooks = [layer.self_attn.o_proj.register_forward_hook(lambda m, args, out: seen.append(args[0])) for layer in source.model.layers]
+    hooks = [
+        layer.self_attn.o_proj.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+        for layer in source.model.layers
+    ]
     with torch.no_grad():
         for row in range(2):
             source(ids[row : row + 1], attention_mask=mask[row : row + 1])
@@ -275,7 +298,9 @@ def test_calibration_is_the_mean_per_token_rms_of_each_heads_o_proj_input():
     hq, d, layers = 9, 8, source.config.num_hidden_layers
     expected = torch.zeros(layers, hq)
     for layer in range(layers):
-        per_token = [seen[row * layers + layer][0].view(-1, hq, d).pow(2).mean(-1).sqrt()[mask[row].bool()] for row in range(2)]
+        per_token = [
+            seen[row * layers + layer][0].view(-1, hq, d).pow(2).mean(-1).sqrt()[mask[row].bool()] for row in range(2)
+        ]
         expected[layer] = torch.cat(per_token).mean(0)
     rho = calibrate_v1_output_scales(source, ids, attention_mask=mask)
     torch.testing.assert_close(rho, expected, rtol=1e-6, atol=0)

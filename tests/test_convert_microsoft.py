@@ -152,12 +152,22 @@ def test_in_memory_state_dict_and_config_errors(tmp_path):
     sd = ms_state_dict(2, 4, 2, d=8)
     cfg = ms_config(4, 2, d=8)
     convert("microsoft-v2", sd, tmp_path / "ours", source_config=cfg, progress=False)
-    torch.testing.assert_close(our_logits(tmp_path / "ours", "eager"), ms_model_logits(sd, IDS[0], 2, 4, 2, d=8), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        our_logits(tmp_path / "ours", "eager"), ms_model_logits(sd, IDS[0], 2, 4, 2, d=8), atol=2e-5, rtol=2e-5
+    )
 
     with pytest.raises(ConversionError, match=r"Unknown field\(s\) \['num_attention_heads'\]"):
         convert("microsoft-v2", sd, tmp_path / "x", source_config={**cfg, "num_attention_heads": 8}, progress=False)
     with pytest.raises(ConversionError, match="lacks 'num_heads'"):
-        convert("microsoft-v2", sd, tmp_path / "x", source_config={k: v for k, v in cfg.items() if k != "num_heads"}, progress=False)
+        convert(
+            "microsoft-v2",
+            sd,
+            tmp_path / "x",
+            source_config={k: v for k, v in cfg.items() if k != "num_heads"},
+            progress=False,
+        )
     # V1 weights offered as V2: names and shapes do not fit, and the error says which.
     with pytest.raises(ConversionError, match=r"missing tensors: .*o_proj.*unknown tensors: .*out_proj"):
-        convert("microsoft-v2", ms_state_dict(1, 4, 4), tmp_path / "x", source_config=ms_config(4, 4, d=4), progress=False)
+        convert(
+            "microsoft-v2", ms_state_dict(1, 4, 4), tmp_path / "x", source_config=ms_config(4, 4, d=4), progress=False
+        )

@@ -23,16 +23,26 @@ def source(tmp_path_factory):
     """A tiny Llama folder (GQA, 4 query heads over 2 KV heads) with a generation config."""
     folder = tmp_path_factory.mktemp("plan-src") / "llama"
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
 
 def tree(folder: Path) -> dict:
     """Every file under ``folder`` with its bytes and modification time."""
-    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def tensors(folder: Path) -> dict:

@@ -62,8 +62,15 @@ def test_bad_corpus_arguments_name_the_field(kwargs, field):
 
 def test_tokenizer_has_special_tokens_and_round_trips_unseen_text(tokenizer):
     assert len(tokenizer) == 512
-    assert (tokenizer.unk_token, tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == tuple(data.SPECIAL_TOKENS)
-    assert [tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id] == [0, 1, 2, 3]
+    assert (tokenizer.unk_token, tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == tuple(
+        data.SPECIAL_TOKENS
+    )
+    assert [tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id] == [
+        0,
+        1,
+        2,
+        3,
+    ]
     text = corpus_texts("validation")[0][:5000] + "\nnon-ASCII: λ → ∂ 😀\n"
     ids = tokenizer(text)["input_ids"]
     assert ids[0] == tokenizer.bos_token_id  # documents start with <s>, as in training blocks
@@ -113,7 +120,11 @@ def test_build_blocks_packs_framed_documents(tokenizer):
     blocks = build_blocks(tokenizer, texts, block_size=32)
     stream = []
     for text in texts:
-        stream += [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        stream += [
+            tokenizer.bos_token_id,
+            *tokenizer(text, add_special_tokens=False)["input_ids"],
+            tokenizer.eos_token_id,
+        ]
     assert blocks.dtype == torch.long and blocks.shape == (len(stream) // 32, 32)
     assert blocks.flatten().tolist() == stream[: blocks.numel()]
     assert build_blocks(tokenizer, texts, block_size=32, max_blocks=3).equal(blocks[:3])

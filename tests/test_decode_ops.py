@@ -32,12 +32,25 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET was set to something else"),
 ]
 
-SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=4, head_dim=16)
+SHAPE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+)
 # Operations that launch no kernel: allocations without a fill, metadata-only reshapes, dtype arithmetic.
-NO_KERNEL = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
-             torch.ops.aten._unsafe_view.default, torch.ops.aten.promote_types.default,
-             torch.ops.aten.result_type.Tensor, torch.ops.aten.result_type.Scalar}
+NO_KERNEL = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.promote_types.default,
+    torch.ops.aten.result_type.Tensor,
+    torch.ops.aten.result_type.Scalar,
+}
 ONE_KERNEL_ON_CUDA = {F.scaled_dot_product_attention, F.rms_norm, torch.rms_norm}
 # The decode epilogues (one Triton launch each), where the model's files call them.
 LAUNCHES = ((mdt, "v1_combine_norm"), (kernels, "v2_sigmoid_combine"))
@@ -99,16 +112,24 @@ def _decode_step_ops(model, layers, dtype, cache_implementation, monkeypatch=Non
         for module, name in LAUNCHES:
             launch = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _f=launch, _n=name, **k: _fenced(counter, _n, _f, *a, **k))
-    hooks = [h for i, layer in enumerate(layers) for h in (
-        layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "layer", i)),
-        layer.register_forward_hook(lambda m, a, o: setattr(counter, "layer", None)))]
+    hooks = [
+        h
+        for i, layer in enumerate(layers)
+        for h in (
+            layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "layer", i)),
+            layer.register_forward_hook(lambda m, a, o: setattr(counter, "layer", None)),
+        )
+    ]
     model = model.to(dtype).eval()
     ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :2] = 0
     try:
-        cache = (DynamicCache(config=model.config) if cache_implementation == "dynamic"
-                 else StaticCache(config=model.config, max_cache_len=8))
+        cache = (
+            DynamicCache(config=model.config)
+            if cache_implementation == "dynamic"
+            else StaticCache(config=model.config, max_cache_len=8)
+        )
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
             model(ids[:, :6], attention_mask=mask[:, :6], position_ids=positions[:, :6], cache=cache, use_cache=True)
@@ -129,15 +150,19 @@ def test_decode_step_launches_at_most_a_few_more_kernels_than_a_llama(cuda_choic
     assert baseline[0] == baseline[1] and baseline[0].count("scaled_dot_product_attention") == 1
     for version, budget in ((1, 4), (2, 2)):
         torch.manual_seed(0)
-        model = DiffTransformerForCausalLM(DiffTransformerConfig(**SHAPE, diff_version=version, attn_implementation="sdpa"))
+        model = DiffTransformerForCausalLM(
+            DiffTransformerConfig(**SHAPE, diff_version=version, attn_implementation="sdpa")
+        )
         ops = _decode_step_ops(model, model.model.layers, dtype, cache, cuda_choices)
         extra = collections.Counter(ops[0]) - collections.Counter(baseline[0])
         assert ops[0] == ops[1], f"V{version}: the layers differ"
         assert len(ops[0]) - len(baseline[0]) <= budget, (
             f"V{version} ({dtype}, {cache} cache): {len(ops[0])} operations per layer against the Llama's "
-            f"{len(baseline[0])}; beyond the Llama's: {dict(extra)}")
+            f"{len(baseline[0])}; beyond the Llama's: {dict(extra)}"
+        )
         assert {m.last_kernel for m in model.modules() if isinstance(m, mdt.DiffTransformerAttention)} == {
-            "sdpa_two_calls" if version == 1 else "rows_decode"}
+            "sdpa_two_calls" if version == 1 else "rows_decode"
+        }
 
 
 def test_the_counter_sees_a_recomputed_lambda(cuda_choices):
@@ -147,15 +172,25 @@ def test_the_counter_sees_a_recomputed_lambda(cuda_choices):
     llama = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa"))
     baseline = _decode_step_ops(llama, llama.model.layers, torch.float32, "dynamic")
     model = DiffTransformerForCausalLM(DiffTransformerConfig(**SHAPE, diff_version=1, attn_implementation="sdpa"))
-    cuda_choices.setattr(mdt.DiffTransformerV1Attention, "lambda_full",
-                         lambda self: self._lambda_from(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
+    cuda_choices.setattr(
+        mdt.DiffTransformerV1Attention,
+        "lambda_full",
+        lambda self: self._lambda_from(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2),
+    )
     ops = _decode_step_ops(model, model.model.layers, torch.float32, "dynamic", cuda_choices)
     assert len(ops[0]) - len(baseline[0]) > 4
 
 
-@pytest.mark.parametrize("layout", [dict(diff_version=1), dict(diff_version=1, num_noise_heads=2),
-                                    dict(diff_version=2), dict(diff_version=2, num_noise_heads=2, num_key_value_heads=2)],
-                         ids=["v1", "v1-gda", "v2", "v2-gda"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(diff_version=1),
+        dict(diff_version=1, num_noise_heads=2),
+        dict(diff_version=2),
+        dict(diff_version=2, num_noise_heads=2, num_key_value_heads=2),
+    ],
+    ids=["v1", "v1-gda", "v2", "v2-gda"],
+)
 def test_decode_with_the_epilogues_equals_uncached_greedy_decoding(cuda_choices, layout):
     """With CUDA's choices and the Triton epilogues, cached greedy decoding (dynamic and static cache, left padding)
     decodes what uncached decoding decodes, and the decode step's logits match eager's within float32 rounding."""
@@ -164,8 +199,14 @@ def test_decode_with_the_epilogues_equals_uncached_greedy_decoding(cuda_choices,
     ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_scores=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     model.set_attn_implementation("eager")
     ref = model.generate(ids, use_cache=False, **kwargs)
     model.set_attn_implementation("sdpa")

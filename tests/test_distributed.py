@@ -34,16 +34,25 @@ from utils_distributed import word_tokenizer
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "distributed"
 
 pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with the gloo backend is unavailable"
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is unavailable",
 )
+
 
 def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
     """Run examples/distributed/<script> on `nproc` CPU processes; fail with the processes' output if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(EXAMPLES / script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(EXAMPLES / script),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
@@ -62,7 +71,9 @@ def _single_process_env(monkeypatch):
 
 def test_ddp_trainer_matches_one_process_with_the_same_global_batch(tmp_path):
     common = ["--diff-version", "2", "--max-steps", "5", "--learning-rate", "3e-3"]
-    torchrun("train_trainer.py", "--output-dir", str(tmp_path / "ddp"), "--per-device-batch-size", "2", *common, cwd=tmp_path)
+    torchrun(
+        "train_trainer.py", "--output-dir", str(tmp_path / "ddp"), "--per-device-batch-size", "2", *common, cwd=tmp_path
+    )
     ddp = json.loads((tmp_path / "ddp" / "losses.json").read_text())
     assert ddp["world_size"] == 2  # really one DDP job, not two processes training alone
 
@@ -88,7 +99,17 @@ def fsdp_run(tmp_path_factory):
     """One FSDP2 job on 2 processes and the same training in this process, both saving the trained model."""
     tmp = tmp_path_factory.mktemp("fsdp2")
     dist_common.tiny_model(diff_version=1, seed=0).save_pretrained(tmp / "init")
-    common = ["--model", str(tmp / "init"), "--max-steps", "4", "--global-batch-size", "4", "--learning-rate", "3e-3", "--save"]
+    common = [
+        "--model",
+        str(tmp / "init"),
+        "--max-steps",
+        "4",
+        "--global-batch-size",
+        "4",
+        "--learning-rate",
+        "3e-3",
+        "--save",
+    ]
     torchrun("train_fsdp2.py", "--output-dir", str(tmp / "fsdp"), *common, cwd=tmp)
     single = train_fsdp2.train(train_fsdp2.parse_args(["--output-dir", str(tmp / "single"), *common]))
     return tmp, single
@@ -105,7 +126,9 @@ def test_fsdp2_shards_and_matches_one_process(fsdp_run):
     sharded_trained = load_file(tmp / "fsdp" / "model" / "model.safetensors")
     single_trained = load_file(tmp / "single" / "model" / "model.safetensors")
     initial = load_file(tmp / "init" / "model.safetensors")
-    assert not torch.equal(single_trained["model.layers.0.self_attn.q_proj.weight"], initial["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        single_trained["model.layers.0.self_attn.q_proj.weight"], initial["model.layers.0.self_attn.q_proj.weight"]
+    )
     assert sharded_trained.keys() == single_trained.keys()
     for name, tensor in single_trained.items():
         torch.testing.assert_close(sharded_trained[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
@@ -136,8 +159,15 @@ def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_ve
         tokenizer.save_pretrained(tmp_path / "model")
         prompt, prompt_args = tokenizer(text).input_ids, ["--prompt", text]
     proc = torchrun(
-        "tp_generate.py", "--model", str(tmp_path / "model"), *prompt_args, "--max-new-tokens", "6",
-        "--save-logits", str(tmp_path / "logits.pt"), cwd=tmp_path,
+        "tp_generate.py",
+        "--model",
+        str(tmp_path / "model"),
+        *prompt_args,
+        "--max-new-tokens",
+        "6",
+        "--save-logits",
+        str(tmp_path / "logits.pt"),
+        cwd=tmp_path,
     )
     result = last_json_line(proc.stdout)
     assert result["world_size"] == 2
@@ -168,8 +198,20 @@ def test_tensor_parallel_refuses_to_split_a_kv_group(tmp_path):
     # V1 with num_key_value_heads=2 has a single KV group (K1, K2 and both value halves): it cannot be split in two.
     dist_common.tiny_model(diff_version=1, num_key_value_heads=2).save_pretrained(tmp_path / "model")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(EXAMPLES / "tp_generate.py"), "--model", str(tmp_path / "model"), "--input-ids", "5", "17", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(EXAMPLES / "tp_generate.py"),
+        "--model",
+        str(tmp_path / "model"),
+        "--input-ids",
+        "5",
+        "17",
+        "3",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "KV groups" in proc.stderr and "tp_size" in proc.stderr, proc.stderr[-3000:]

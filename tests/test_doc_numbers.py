@@ -27,10 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks import harness  # noqa: E402
 from scripts import doc_tables  # noqa: E402
 
-HAS_HISTORY = shutil.which("git") is not None and subprocess.run(
-    ["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True).stdout.strip() == "false"
-needs_history = pytest.mark.skipif(not HAS_HISTORY, reason="needs the repository's full git history (a shallow clone "
-                                   "or a copy without .git has not got the commits the results name)")
+HAS_HISTORY = (
+    shutil.which("git") is not None
+    and subprocess.run(
+        ["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    == "false"
+)
+needs_history = pytest.mark.skipif(
+    not HAS_HISTORY,
+    reason="needs the repository's full git history (a shallow clone "
+    "or a copy without .git has not got the commits the results name)",
+)
 
 # Table blocks per document: a document that loses one fails, one that gains one updates this. Documents not listed
 # (docs/reports/ pages added later, for instance) are checked like the others without a count.
@@ -48,22 +56,26 @@ EXPECTED = {
 
 # Quoted in prose though no table of the page shows it, with the reason. Each entry must still be found.
 UNMARKED = {
-    ("docs/reports/2026-11-23-small-comparison.md", "1.7%"):
-        "the uniform-attention level of the probe prompts (1.5–1.7% of their tokens are the answer value): derived "
-        "from the prompts, not a result",
+    (
+        "docs/reports/2026-11-23-small-comparison.md",
+        "1.7%",
+    ): "the uniform-attention level of the probe prompts (1.5–1.7% of their tokens are the answer value): derived "
+    "from the prompts, not a result",
 }
 
 
 def _result_jsons() -> list[Path]:
-    return sorted(p for folder in ("benchmarks/results", "convert_scripts/results")
-                  for p in (ROOT / folder).rglob("*.json"))
+    return sorted(
+        p for folder in ("benchmarks/results", "convert_scripts/results") for p in (ROOT / folder).rglob("*.json")
+    )
 
 
 def test_every_table_equals_its_json():
     report = doc_tables.check()
     assert not report.errors, "\n".join(report.errors) + (
         "\n(after changing code or a result: `python scripts/doc_tables.py --write` regenerates the tables and the "
-        "lines under them, which say whether the code each run executed has changed since; commit the docs with it)")
+        "lines under them, which say whether the code each run executed has changed since; commit the docs with it)"
+    )
     found = {}
     for block in report.blocks:
         found[block.doc] = found.get(block.doc, 0) + 1
@@ -102,7 +114,7 @@ def test_the_checker_catches_an_edited_cell_and_a_number_no_table_shows(tmp_path
     assert doc_tables.check([doc], root=str(tmp_path), write=True).errors == []
     written = (tmp_path / doc).read_text()
     cell = re.search(r"\| (\d+\.\d\d) ±", written)
-    edited = written[:cell.start(1)] + f"{float(cell[1]) + 0.1:.2f}" + written[cell.end(1):]
+    edited = written[: cell.start(1)] + f"{float(cell[1]) + 0.1:.2f}" + written[cell.end(1) :]
     (tmp_path / doc).write_text(edited)
     doc_tables.load.cache_clear()
     assert "differs from its JSON" in doc_tables.check([doc], root=str(tmp_path)).errors[0]
@@ -120,8 +132,13 @@ def test_the_readme_rows_join_the_files_of_one_result_run_in_parallel(tmp_path, 
     joined.readme_rows = lambda data: [("joined result", {"v2": f"{data['n']}"})]
     monkeypatch.setitem(sys.modules, "benchmarks.joined_demo", joined)
     for name, n in (("a.json", 1), ("b.json", 2)):
-        prov = {"script": "joined_demo.py", "commit": "a" * 40, "command": "python benchmarks/joined_demo.py",
-                "code": {"how": "unknown", "digests": {}}, "utc": "2026-11-27T00:00:00+00:00"}
+        prov = {
+            "script": "joined_demo.py",
+            "commit": "a" * 40,
+            "command": "python benchmarks/joined_demo.py",
+            "code": {"how": "unknown", "digests": {}},
+            "utc": "2026-11-27T00:00:00+00:00",
+        }
         (tmp_path / name).write_text(json.dumps({"n": n, "provenance": prov}))
     link = "/".join(["docs", "r.md"])  # a scratch name, built in parts
     monkeypatch.setattr(doc_tables, "README_ROWS", ((("a.json", "b.json"), link),))
@@ -147,17 +164,24 @@ def test_a_code_record_changes_with_the_code_it_ran_and_only_with_it(tmp_path):
     """On scratch code: a result that ran ``f`` is current while ``f`` and the module constant it reads are; a reworded
     comment or docstring, a change to a function it did not run or a new constant leaves it current; a changed line of
     ``f``, even one that only renames a variable, or a change of the constant makes it stale, naming what changed."""
-    source = ('SCALE = 2\n\n\ndef f(x):\n    """Double."""\n    return SCALE * x  # doubled\n\n\n'
-              'def g(x):\n    return x\n')
+    source = (
+        'SCALE = 2\n\n\ndef f(x):\n    """Double."""\n    return SCALE * x  # doubled\n\n\ndef g(x):\n    return x\n'
+    )
     path = _scratch_module(tmp_path, source)
     first_line = 4  # the line `def f` starts on: what a trace records for a call of f
     record = harness.code_record({"benchmarks/model.py": {first_line}}, {"benchmarks/model.py": source})
     assert record["how"] == "traced"
-    assert set(record["digests"]) == {"benchmarks/model.py:f", "benchmarks/model.py:<module>.SCALE",
-                                      "benchmarks/model.py:<module>"}  # g did not run
+    assert set(record["digests"]) == {
+        "benchmarks/model.py:f",
+        "benchmarks/model.py:<module>.SCALE",
+        "benchmarks/model.py:<module>",
+    }  # g did not run
     assert harness.code_changes(record, str(tmp_path)) == []
-    path.write_text(source.replace('"""Double."""', '"""Twice x."""').replace("# doubled", "# twice")
-                    .replace("return x\n", "return x + 1\n"))
+    path.write_text(
+        source.replace('"""Double."""', '"""Twice x."""')
+        .replace("# doubled", "# twice")
+        .replace("return x\n", "return x + 1\n")
+    )
     assert harness.code_changes(record, str(tmp_path)) == []
     path.write_text(source.replace("def f(x):", "def f(y):").replace("SCALE * x", "SCALE * y"))
     assert harness.code_changes(record, str(tmp_path)) == ["benchmarks/model.py:f"]
@@ -174,19 +198,29 @@ def test_the_provenance_line_says_current_changed_or_unknown(tmp_path):
     source = "def f(x):\n    return 2 * x\n"
     path = _scratch_module(tmp_path, source)
     record = harness.code_record({"benchmarks/model.py": {1}}, {"benchmarks/model.py": source})
-    prov = {"script": "model.py", "commit": "a" * 40, "command": "python benchmarks/model.py", "code": record,
-            "versions": {"torch": "2.13.0"}}
-    assert "the code it ran is unchanged since" in doc_tables.provenance_sentence("r.json", {"provenance": prov}, str(tmp_path))
+    prov = {
+        "script": "model.py",
+        "commit": "a" * 40,
+        "command": "python benchmarks/model.py",
+        "code": record,
+        "versions": {"torch": "2.13.0"},
+    }
+    assert "the code it ran is unchanged since" in doc_tables.provenance_sentence(
+        "r.json", {"provenance": prov}, str(tmp_path)
+    )
     path.write_text(source.replace("2 * x", "x + x"))
-    assert "the code it ran has changed since" in doc_tables.provenance_sentence("r.json", {"provenance": prov},
-                                                                                 str(tmp_path))
+    assert "the code it ran has changed since" in doc_tables.provenance_sentence(
+        "r.json", {"provenance": prov}, str(tmp_path)
+    )
     assert doc_tables.code_status(prov, str(tmp_path)) == ("changed", ["benchmarks/model.py:f"])
-    line = doc_tables.provenance_sentence("r.json", {"provenance": prov | {"code": {"how": "unknown", "digests": {}}}},
-                                          str(tmp_path))
+    line = doc_tables.provenance_sentence(
+        "r.json", {"provenance": prov | {"code": {"how": "unknown", "digests": {}}}}, str(tmp_path)
+    )
     assert "whether the code it ran has changed since is unknown" in line
     reconstructed = prov | {"recovered": True, "command_note": "as the docs give it; not recorded by the run"}
-    assert "(command reconstructed after the run)" in doc_tables.provenance_sentence("r.json", {"provenance": reconstructed},
-                                                                                      str(tmp_path))
+    assert "(command reconstructed after the run)" in doc_tables.provenance_sentence(
+        "r.json", {"provenance": reconstructed}, str(tmp_path)
+    )
 
 
 def test_interleave_traces_one_untimed_call_of_each_run_and_times_the_rest_untraced():
@@ -199,9 +233,11 @@ def test_interleave_traces_one_untimed_call_of_each_run_and_times_the_rest_untra
         def call():
             calls.append(name)
             traced_during.append(sys.getprofile() is not None)
-            bench.forward_flops(bench.build_config("llama", bench.Shape(hidden_size=64, num_hidden_layers=1,
-                                                                        vocab_size=32)), 4, 1)
+            bench.forward_flops(
+                bench.build_config("llama", bench.Shape(hidden_size=64, num_hidden_layers=1, vocab_size=32)), 4, 1
+            )
             return 1.0
+
         return call
 
     harness.EXECUTED.clear()
@@ -268,7 +304,11 @@ def test_every_quoted_benchmark_command_parses_with_its_script():
     """The command under each table (its JSON's provenance) uses flags its script still accepts."""
     from benchmarks import bench, bench_gda, bench_vllm
 
-    parsers = {"bench.py": bench.parse_args, "bench_gda.py": bench_gda.parse_args, "bench_vllm.py": bench_vllm.parse_args}
+    parsers = {
+        "bench.py": bench.parse_args,
+        "bench_gda.py": bench_gda.parse_args,
+        "bench_vllm.py": bench_vllm.parse_args,
+    }
     parsed = 0
     for block in doc_tables.check().blocks:
         for path in block.files:
@@ -295,15 +335,22 @@ def test_the_readme_remeasure_script_runs_the_rows_it_measured():
     common = re.search(r"^common=\((.*?)\)$", script, re.M | re.S).group(1).replace("$groups", groups)
     args = [a for a in shlex.split(common) if a not in ('"${smoke[@]}"', "${smoke[@]}")]
     for dtype in ("fp32", "bf16"):
-        assert f"--dtype {dtype} \"${{common[@]}}\" --json $OUT/bench_t1cpu_{dtype}.json" in script
+        assert f'--dtype {dtype} "${{common[@]}}" --json $OUT/bench_t1cpu_{dtype}.json' in script
         ns = bench.parse_args(["--dtype", dtype, *args])
         assert bench.parse_choices(ns.only, bench.GROUPS, "--only") == [g for g in bench.GROUPS if g != "decode_static"]
         assert bench.parse_choices(ns.models, bench.MODELS, "--models") == list(bench.MODELS)
         plan, shape = bench.plan_and_shape(ns)
-        assert (plan.reps, plan.threads, plan.clock, shape.hidden_size, shape.num_hidden_layers) == (5, 1, "cpu", 512, 8)
+        assert (plan.reps, plan.threads, plan.clock, shape.hidden_size, shape.num_hidden_layers) == (
+            5,
+            1,
+            "cpu",
+            512,
+            8,
+        )
     assert "scripts/doc_tables.py --write" in script
-    committed = shlex.split(json.loads((ROOT / "benchmarks/results/bench_t1cpu_fp32.json").read_text())
-                            ["provenance"]["command"])
+    committed = shlex.split(
+        json.loads((ROOT / "benchmarks/results/bench_t1cpu_fp32.json").read_text())["provenance"]["command"]
+    )
     assert bench.parse_args(committed[2:]).only == groups
 
 

@@ -58,8 +58,12 @@ def test_deepspeed_config_is_valid_json():
 
 def test_every_example_command_parses_with_its_script():
     """Each `torchrun`/`accelerate launch` line of the doc names an existing script and arguments it accepts."""
-    commands = [line for block in doc_blocks("bash") for line in block.splitlines()
-                if line.startswith(("torchrun ", "accelerate launch "))]
+    commands = [
+        line
+        for block in doc_blocks("bash")
+        for line in block.splitlines()
+        if line.startswith(("torchrun ", "accelerate launch "))
+    ]
     assert len(commands) >= 6
     for command in commands:
         argv = shlex.split(command)

@@ -33,8 +33,10 @@ def test_binomial_sign_and_mcnemar_against_the_binomial_law():
 def test_fisher_exact_against_the_hypergeometric_law():
     for a, b, c, d in ((5, 0, 3, 2), (1, 4, 4, 1), (0, 6, 3, 3), (2, 2, 2, 2)):
         row, col, n = a + b, a + c, a + b + c + d
-        law = {x: math.comb(col, x) * math.comb(n - col, row - x) / math.comb(n, row)
-               for x in range(max(0, col - (n - row)), min(row, col) + 1)}
+        law = {
+            x: math.comb(col, x) * math.comb(n - col, row - x) / math.comb(n, row)
+            for x in range(max(0, col - (n - row)), min(row, col) + 1)
+        }
         assert et.fisher_exact(a, b, c, d) == pytest.approx(min(1.0, _two_sided(law, a)))
     assert et.fisher_exact(5, 0, 3, 2) == pytest.approx(4 / 9)  # five of five against three of five
     with pytest.raises(ValueError, match="non-negative"):

@@ -43,7 +43,11 @@ def cli_run(tmp_path_factory, tokenizer_cache):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--tokenizer-cache", tokenizer_cache, "--threads", "1"],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cwd / "runs" / "difftransformer-stdlib", proc.stdout + proc.stderr
@@ -80,8 +84,12 @@ def test_smoke_cli_trains_reports_saves_samples_and_plots(cli_run):
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     assert model.config.diff_version == 1 and len(tokenizer) == model.config.vocab_size
-    blocks = build_blocks(tokenizer, corpus_texts("validation", train_script.SMOKE["validation_max_chars"]),
-                          train_script.SMOKE["block_size"], train_script.SMOKE["eval_blocks"])
+    blocks = build_blocks(
+        tokenizer,
+        corpus_texts("validation", train_script.SMOKE["validation_max_chars"]),
+        train_script.SMOKE["block_size"],
+        train_script.SMOKE["eval_blocks"],
+    )
     with torch.no_grad():
         losses = [model(input_ids=b, labels=b).loss for b in blocks.split(train_script.SMOKE["batch_size"])]
     assert torch.stack(losses).mean().item() == pytest.approx(metrics["validation_loss"], rel=1e-4)
@@ -122,7 +130,9 @@ def test_interrupted_run_resumes_to_the_same_model(cli_run, tmp_path, tokenizer_
     assert resumed.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(resumed[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert second["validation_loss"] == pytest.approx(json.loads((reference / "metrics.json").read_text())["validation_loss"], rel=1e-5)
+    assert second["validation_loss"] == pytest.approx(
+        json.loads((reference / "metrics.json").read_text())["validation_loss"], rel=1e-5
+    )
 
 
 def test_resuming_with_different_settings_is_refused(tmp_path, tokenizer_cache):
@@ -172,8 +182,13 @@ def test_docs_ecosystem_examples_run(cli_run, tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFTRANSFORMER_CACHE", str(tmp_path / "cache"))
     uploaded = {}  # the Hub's HTTP API, replaced by a record of what would be committed
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id))
-    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: uploaded.update(
-        {repo_id: sorted(op.path_in_repo for op in operations)}))
+    monkeypatch.setattr(
+        HfApi,
+        "create_commit",
+        lambda self, repo_id, operations, **kw: uploaded.update(
+            {repo_id: sorted(op.path_in_repo for op in operations)}
+        ),
+    )
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/ecosystem.md[python block {i}]", "exec"), {"__name__": "__main__"})
     # What the blocks promise exists.
@@ -185,8 +200,19 @@ def test_docs_ecosystem_examples_run(cli_run, tmp_path, monkeypatch):
 
 
 def test_smoke_run_of_diff_v2(tmp_path, tokenizer_cache):
-    metrics = train_script.run(train_script.parse_args(
-        ["--smoke", "--diff-version", "2", "--output-dir", str(tmp_path / "v2"), "--tokenizer-cache", tokenizer_cache]))
+    metrics = train_script.run(
+        train_script.parse_args(
+            [
+                "--smoke",
+                "--diff-version",
+                "2",
+                "--output-dir",
+                str(tmp_path / "v2"),
+                "--tokenizer-cache",
+                tokenizer_cache,
+            ]
+        )
+    )
     assert not metrics["interrupted"] and metrics["diff_version"] == 2 and math.isfinite(metrics["validation_loss"])
     config = json.loads((tmp_path / "v2" / "model" / "config.json").read_text())
     assert config["diff_version"] == 2

@@ -18,9 +18,20 @@ VOCAB = 97
 
 
 def tiny(version):
-    config = DiffTransformerConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, head_dim=8, diff_version=version,
-                                   initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    config = DiffTransformerConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        diff_version=version,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
     torch.manual_seed(version)
     return DiffTransformerForCausalLM(config).eval()
 
@@ -29,13 +40,13 @@ def tiny(version):
 def test_exported_program_decodes_as_generate(version):
     model = tiny(version)
     prompt = torch.tensor([[5, 9, 13, 17, 21]])
-    expected = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
+    expected = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)[:, prompt.shape[1] :]
     program = export_for_decoding(model, max_cache_len=32)
     got = greedy_decode(program, prompt, max_new_tokens=10)
     assert got.tolist() == expected.tolist()
     # The same program instance decodes a second prompt from position 0: the cache is overwritten, not appended to.
     other = torch.tensor([[40, 41, 42]])
-    again = model.generate(other, max_new_tokens=6, do_sample=False, pad_token_id=0)[:, other.shape[1]:]
+    again = model.generate(other, max_new_tokens=6, do_sample=False, pad_token_id=0)[:, other.shape[1] :]
     assert greedy_decode(program, other, max_new_tokens=6).tolist() == again.tolist()
 
 

@@ -50,8 +50,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                       for i in range(len(cq) - 1)])  # fmt: skip
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), softcap=0.0, num_splits=1):  # fmt: skip
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, softmax_scale=None, causal=False,
+    window_size=(-1, -1), softcap=0.0, num_splits=1,
+):  # fmt: skip
     raise AssertionError("the paged kernel is only used by continuous batching")
 
 

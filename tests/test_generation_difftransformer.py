@@ -26,8 +26,14 @@ def _model(layout, attn="sdpa", seed=0, **overrides):
 
 def _greedy(model, ids, mask=None, max_new_tokens=10, **kwargs):
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-        return_dict_in_generate=True, output_scores=True, **kwargs,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
     )
     return out.sequences, torch.stack(out.scores)
 
@@ -80,7 +86,9 @@ def _confident_model(layout, period=11, steps=60):
 
 
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
-def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantization_error(layout, quanto_without_its_compiled_kernel):
+def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantization_error(
+    layout, quanto_without_its_compiled_kernel
+):
     """The quantized cache stores keys/values in 4 bits: decoding logits are off by their quantization error `err`.
     Greedy output equals the uncached greedy output at every step whose top-2 logit margin exceeds 2·err (then no
     perturbation of at most err per logit can change the argmax). On a model with clear margins, every step does."""
@@ -88,8 +96,13 @@ def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantiz
     ids = cycle[torch.arange(3, 9) % len(cycle)][None]
     cache_config = {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 2}
     out = model.generate(
-        ids, max_new_tokens=20, do_sample=False, cache_implementation="quantized", cache_config=cache_config,
-        return_dict_in_generate=True, output_scores=True,
+        ids,
+        max_new_tokens=20,
+        do_sample=False,
+        cache_implementation="quantized",
+        cache_config=cache_config,
+        return_dict_in_generate=True,
+        output_scores=True,
     )
     assert type(getattr(out, CACHE_NAME)).__name__ == "QuantizedCache"
     uncached, _ = _greedy(model, ids, use_cache=False, max_new_tokens=20)
@@ -171,9 +184,13 @@ def test_cache_holds_exactly_a_llamas_bytes(layout):
     cfg = model.config
     llama = LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
         )
     ).eval()
     ids = torch.randint(3, cfg.vocab_size, (2, 9))
@@ -209,8 +226,9 @@ def test_caches_allocated_from_the_config_before_the_first_step(layout, attn):
     with torch.no_grad():
         ref = model(ids).logits
         cache = StaticCache(config=cfg, max_cache_len=16)
-        cache.early_initialization(batch_size=2, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                                   dtype=torch.float32, device="cpu")
+        cache.early_initialization(
+            batch_size=2, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=torch.float32, device="cpu"
+        )
         steps = [model(ids[:, :6], **{CACHE_NAME: cache}, use_cache=True).logits]
         steps += [model(ids[:, t : t + 1], **{CACHE_NAME: cache}, use_cache=True).logits for t in range(6, 9)]
     torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=1e-5)
@@ -242,12 +260,21 @@ def _allowed(logits, temperature=1.0, top_k=0, top_p=1.0):
 def test_sampling_draws_every_token_from_the_models_top_k_or_top_p_set(layout, warper):
     model = _peaked_model(layout)
     ids, mask = left_padded_batch(model.config.vocab_size, [6, 4], seed=9)
-    kwargs = dict(do_sample=True, max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
-                  output_logits=True, **SAMPLING[warper])
+    kwargs = dict(
+        do_sample=True,
+        max_new_tokens=8,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        **SAMPLING[warper],
+    )
     torch.manual_seed(0)
     out = model.generate(ids, attention_mask=mask, **kwargs)
     torch.manual_seed(0)
-    assert torch.equal(model.generate(ids, attention_mask=mask, **kwargs).sequences, out.sequences)  # seeded: reproducible
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, **kwargs).sequences, out.sequences
+    )  # seeded: reproducible
     prompt_len = ids.shape[1]
     new = out.sequences[:, prompt_len:]
     logits, scores = torch.stack(out.logits, 1), torch.stack(out.scores, 1)  # (B, steps, V): raw, after the warpers
@@ -276,8 +303,9 @@ def test_sampled_token_frequencies_are_the_softmax_probabilities(layout):
     ids, _ = left_padded_batch(model.config.vocab_size, [6], seed=3)
     n, temperature = 4000, 0.8
     torch.manual_seed(0)
-    out = model.generate(ids, do_sample=True, top_k=0, temperature=temperature, max_new_tokens=1,
-                         num_return_sequences=n, pad_token_id=0)
+    out = model.generate(
+        ids, do_sample=True, top_k=0, temperature=temperature, max_new_tokens=1, num_return_sequences=n, pad_token_id=0
+    )
     freq = torch.bincount(out[:, -1], minlength=model.config.vocab_size).double() / n
     with torch.no_grad():
         logits = model(ids).logits[0, -1].double()
@@ -298,7 +326,8 @@ def test_beam_search_and_assisted_generation(layout):
     # Beam search reorders the cache between steps: with and without cache it must agree.
     beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(
-        model.generate(ids, attention_mask=mask, **beams), model.generate(ids, attention_mask=mask, use_cache=False, **beams)
+        model.generate(ids, attention_mask=mask, **beams),
+        model.generate(ids, attention_mask=mask, use_cache=False, **beams),
     )
 
     # Assisted (speculative) decoding crops the cache on rejection; greedy output must be unchanged.
@@ -318,8 +347,15 @@ def test_flex_attention_generate_or_skip_with_the_upstream_reason():
     from torch._inductor.exc import InductorError
 
     llama = LlamaForCausalLM(
-        LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
-                    num_key_value_heads=4, head_dim=8)
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=8,
+        )
     ).eval()
     llama.set_attn_implementation("flex_attention")
     ids, mask = left_padded_batch(97, [7, 4], seed=5)
@@ -327,7 +363,10 @@ def test_flex_attention_generate_or_skip_with_the_upstream_reason():
         llama.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
     except InductorError as err:
         torch._dynamo.reset()  # a failed compile leaves inductor state that breaks later flex compiles in this process
-        pytest.skip(f"torch {torch.__version__} cannot compile flex-attention decoding on this CPU, for Llama too: {str(err)[:200]}")
+        pytest.skip(
+            f"torch {torch.__version__} cannot compile flex-attention decoding on this CPU, for Llama too: "
+            f"{str(err)[:200]}"
+        )
     for layout in ("v1_gqa", "v2_gqa"):
         model = _model(layout, "flex_attention")
         seq, scores = _greedy(model, ids, mask)

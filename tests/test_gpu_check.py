@@ -107,8 +107,11 @@ def test_smoke_reports_every_check_with_a_verdict(smoke_run):
     assert len(got) == len(report["checks"]), "check names repeat"
     expected = _expected_checks()
     assert set(got) == set(expected)
-    wrong = {name: (got[name]["status"], got[name]["detail"][:300]) for name, allowed in expected.items()
-             if got[name]["status"] not in allowed}
+    wrong = {
+        name: (got[name]["status"], got[name]["detail"][:300])
+        for name, allowed in expected.items()
+        if got[name]["status"] not in allowed
+    }
     assert not wrong, wrong
     for c in got.values():
         assert set(c) >= {"name", "status", "passed", "max_err", "bound", "detail", "seconds"}
@@ -223,8 +226,16 @@ def _event(name, start, end, device="cuda", annotation=False, activity=None, par
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    event = FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, is_user_annotation=annotation,
-                          device_type=DeviceType.CUDA if device == "cuda" else DeviceType.CPU, activity_type=activity)
+    event = FunctionEvent(
+        id=0,
+        name=name,
+        thread=0,
+        start_us=start,
+        end_us=end,
+        is_user_annotation=annotation,
+        device_type=DeviceType.CUDA if device == "cuda" else DeviceType.CPU,
+        activity_type=activity,
+    )
     event.cpu_parent = parent
     return event
 
@@ -233,11 +244,16 @@ def test_the_kernel_only_profile_counts_device_kernels_once():
     """A CPU operator, a user annotation, CUPTI's "Command Buffer Full" and an overhead record are not kernels; each
     kernel counts once, by its own duration; a total above the wall time is flagged as double counting."""
     op = _event("aten::mm", 0, 100, device="cpu", activity="cpu_op")  # its device time is its kernels' time
-    events = [op, _event("my step", 0, 100, device="cpu", annotation=True, activity="user_annotation"),
-              _event("gemm_kernel", 10, 40, activity="kernel"), _event("gemm_kernel", 50, 70, activity="kernel"),
-              _event("Memset (Device)", 70, 72, activity="gpu_memset"),
-              _event("my step", 5, 95, annotation=True, activity="gpu_user_annotation"),
-              _event("Command Buffer Full", 0, 900), _event("Lazy Function Loading", 0, 50, activity="overhead")]
+    events = [
+        op,
+        _event("my step", 0, 100, device="cpu", annotation=True, activity="user_annotation"),
+        _event("gemm_kernel", 10, 40, activity="kernel"),
+        _event("gemm_kernel", 50, 70, activity="kernel"),
+        _event("Memset (Device)", 70, 72, activity="gpu_memset"),
+        _event("my step", 5, 95, annotation=True, activity="gpu_user_annotation"),
+        _event("Command Buffer Full", 0, 900),
+        _event("Lazy Function Loading", 0, 50, activity="overhead"),
+    ]
     assert [gpu_check.is_device_kernel(e) for e in events] == [False, False, True, True, True, False, False, False]
     summary = gpu_check.summarize_kernels(events, wall_s=100e-6, device="cuda", steps=2, layers=1)
     assert summary["kernel_ms"] == pytest.approx(0.052) and summary["launches"] == 3
@@ -289,8 +305,9 @@ def test_smoke_times_the_attention_candidates_with_their_backends(smoke_run):
     for row in rows:
         assert "models" in row, row
         decode = row["item"].startswith("decode")
-        candidates = {"llama_sdpa", "padded", "sdpa_two_calls", "sdpa_repeated_value"} | ({"decode_kernel"} if decode
-                                                                                            else set())
+        candidates = {"llama_sdpa", "padded", "sdpa_two_calls", "sdpa_repeated_value"} | (
+            {"decode_kernel"} if decode else set()
+        )
         for name in candidates - set(row["models"]):  # absent only where this version lacks the function
             module, function = gpu_check.CANDIDATE_FUNCTIONS[name]
             assert row["failed"][name].startswith("absent"), row["failed"][name]
@@ -309,10 +326,16 @@ def test_smoke_times_the_attention_candidates_with_their_backends(smoke_run):
 
 
 def test_sdpa_backends_are_named_from_operator_and_kernel_names():
-    assert gpu_check.sdpa_backends(["aten::_scaled_dot_product_cudnn_attention",
-                                    "cudnn_generated_fort_native_sdpa_sm90_knob_7"]) == ["cudnn"]
-    assert gpu_check.sdpa_backends(["aten::_efficient_attention_forward", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
-                                    "aten::_scaled_dot_product_flash_attention_for_cpu"]) == ["mem_efficient", "flash"]
+    assert gpu_check.sdpa_backends(
+        ["aten::_scaled_dot_product_cudnn_attention", "cudnn_generated_fort_native_sdpa_sm90_knob_7"]
+    ) == ["cudnn"]
+    assert gpu_check.sdpa_backends(
+        [
+            "aten::_efficient_attention_forward",
+            "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
+            "aten::_scaled_dot_product_flash_attention_for_cpu",
+        ]
+    ) == ["mem_efficient", "flash"]
     assert gpu_check.sdpa_backends(["aten::_scaled_dot_product_attention_math", "_diff_attn_fwd"]) == ["math", "triton"]
     assert gpu_check.sdpa_backends(["sm90_xmma_gemm_bf16bf16", "aten::mm"]) == []
 
@@ -398,14 +421,18 @@ def test_a_model_that_raises_leaves_its_row_not_the_others(monkeypatch, tmp_path
     def failing(kinds):
         def build(group, model, *args):
             if model is not None and any(model is models[k] for k in kinds):
+
                 def run():
                     raise RuntimeError("no kernel image is available for execution on the device")
+
                 return run
             return workload(group, model, *args)
+
         return build
 
-    rec = gpu_check.Recorder({"meta": {}, "checks": [], "provenance": {}}, str(tmp_path), gpu_check.Budget(60.0),
-                             lambda line: None)
+    rec = gpu_check.Recorder(
+        {"meta": {}, "checks": [], "provenance": {}}, str(tmp_path), gpu_check.Budget(60.0), lambda line: None
+    )
     spec = bench.group_items("prefill", plan)[0]
     monkeypatch.setattr(gpu_check, "_row_workload", failing(["ours_v1"]))
     row = gpu_check.measure_row(rec, "prefill", spec, models, plan, gpu_check.smoke_profile())
@@ -436,9 +463,11 @@ def test_gpu_memory_rows_with_a_stand_in_allocator(monkeypatch):
                 yield kind, model
 
     rows = gpu_check.memory_rows(Tracking(models), plan)
-    assert [r["item"] for r in rows] == ["peak MiB prefill {}x{}".format(*plan.memory_prefill),
-                                         f"peak MiB decode b{plan.memory_decode_batch}",
-                                         "peak MiB train {}x{}".format(*plan.train_shape)]
+    assert [r["item"] for r in rows] == [
+        "peak MiB prefill {}x{}".format(*plan.memory_prefill),
+        f"peak MiB decode b{plan.memory_decode_batch}",
+        "peak MiB train {}x{}".format(*plan.train_shape),
+    ]
     for row in rows:
         assert row["unit"] == "MiB"
         assert row["models"]["llama"]["median"] == pytest.approx(2.0) and row["models"]["ours_v2"]["ratio"] == 1.0
@@ -451,8 +480,11 @@ def test_the_committed_gpu_results_render_and_give_the_readme_row():
     speed = json.loads((ROOT / "benchmarks/results/gpu_check_h200_2026-11-28_speed.json").read_text())
     checks = json.loads((ROOT / "benchmarks/results/gpu_check_h200_2026-11-28_checks.json").read_text())
     readme = gpu_check.readme_rows(speed)
-    assert [label.split(",")[0] for label, _ in readme] == ["GPU prefill 8×2048", "GPU training step 8×2048",
-                                                           "GPU decode at batch 1"]
+    assert [label.split(",")[0] for label, _ in readme] == [
+        "GPU prefill 8×2048",
+        "GPU training step 8×2048",
+        "GPU decode at batch 1",
+    ]
     assert all("(NVIDIA H200, bf16, Llama-3.2-1B's shape)" in label for label, _ in readme)
     rows = {r["item"]: r["models"] for r in speed["speed"]["shapes"]["llama-3.2-1b"]["results"]}
     v1, v2 = rows["prefill 8x2048"]["ours_v1"]["paired_ratio"], rows["prefill 8x2048"]["ours_v2"]["paired_ratio"]
@@ -483,8 +515,9 @@ def test_shell_scripts_parse(script):
 
 
 def test_gpu_check_sh_help_needs_no_gpu():
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Usage:" in proc.stdout and "GIT_COMMIT" in proc.stdout and "set -" not in proc.stdout
 
@@ -495,10 +528,20 @@ def test_gpu_check_sh_runs_the_module_and_keeps_its_log(tmp_path):
     out, wheels = tmp_path / "out", tmp_path / "no-wheels"
     wheels.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
-        "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(wheels), "GIT_COMMIT": "0" * 40, "GIT_DIRTY": "0",
-        "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--", "--smoke", "--only",
-                           "tuning"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        "PYTHON": sys.executable,
+        "GPU_CHECK_WHEELS": str(wheels),
+        "GIT_COMMIT": "0" * 40,
+        "GIT_DIRTY": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--", "--smoke", "--only", "tuning"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / gpu_check.REPORT).read_text())
     assert report["meta"]["finished"] and report["meta"]["git_commit"] == "0" * 40

@@ -53,7 +53,12 @@ def test_derived_sizes(layout):
     version, hq, hkv, noise = GDA_LAYOUTS[layout]
     cfg = tiny_config(layout)
     groups = hkv // 2 if version == 1 else hkv
-    assert (cfg.noise_heads, cfg.num_diff_heads, cfg.noise_ratio, cfg.num_kv_groups) == (noise, hq - noise, (hq - noise) // noise, groups)
+    assert (cfg.noise_heads, cfg.num_diff_heads, cfg.noise_ratio, cfg.num_kv_groups) == (
+        noise,
+        hq - noise,
+        (hq - noise) // noise,
+        groups,
+    )
     attn = DiffTransformerForCausalLM(cfg).model.layers[0].self_attn
     assert attn.o_proj.in_features == cfg.num_diff_heads * (2 if version == 1 else 1) * cfg.head_dim
     assert attn.q_proj.out_features == hq * cfg.head_dim and attn.num_key_value_groups == hq // groups
@@ -72,7 +77,9 @@ def test_derived_sizes(layout):
     ],
 )
 def test_invalid_grouped_configs_name_the_fields_and_allowed_values(overrides, texts):
-    base = dict(hidden_size=64, num_attention_heads=10, num_key_value_heads=4, num_noise_heads=2, head_dim=8, diff_version=1)
+    base = dict(
+        hidden_size=64, num_attention_heads=10, num_key_value_heads=4, num_noise_heads=2, head_dim=8, diff_version=1
+    )
     with pytest.raises(Exception) as err:
         DiffTransformerConfig(**{**base, **overrides})
     for text in texts:
@@ -147,7 +154,8 @@ def test_flex_attention_matches_float64_reference(layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_output_attentions_are_the_grouped_differential_maps(layout):
-    """Eager returns ``A_h − λ A_noise(h)`` per head, the maps the reference computes, and its output is made of them."""
+    """Eager returns ``A_h − λ A_noise(h)`` per head, the maps the reference computes, and its output is made of
+    them."""
     model = _model(layout, "eager")
     ids, mask = left_padded_batch(model.config.vocab_size, [7, 4], seed=3)
     _, ref_maps = reference_forward(model, ids, mask)
@@ -168,8 +176,8 @@ def test_a_mispaired_noise_head_is_caught_by_the_reference():
     with torch.no_grad():
         for layer in model.model.layers:
             w = layer.self_attn.q_proj.weight
-            first, second = w[n * d:(n + 1) * d].clone(), w[(n + 1) * d:(n + 2) * d].clone()
-            w[n * d:(n + 1) * d], w[(n + 1) * d:(n + 2) * d] = second, first
+            first, second = w[n * d : (n + 1) * d].clone(), w[(n + 1) * d : (n + 2) * d].clone()
+            w[n * d : (n + 1) * d], w[(n + 1) * d : (n + 2) * d] = second, first
         logits = model(ids, attention_mask=mask).logits
     assert (logits[mask.bool()].double() - ref[mask.bool()]).abs().max() > 1e-2
 
@@ -225,13 +233,17 @@ def test_decode_kernels_with_shared_noise_maps_equal_the_formula(version):
             if version == 1:
                 a1 = softmax(query[:, gg, j], key[:, 2 * gg])
                 a2 = softmax(query[:, gg, n + j // r], key[:, 2 * gg + 1])
-                ref[:, h] = torch.einsum("bs,bse->be", a1 - lam1 * a2, torch.cat((value[:, 2 * gg], value[:, 2 * gg + 1]), -1))
+                ref[:, h] = torch.einsum(
+                    "bs,bse->be", a1 - lam1 * a2, torch.cat((value[:, 2 * gg], value[:, 2 * gg + 1]), -1)
+                )
             else:
                 k = h // r  # noise head
                 a1, a2 = (softmax(query[:, 0, k * (r + 1) + i], key[:, gg]) for i in (h % r, r))
                 ref[:, h] = torch.einsum("bs,bse->be", a1 - lam2[:, 0, h, None] * a2, value[:, gg])
         if version == 1:
-            out = kernels.differential_decode_attention(query.reshape(b, 1, -1, d), key, value, lam1, d**-0.5, mask, noise_ratio=r)[:, 0]
+            out = kernels.differential_decode_attention(
+                query.reshape(b, 1, -1, d), key, value, lam1, d**-0.5, mask, noise_ratio=r
+            )[:, 0]
         else:
             out = kernels.pair_decode_attention(query, key, value, lam2, d**-0.5, mask, noise_ratio=r)[:, 0]
         torch.testing.assert_close(out, ref)
@@ -271,7 +283,9 @@ def bf16_case(request):
     ids, mask = left_padded_batch(model.config.vocab_size, [8, 5], seed=2)
     valid = mask.bool()
     exact = reference_forward(model, ids, mask)[0][valid]
-    bound = bf16_error_bound([reference_forward(model, ids, mask, rnd=RoundingModel(s))[0][valid] for s in range(8)], exact, 3.0)
+    bound = bf16_error_bound(
+        [reference_forward(model, ids, mask, rnd=RoundingModel(s))[0][valid] for s in range(8)], exact, 3.0
+    )
     return request.param, model, ids, mask, exact, bound
 
 
@@ -290,13 +304,19 @@ def test_bfloat16_within_the_rounding_model(bf16_case, backend):
         wrong = copy.deepcopy(model)
         cfg, d = model.config, model.config.head_dim
         noise = list(GDA_LAYOUTS[layout])[3]
-        rows = [h * (cfg.noise_ratio + 1) + cfg.noise_ratio for h in range(noise)] if cfg.diff_version == 2 else \
-            [g * (cfg.num_attention_heads // cfg.num_kv_groups) + cfg.num_diff_heads // cfg.num_kv_groups for g in range(cfg.num_kv_groups)]
+        rows = (
+            [h * (cfg.noise_ratio + 1) + cfg.noise_ratio for h in range(noise)]
+            if cfg.diff_version == 2
+            else [
+                g * (cfg.num_attention_heads // cfg.num_kv_groups) + cfg.num_diff_heads // cfg.num_kv_groups
+                for g in range(cfg.num_kv_groups)
+            ]
+        )
         with torch.no_grad():
             for layer in wrong.model.layers:
                 w = layer.self_attn.q_proj.weight
-                a, b_ = w[rows[0] * d:(rows[0] + 1) * d].clone(), w[rows[1] * d:(rows[1] + 1) * d].clone()
-                w[rows[0] * d:(rows[0] + 1) * d], w[rows[1] * d:(rows[1] + 1) * d] = b_, a
+                a, b_ = w[rows[0] * d : (rows[0] + 1) * d].clone(), w[rows[1] * d : (rows[1] + 1) * d].clone()
+                w[rows[0] * d : (rows[0] + 1) * d], w[rows[1] * d : (rows[1] + 1) * d] = b_, a
             wrong_err = (wrong(ids, attention_mask=mask).logits[valid].double() - exact).abs().max().item()
         assert wrong_err > bound, (wrong_err, bound)
 
@@ -322,15 +342,26 @@ def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, backen
     model = copy.deepcopy(model).train()
     _set_backend(model, backend, monkeypatch)
     model(ids, attention_mask=mask, labels=labels).loss.backward()
-    outside = {k: round((p.grad.double() - exact[k]).abs().max().item() / bounds[k], 2) for k, p in model.named_parameters()
-               if (p.grad.double() - exact[k]).abs().max().item() > bounds[k]}
+    outside = {
+        k: round((p.grad.double() - exact[k]).abs().max().item() / bounds[k], 2)
+        for k, p in model.named_parameters()
+        if (p.grad.double() - exact[k]).abs().max().item() > bounds[k]
+    }
     assert not outside, f"gradient errors in units of their bound: {outside}"
 
 
 # ------------------------------------------------------------------------------------------------- caches, generate
 def _greedy(model, ids, mask=None, max_new_tokens=8, **kwargs):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                         return_dict_in_generate=True, output_scores=True, **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
+    )
     return out.sequences, torch.stack(out.scores)
 
 
@@ -368,8 +399,8 @@ def test_batched_left_padding_equals_each_prompt_alone(layout, attn):
     ids, mask = left_padded_batch(model.config.vocab_size, lengths, seed=8)
     batch_seq, batch_scores = _greedy(model, ids, mask)
     for b, length in enumerate(lengths):
-        alone_seq, alone_scores = _greedy(model, ids[b:b + 1, -length:])
-        assert torch.equal(batch_seq[b, -(length + 8):], alone_seq[0])
+        alone_seq, alone_scores = _greedy(model, ids[b : b + 1, -length:])
+        assert torch.equal(batch_seq[b, -(length + 8) :], alone_seq[0])
         torch.testing.assert_close(batch_scores[:, b], alone_scores[:, 0], atol=1e-4, rtol=0)
 
 
@@ -389,12 +420,20 @@ def test_quantized_cache_within_its_error(layout, quanto_without_its_compiled_ke
     model.eval()
     ids = cycle[torch.arange(3, 9) % period][None]
     cache_config = {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 2}
-    out = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="quantized", cache_config=cache_config,
-                         return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+    out = model.generate(
+        ids,
+        max_new_tokens=16,
+        do_sample=False,
+        cache_implementation="quantized",
+        cache_config=cache_config,
+        return_dict_in_generate=True,
+        output_scores=True,
+        pad_token_id=0,
+    )
     uncached, _ = _greedy(model, ids, use_cache=False, max_new_tokens=16)
     assert torch.equal(out.sequences, uncached)
     with torch.no_grad():
-        exact = model(out.sequences).logits[0, ids.shape[1] - 1:-1]
+        exact = model(out.sequences).logits[0, ids.shape[1] - 1 : -1]
     err = (torch.stack(out.scores)[:, 0] - exact).abs().amax(-1)
     top2 = exact.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1] > 2 * err).all()
@@ -407,13 +446,16 @@ def test_continuous_batching_matches_generate(layout, attn):
     model = _model(layout, attn)
     prompts = [[5, 17, 3, 90, 42, 7], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
     greedy = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=0)
-    outputs = model.generate_batch(prompts, generation_config=greedy,
-                                   continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, page_size=8, max_batch_tokens=64))
+    outputs = model.generate_batch(
+        prompts,
+        generation_config=greedy,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, page_size=8, max_batch_tokens=64),
+    )
     by_prompt = {tuple(out.prompt_ids): out for out in outputs.values()}
     for prompt in prompts:
         out = by_prompt[tuple(prompt)]
         assert out.error is None, out.error
-        expected = model.generate(torch.tensor([prompt]), generation_config=greedy)[0, len(prompt):].tolist()
+        expected = model.generate(torch.tensor([prompt]), generation_config=greedy)[0, len(prompt) :].tolist()
         assert out.generated_tokens == expected, (prompt, out.generated_tokens, expected)
 
 
@@ -425,13 +467,19 @@ def test_duplicated_form_computes_the_same_function_and_converts_back(layout):
     model = _model(layout)
     plain = gda_to_duplicated(model)
     cfg = plain.config
-    assert cfg.noise_ratio == 1 and cfg.num_noise_heads is None and cfg.num_attention_heads == 2 * model.config.num_diff_heads
+    assert (
+        cfg.noise_ratio == 1
+        and cfg.num_noise_heads is None
+        and cfg.num_attention_heads == 2 * model.config.num_diff_heads
+    )
     ids, mask = left_padded_batch(model.config.vocab_size, [9, 6], seed=4)
     for attn in ("sdpa", "eager"):
         model.set_attn_implementation(attn)
         plain.set_attn_implementation(attn)
         with torch.no_grad():
-            torch.testing.assert_close(plain(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(
+                plain(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, atol=1e-6, rtol=1e-6
+            )
     assert torch.equal(_greedy(plain, ids, mask)[0], _greedy(model, ids, mask)[0])
     back = duplicated_to_gda(plain, model.config.noise_heads)
     assert back.config.to_diff_dict() == model.config.to_diff_dict()
@@ -463,18 +511,43 @@ def test_folder_conversion_to_duplicated_and_back(tmp_path, capsys):
     written on a refused conversion, one-line errors with exit 2."""
     model = _model("v2_gda4")
     model.save_pretrained(tmp_path / "gda")
-    result = convert("difftransformer", tmp_path / "gda", tmp_path / "dup", target="duplicated", verify=True, progress=False)
+    result = convert(
+        "difftransformer", tmp_path / "gda", tmp_path / "dup", target="duplicated", verify=True, progress=False
+    )
     assert result.exact and result.max_logit_diff <= 1e-5 and result.config.num_attention_heads == 16
-    result = convert("difftransformer", tmp_path / "dup", tmp_path / "back", target="gda", num_noise_heads=2, verify=True, progress=False)
+    result = convert(
+        "difftransformer",
+        tmp_path / "dup",
+        tmp_path / "back",
+        target="gda",
+        num_noise_heads=2,
+        verify=True,
+        progress=False,
+    )
     assert result.max_logit_diff == 0 and result.config.num_noise_heads == 2
     back = DiffTransformerForCausalLM.from_pretrained(tmp_path / "back")
     for (k, v), v2 in zip(model.state_dict().items(), back.state_dict().values()):
         assert torch.equal(v, v2), k
     cli = ["--from", "difftransformer", "--no-progress"]
     for extra, message in (
-        (["--to", "gda", "--input", str(tmp_path / "dup"), "--output", str(tmp_path / "x")], "--num-noise-heads goes with --to gda"),
+        (
+            ["--to", "gda", "--input", str(tmp_path / "dup"), "--output", str(tmp_path / "x")],
+            "--num-noise-heads goes with --to gda",
+        ),
         (["--to", "duplicated", "--input", str(tmp_path / "dup"), "--output", str(tmp_path / "x")], "already a plain"),
-        (["--to", "gda", "--num-noise-heads", "8", "--input", str(tmp_path / "gda"), "--output", str(tmp_path / "x")], "already grouped"),
+        (
+            [
+                "--to",
+                "gda",
+                "--num-noise-heads",
+                "8",
+                "--input",
+                str(tmp_path / "gda"),
+                "--output",
+                str(tmp_path / "x"),
+            ],
+            "already grouped",
+        ),
         (["--to", "diffllama", "--input", str(tmp_path / "gda"), "--output", str(tmp_path / "x")], "DIFF V1 only"),
     ):
         capsys.readouterr()
@@ -492,5 +565,6 @@ def test_speed_benchmark_runs():
 
     report = bench_gda.main(["--smoke"])
     assert [(r["workload"], r["diff_version"]) for r in report["rows"]] == [
-        (w, v) for w in ("prefill 1x16", "decode b2", "train 2x8") for v in (1, 2)]
+        (w, v) for w in ("prefill 1x16", "decode b2", "train 2x8") for v in (1, 2)
+    ]
     assert all(r["gda"]["median"] > 0 and r["duplicated"]["median"] > 0 and r["paired"][0] > 0 for r in report["rows"])

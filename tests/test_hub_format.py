@@ -31,9 +31,16 @@ def tokenizer(tmp_path_factory):
 
 def make_model(tokenizer, version):
     config = DiffTransformerConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, diff_version=version, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=version,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(version)
     return DiffTransformerForCausalLM(config).eval()
@@ -72,8 +79,16 @@ def test_save_for_hub_writes_every_file_and_a_card_stating_the_version(tokenizer
     for version in (1, 2):
         folder = save_for_hub(make_model(tokenizer, version), tmp_path / f"v{version}", tokenizer=tokenizer)
         names = {p.name for p in folder.iterdir()}
-        assert {"config.json", "model.safetensors", "generation_config.json", "configuration_difftransformer.py",
-                "modeling_difftransformer.py", "tokenizer.json", "tokenizer_config.json", "README.md"} <= names
+        assert {
+            "config.json",
+            "model.safetensors",
+            "generation_config.json",
+            "configuration_difftransformer.py",
+            "modeling_difftransformer.py",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "README.md",
+        } <= names
         config = json.loads((folder / "config.json").read_text())
         assert config["diff_version"] == version
         assert {"AutoConfig", "AutoModel", "AutoModelForCausalLM"} <= config["auto_map"].keys()
@@ -117,7 +132,8 @@ REMOTE_LOAD = textwrap.dedent("""
             tokenizer = AutoTokenizer.from_pretrained(folder)
             generator = pipeline("text-generation", model=folder, trust_remote_code=True)
             text = generator("def f(", max_new_tokens=5, min_new_tokens=5, do_sample=False)[0]["generated_text"]
-            assert text.startswith("def f(") and len(tokenizer(text)["input_ids"]) > len(tokenizer("def f(")["input_ids"])
+            assert text.startswith("def f(") and len(tokenizer(text)["input_ids"]) > len(tokenizer("def
+            f(")["input_ids"])
     print("ok")
 """)
 
@@ -125,10 +141,17 @@ REMOTE_LOAD = textwrap.dedent("""
 def _expected(model, folder, with_tokenizer):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(IDS)).logits
-    folder.with_name(folder.name + ".expected.json").write_text(json.dumps({
-        "ids": IDS, "logits": logits.tolist(), "diff_version": model.config.diff_version,
-        "eos": model.config.eos_token_id, "tokenizer": with_tokenizer,
-    }))
+    folder.with_name(folder.name + ".expected.json").write_text(
+        json.dumps(
+            {
+                "ids": IDS,
+                "logits": logits.tolist(),
+                "diff_version": model.config.diff_version,
+                "eos": model.config.eos_token_id,
+                "tokenizer": with_tokenizer,
+            }
+        )
+    )
 
 
 def test_pushed_folders_load_elsewhere_without_the_package(tokenizer, fake_hub, tmp_path):
@@ -141,13 +164,27 @@ def test_pushed_folders_load_elsewhere_without_the_package(tokenizer, fake_hub, 
     tokenizer.push_to_hub("user/diff-v2")
 
     pushed = dict(fake_hub.commits)
-    assert pushed["user/diff-v1"] == sorted([
-        "README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json", *SOURCE_FILES,
-    ])
-    assert {"configuration_difftransformer.py", "modeling_difftransformer.py", "kernels_difftransformer.py"} <= set(SOURCE_FILES)
-    assert {"config.json", "model.safetensors", "generation_config.json", "configuration_difftransformer.py",
-            "modeling_difftransformer.py"} <= set(fake_hub.commits[1][1])
+    assert pushed["user/diff-v1"] == sorted(
+        [
+            "README.md",
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            *SOURCE_FILES,
+        ]
+    )
+    assert {"configuration_difftransformer.py", "modeling_difftransformer.py", "kernels_difftransformer.py"} <= set(
+        SOURCE_FILES
+    )
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "configuration_difftransformer.py",
+        "modeling_difftransformer.py",
+    } <= set(fake_hub.commits[1][1])
     check_hub_folder(fake_hub.root / "user" / "diff-v1")
     assert "DIFF V1" in (fake_hub.root / "user" / "diff-v1" / "README.md").read_text()
 
@@ -155,8 +192,14 @@ def test_pushed_folders_load_elsewhere_without_the_package(tokenizer, fake_hub, 
     _expected(v1, folders[0], True)
     _expected(v2, folders[1], True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", REMOTE_LOAD, *map(str, folders)], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", REMOTE_LOAD, *map(str, folders)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
 
 

@@ -1,8 +1,8 @@
 """V1's CPU kernels under ``attn_implementation="sdpa"`` (blocked materialisation, decode) against eager.
 
-The forward of every backend is already compared with the float64 reference (difftransformer/testing_utils.py) in test_modeling; here: the
-kernel's own gradients (float64 gradcheck), its masking conventions, several blocks per call, and, inside a model,
-eager's logits, generations and parameter gradients in float32 and bfloat16.
+The forward of every backend is already compared with the float64 reference (difftransformer/testing_utils.py) in
+test_modeling; here: the kernel's own gradients (float64 gradcheck), its masking conventions, several blocks per call,
+and, inside a model, eager's logits, generations and parameter gradients in float32 and bfloat16.
 """
 
 import copy
@@ -26,12 +26,15 @@ from difftransformer.testing_utils import (
 def _inputs(b, g, n, t, s, d, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q1, q2 = (torch.randn(b, g, n, t, d, dtype=dtype, generator=gen) for _ in range(2))
-    key, value = (torch.randn(b, 2 * g, s, d, dtype=dtype, generator=gen) for _ in range(2))  # as cached: (B, Hkv, S, d)
+    key, value = (
+        torch.randn(b, 2 * g, s, d, dtype=dtype, generator=gen) for _ in range(2)
+    )  # as cached: (B, Hkv, S, d)
     return q1, q2, key, value, torch.tensor(0.37, dtype=dtype)
 
 
 def _materialised(q1, q2, key, value, lam, allowed):
-    """Whole-map ``(softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d))·V`` with ``allowed`` ``(B, 1, T, S)``; → ``(B, T, G, n, 2d)``."""
+    """Whole-map ``(softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d))·V`` with ``allowed`` ``(B, 1, T, S)``; → ``(B, T, G, n,
+    2d)``."""
     d = q1.shape[-1]
     maps = []
     for q, k in ((q1, key[:, 0::2]), (q2, key[:, 1::2])):  # group g: key heads 2g (map 1) and 2g + 1 (map 2)
@@ -41,7 +44,9 @@ def _materialised(q1, q2, key, value, lam, allowed):
     return out.permute(0, 3, 1, 2, 4)
 
 
-@pytest.mark.parametrize("q_len,kv_len,masked", [(5, 5, False), (3, 8, True), (6, 6, True), (1, 6, False), (1, 6, True)])
+@pytest.mark.parametrize(
+    "q_len,kv_len,masked", [(5, 5, False), (3, 8, True), (6, 6, True), (1, 6, False), (1, 6, True)]
+)
 def test_blocked_kernel_gradients_are_exact(q_len, kv_len, masked):
     b, g, n, d = 2, 2, 2, 4
     args = [x.requires_grad_() for x in _inputs(b, g, n, q_len, kv_len, d)]
@@ -61,7 +66,9 @@ def test_mask_conventions_match_the_materialised_formula(block):
     # square causal, no mask
     q1, q2, key, value, lam = _inputs(b, g, n, 7, 7, d)
     out = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
-    torch.testing.assert_close(out, _materialised(q1, q2, key, value, lam, torch.ones(7, 7, dtype=torch.bool).tril()[None, None]))
+    torch.testing.assert_close(
+        out, _materialised(q1, q2, key, value, lam, torch.ones(7, 7, dtype=torch.bool).tril()[None, None])
+    )
     # one query, no mask: the whole cache
     q1, q2, key, value, lam = _inputs(b, g, n, 1, 9, d, seed=1)
     out = kernels.blocked_differential_attention(q1, q2, key, value, lam, d**-0.5, None, block)
@@ -91,8 +98,16 @@ def test_mask_conventions_match_the_materialised_formula(block):
 
 
 def _model(kv_heads: int, version: int = 1, seed: int = 0) -> DiffTransformerForCausalLM:
-    cfg = DiffTransformerConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                num_attention_heads=8, num_key_value_heads=kv_heads, diff_version=version, pad_token_id=0)
+    cfg = DiffTransformerConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        diff_version=version,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     model = DiffTransformerForCausalLM(cfg)
     with torch.no_grad():
@@ -109,8 +124,14 @@ def _run(model, impl, ids, mask):
     with torch.no_grad():
         logits = model(ids, attention_mask=mask).logits
         generated = {
-            cache: model.generate(ids[:, :12], attention_mask=mask[:, :12], max_new_tokens=6, do_sample=False,
-                                  cache_implementation=cache, pad_token_id=0)
+            cache: model.generate(
+                ids[:, :12],
+                attention_mask=mask[:, :12],
+                max_new_tokens=6,
+                do_sample=False,
+                cache_implementation=cache,
+                pad_token_id=0,
+            )
             for cache in ("dynamic", "static")
         }
     model.zero_grad()
@@ -122,12 +143,21 @@ def _run(model, impl, ids, mask):
     return logits, generated, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-V1_SDPA_KERNELS = [("auto", True), ("auto", False), ("padded", True), ("padded", False), ("sdpa_two_calls", True),
-                   ("sdpa_repeated_value", True)]
+V1_SDPA_KERNELS = [
+    ("auto", True),
+    ("auto", False),
+    ("padded", True),
+    ("padded", False),
+    ("sdpa_two_calls", True),
+    ("sdpa_repeated_value", True),
+]
 
 
-@pytest.mark.parametrize(("kernel", "padded"), V1_SDPA_KERNELS, ids=[f"{k}-{'left-padded' if p else 'no-padding'}"
-                                                                     for k, p in V1_SDPA_KERNELS])
+@pytest.mark.parametrize(
+    ("kernel", "padded"),
+    V1_SDPA_KERNELS,
+    ids=[f"{k}-{'left-padded' if p else 'no-padding'}" for k, p in V1_SDPA_KERNELS],
+)
 @pytest.mark.parametrize("kv_heads", [4, 8, 2])  # n = 2, 1 and 4 differential heads per KV group
 def test_sdpa_kernel_equals_eager_in_a_model(kv_heads, kernel, padded, monkeypatch):
     """Logits, greedy generations (dynamic and static cache) and every parameter gradient of every V1 kernel under
@@ -200,8 +230,11 @@ def _bf16_grads(case, impl, kernel="auto"):
 def _outside_bounds(case, grads):
     exact, bounds = case[4], case[5]
     assert grads.keys() <= exact.keys() and len(grads) == len(exact) - ("lm_head.weight" not in grads)
-    return {k: (round((g - exact[k]).abs().max().item() / bounds[k], 2)) for k, g in grads.items()
-            if (g - exact[k]).abs().max().item() > bounds[k]}
+    return {
+        k: (round((g - exact[k]).abs().max().item() / bounds[k], 2))
+        for k, g in grads.items()
+        if (g - exact[k]).abs().max().item() > bounds[k]
+    }
 
 
 def _training_kernels(version):
@@ -220,7 +253,8 @@ def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, path):
 
 def test_bfloat16_gradients_of_every_kernel_within_the_rounding_model(bf16_training_case):
     """The same bound for every other kernel a user can choose (model.set_differential_kernel): V1's padded call, its
-    two stock-SDPA paths (CUDA's default), V2's standard call and causal blocks (float32 only: the standard call here)."""
+    two stock-SDPA paths (CUDA's default), V2's standard call and causal blocks (float32 only: the standard call
+    here)."""
     version = bf16_training_case[0].config.diff_version
     for kernel in _training_kernels(version):
         outside = _outside_bounds(bf16_training_case, _bf16_grads(bf16_training_case, "sdpa", kernel))
@@ -310,7 +344,8 @@ def test_causal_block_attention_equals_causal_sdpa():
     inputs64 = [x.detach().double().requires_grad_() for x in (query, key, value)]
     q64, k64, v64 = inputs64
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q64, k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1), is_causal=True, scale=0.25)
+        q64, k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1), is_causal=True, scale=0.25
+    )
     (ref * grad.double()).sum().backward()
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
     for x, x64 in zip((query, key, value), inputs64):
@@ -321,9 +356,9 @@ def test_causal_block_attention_equals_causal_sdpa():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_v2_prompt_lengths_take_the_causal_block_path_and_equal_eager(dtype, monkeypatch):
-    """A V2 model under sdpa, on prompt lengths the block path covers (shrunk here to 24 tokens or more, in 8-row blocks):
-    float32 logits, greedy generations and every parameter gradient equal eager's; a padded batch, a bfloat16 model
-    and a shorter prompt keep transformers' sdpa call."""
+    """A V2 model under sdpa, on prompt lengths the block path covers (shrunk here to 24 tokens or more, in 8-row
+    blocks): float32 logits, greedy generations and every parameter gradient equal eager's; a padded batch, a bfloat16
+    model and a shorter prompt keep transformers' sdpa call."""
     monkeypatch.setattr(kernels, "_CAUSAL_BLOCK", 8)
     monkeypatch.setattr(kernels, "CAUSAL_BLOCK_MIN_LENGTH", 24)
     calls = []
@@ -344,13 +379,19 @@ def test_v2_prompt_lengths_take_the_causal_block_path_and_equal_eager(dtype, mon
         torch.testing.assert_close(fast[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     calls.clear()
     with torch.no_grad():  # generate() from a 32-token prompt: its prefill takes the block path, then decoding
-        long_prompt = {impl: model.set_attn_implementation(impl) or model.generate(
-            ids[:, :32], attention_mask=mask[:, :32], max_new_tokens=5, do_sample=False, pad_token_id=0)
-            for impl in ("eager", "sdpa")}
+        long_prompt = {
+            impl: model.set_attn_implementation(impl)
+            or model.generate(
+                ids[:, :32], attention_mask=mask[:, :32], max_new_tokens=5, do_sample=False, pad_token_id=0
+            )
+            for impl in ("eager", "sdpa")
+        }
     assert torch.equal(long_prompt["sdpa"], long_prompt["eager"]) and len(calls) == model.config.num_hidden_layers
     calls.clear()
     with torch.no_grad():
-        model(ids, attention_mask=mask.index_fill(1, torch.tensor([0]), 0))  # padding: a boolean mask reaches the kernel
+        model(
+            ids, attention_mask=mask.index_fill(1, torch.tensor([0]), 0)
+        )  # padding: a boolean mask reaches the kernel
         model(ids[:, :20])  # shorter than the block path's lengths
         model.to(dtype)(ids)  # bfloat16 keeps SDPA's single call (float32 runs the block path)
     assert len(calls) == (model.config.num_hidden_layers if dtype == torch.float32 else 0)
@@ -372,8 +413,12 @@ def test_v2_pair_decode_equals_the_formula(n):
         ref = torch.empty(b, 1, g * n, d, dtype=torch.float64)
         for h in range(g * n):
             k, v = key[:, h // n], value[:, h // n]  # (B, S, d)
-            a = [(torch.einsum("bd,bsd->bs", query[:, 0, 2 * h + c], k) * d**-0.5).masked_fill(~allowed, float("-inf"))
-                 .softmax(-1) for c in (0, 1)]
+            a = [
+                (torch.einsum("bd,bsd->bs", query[:, 0, 2 * h + c], k) * d**-0.5)
+                .masked_fill(~allowed, float("-inf"))
+                .softmax(-1)
+                for c in (0, 1)
+            ]
             ref[:, 0, h] = torch.einsum("bs,bsd->bd", a[0] - lam[:, 0, h, None] * a[1], v)
         torch.testing.assert_close(kernels.pair_decode_attention(query, key, value, lam, d**-0.5, mask), ref)
 
@@ -396,11 +441,21 @@ def test_v2_decode_steps_take_the_pair_kernel_and_equal_eager(monkeypatch):
             model.set_attn_implementation(impl)
             calls.clear()
             with torch.no_grad():
-                out[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                                           cache_implementation=cache, output_logits=True, return_dict_in_generate=True)
+                out[impl] = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=6,
+                    do_sample=False,
+                    pad_token_id=0,
+                    cache_implementation=cache,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
             assert len(calls) == (5 * layers if impl == "sdpa" else 0), (cache, impl)  # 6 tokens: 5 decode steps
         assert torch.equal(out["sdpa"].sequences, out["eager"].sequences), cache
-        torch.testing.assert_close(torch.stack(out["sdpa"].logits), torch.stack(out["eager"].logits), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.stack(out["sdpa"].logits), torch.stack(out["eager"].logits), rtol=1e-5, atol=1e-5
+        )
     calls.clear()
     model(ids[:, :1]).logits.sum().backward()  # one token with autograd: no decode kernel
     assert not calls
@@ -438,15 +493,24 @@ def test_private_flash_operators_are_used_only_with_the_schema_the_kernel_calls(
 
     class ChangedSchema:  # the same operator with one argument renamed, as a future torch might ship it
         class default:
-            _schema = SimpleNamespace(arguments=[SimpleNamespace(name=a.name.replace("scale", "softmax_scale"))
-                                                 for a in real.default._schema.arguments],
-                                      returns=real.default._schema.returns)
+            _schema = SimpleNamespace(
+                arguments=[
+                    SimpleNamespace(name=a.name.replace("scale", "softmax_scale"))
+                    for a in real.default._schema.arguments
+                ],
+                returns=real.default._schema.returns,
+            )
 
     with caplog.at_level("WARNING", logger=kernels.__name__):
         assert kernels.private_op(name, ops=SimpleNamespace()) is None
         assert kernels.private_op(name, ops=SimpleNamespace(**{name: ChangedSchema})) is None
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and "has no aten." in lines[0] and "has a changed aten." in lines[1] and "softmax_scale" in lines[1]
+    assert (
+        len(lines) == 2
+        and "has no aten." in lines[0]
+        and "has a changed aten." in lines[1]
+        and "softmax_scale" in lines[1]
+    )
     assert all("\n" not in line for line in lines)
 
 
@@ -500,8 +564,9 @@ def test_every_v1_kernel_matches_the_float64_reference(layout, kernel):
         logits, unmasked = model(ids, attention_mask=mask).logits, model(plain).logits
     assert {m.last_kernel for m in model.modules() if isinstance(m, mdt.DiffTransformerAttention)} == {kernel}
     valid = mask.bool()
-    torch.testing.assert_close(logits[valid].double(), reference_forward(model, ids, mask)[0][valid],
-                               atol=FP32_LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[valid].double(), reference_forward(model, ids, mask)[0][valid], atol=FP32_LOGITS_ATOL, rtol=0
+    )
     torch.testing.assert_close(unmasked.double(), reference_forward(model, plain)[0], atol=FP32_LOGITS_ATOL, rtol=0)
 
     model = model.double().train()

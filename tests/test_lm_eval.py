@@ -73,7 +73,9 @@ def test_lm_eval_hf_model_scores_a_saved_model_like_its_forward_pass(tmp_path):
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    proc = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
     (samples_file,) = (tmp_path / "lm_eval_out").rglob(f"samples_{TASK}_*.jsonl")

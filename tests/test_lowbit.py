@@ -11,15 +11,24 @@ KINDS = ("llama", "v1", "v2")
 
 
 def tiny(kind, seed=0, dtype=torch.float64):
-    common = dict(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, initializer_range=0.3)
+    common = dict(
+        vocab_size=53,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        initializer_range=0.3,
+    )
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         version = int(kind[1])  # a V2 config refuses V1's fields (lambda_std)
-        model = DiffTransformerForCausalLM(DiffTransformerConfig(diff_version=version, **common,
-                                                                 **({"lambda_std": 0.3} if version == 1 else {})))
+        model = DiffTransformerForCausalLM(
+            DiffTransformerConfig(diff_version=version, **common, **({"lambda_std": 0.3} if version == 1 else {}))
+        )
     return model.to(dtype).eval()
 
 
@@ -82,7 +91,7 @@ def test_logit_quantisation_step_matches_the_grid(kind, granularity):
     with lowbit.low_bit_attention(model, target="logits", bits=bits, granularity=granularity, recorder=recorder):
         model(input_ids=ids, attention_mask=mask)
     for layer in (0, 1):
-        (raw, quantized), = recorder.kept[layer]
+        ((raw, quantized),) = recorder.kept[layer]
         assert raw.shape[1] == 4  # one row per softmax map
         for b in range(2):
             valid = torch.ones(11, 11, dtype=torch.bool).tril() & mask[b].bool()[None, :]
@@ -119,8 +128,12 @@ def test_quantize_symmetric_against_the_float64_formula():
     valid[:, 0, 0] = False
     x_big, x_zero = x.clone(), x.clone()
     x_big[:, 0, 0], x_zero[:, 0, 0] = 1e6, 0.0
-    torch.testing.assert_close(lowbit.quantize_symmetric(x_big, 8, (1, 2), valid)[valid],
-                               lowbit.quantize_symmetric(x_zero, 8, (1, 2))[valid], rtol=0, atol=0)
+    torch.testing.assert_close(
+        lowbit.quantize_symmetric(x_big, 8, (1, 2), valid)[valid],
+        lowbit.quantize_symmetric(x_zero, 8, (1, 2))[valid],
+        rtol=0,
+        atol=0,
+    )
     assert lowbit.quantize_symmetric(torch.zeros(2, 3), 4, (1,)).eq(0).all()
     assert lowbit.quantize_symmetric(x.float(), 4, (1, 2)).dtype == torch.float32
 
@@ -131,8 +144,14 @@ def test_v1_padded_queries_and_packed_keys_quantise_as_their_unpadded_heads(gran
     them must equal quantising the unpadded (B, 2H, T, d) queries and (B, 2G, S, d) key heads."""
     torch.manual_seed(0)
     d, B, T = 4, 2, 5
-    q = torch.randn(B, 4, T, d, dtype=torch.float64) * torch.tensor([1.0, 3.0, 9.0, 27.0], dtype=torch.float64)[:, None, None]
-    k = torch.randn(B, 4, T, d, dtype=torch.float64) * torch.tensor([1.0, 50.0, 2.0, 7.0], dtype=torch.float64)[:, None, None]
+    q = (
+        torch.randn(B, 4, T, d, dtype=torch.float64)
+        * torch.tensor([1.0, 3.0, 9.0, 27.0], dtype=torch.float64)[:, None, None]
+    )
+    k = (
+        torch.randn(B, 4, T, d, dtype=torch.float64)
+        * torch.tensor([1.0, 50.0, 2.0, 7.0], dtype=torch.float64)[:, None, None]
+    )
     padded_q = torch.zeros(B, 4, T, 2 * d, dtype=torch.float64)
     padded_q[:, 0::2, :, :d] = q[:, 0::2]  # map c = 0 of each pair on the first half
     padded_q[:, 1::2, :, d:] = q[:, 1::2]

@@ -43,8 +43,10 @@ def test_sixteen_bits_barely_move_the_loss_and_four_bits_move_it_more(smoke):
     for entry in saved["models"].values():
         s = entry["settings"]
         base = [x for v in s["none"]["block_losses"].values() for x in v]
-        moved = {tag: max(abs(a - b) for a, b in zip(base, (x for v in s[tag]["block_losses"].values() for x in v)))
-                 for tag in ("logits/tensor/16", "logits/tensor/4")}
+        moved = {
+            tag: max(abs(a - b) for a, b in zip(base, (x for v in s[tag]["block_losses"].values() for x in v)))
+            for tag in ("logits/tensor/16", "logits/tensor/4")
+        }
         assert moved["logits/tensor/16"] < 1e-3 and moved["logits/tensor/16"] < moved["logits/tensor/4"]
 
 
@@ -100,7 +102,9 @@ def test_the_tables_and_their_tests_are_the_json(smoke):
     assert four["sign"] == exact_tests.sign_test(diffs)
     pairs = list(zip(base["cloze"]["choice_correct"], after["cloze"]["choice_correct"]))
     assert four["mcnemar"][:2] == (pairs.count(("1", "0")), pairs.count(("0", "1")))
-    assert four["ratio"]["validation"] == pytest.approx(after["perplexity"]["validation"] / base["perplexity"]["validation"])
+    assert four["ratio"]["validation"] == pytest.approx(
+        after["perplexity"]["validation"] / base["perplexity"]["validation"]
+    )
     layers = script.doc_table_layers([saved], {"text": "pydoc_topics"})
     assert sum(line.startswith("| ") for line in layers) == 1 + saved["models"]["llama"]["num_hidden_layers"]
     with pytest.raises(ValueError, match="text='code'"):
@@ -111,7 +115,11 @@ def test_the_tables_and_their_tests_are_the_json(smoke):
 
 
 def test_bad_flags_are_named():
-    for argv, match in ((["--bits", "1"], "--bits"), (["--bits", "8,x"], "--bits"), (["--blocks", "0"], "--blocks"),
-                        (["--blocks", "2", "--stats-blocks", "3"], "--stats-blocks")):
+    for argv, match in (
+        (["--bits", "1"], "--bits"),
+        (["--bits", "8,x"], "--bits"),
+        (["--blocks", "0"], "--blocks"),
+        (["--blocks", "2", "--stats-blocks", "3"], "--stats-blocks"),
+    ):
         with pytest.raises(SystemExit, match=match):
             script.resolve_args(["--smoke", *argv])

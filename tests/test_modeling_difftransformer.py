@@ -70,7 +70,9 @@ def test_backends_match_float64_reference_without_a_mask(layout, attn):
     torch.testing.assert_close(logits.double(), ref, atol=TOL[torch.float32], rtol=0)
 
 
-def _llama_flex_verdict(errors: dict, llama_scale: float, our_error: float | None, our_scale: float | None) -> str | None:
+def _llama_flex_verdict(
+    errors: dict, llama_scale: float, our_error: float | None, our_scale: float | None
+) -> str | None:
     """Why ours may skip, or None (then the caller fails: the failure is ours). ``errors``: the same-shape Llama's
     largest logit error per bf16 backend against its float64 logits (``flex_attention`` missing: it could not compile).
     The Llama's flex attention fails where its error leaves the band of its eager and sdpa runs (3 × the larger: two
@@ -107,9 +109,16 @@ def _skip_if_llama_flex_fails_too(model, ids, mask, ours, our_error=None, our_sc
     kv_heads = cfg.num_kv_groups if cfg.diff_version == 1 else cfg.num_key_value_heads
     torch.manual_seed(0)
     llama = LlamaForCausalLM(
-        LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                    num_hidden_layers=1, num_attention_heads=attn.num_key_value_groups * kv_heads,
-                    num_key_value_heads=kv_heads, head_dim=width, initializer_range=cfg.initializer_range)
+        LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=attn.num_key_value_groups * kv_heads,
+            num_key_value_heads=kv_heads,
+            head_dim=width,
+            initializer_range=cfg.initializer_range,
+        )
     ).eval()
     valid = mask.bool()
     llama.double().set_attn_implementation("sdpa")  # float64 eager turns padded rows into NaN that reach valid ones
@@ -130,8 +139,10 @@ def _skip_if_llama_flex_fails_too(model, ids, mask, ours, our_error=None, our_sc
     failure = _llama_flex_verdict(errors, exact.abs().max().item(), our_error, our_scale)
     if failure is None:
         return
-    pytest.skip(f"torch {torch.__version__}'s bf16 flex attention fails on this CPU for Llama too ({failure}"
-                f"{compile_error}); ours: {ours[:100]}")
+    pytest.skip(
+        f"torch {torch.__version__}'s bf16 flex attention fails on this CPU for Llama too ({failure}"
+        f"{compile_error}); ours: {ours[:100]}"
+    )
 
 
 def test_bf16_flex_skip_needs_the_llamas_failure_to_explain_ours():
@@ -148,9 +159,9 @@ def test_bf16_flex_skip_needs_the_llamas_failure_to_explain_ours():
 
 def _bf16_case(layout):
     """A bf16 model whose attention matters (initializer_range 0.1: peaked maps), a left-padded batch, its exact float64
-    logits and the bound the rounding model gives (RoundingModel in difftransformer/testing_utils.py: 8 draws, 3 × the largest
-    drawn error; it depends on no CPU). Heads are 32 wide (kernel widths 32 and 64), where torch's bf16 flex kernel
-    is right on CPUs on which it is wrong at widths 8 and 16."""
+    logits and the bound the rounding model gives (RoundingModel in difftransformer/testing_utils.py: 8 draws, 3 × the
+    largest drawn error; it depends on no CPU). Heads are 32 wide (kernel widths 32 and 64), where torch's bf16 flex
+    kernel is right on CPUs on which it is wrong at widths 8 and 16."""
     model = _model(layout, "eager", dtype=torch.bfloat16, initializer_range=0.1, head_dim=32)
     ids, mask = left_padded_batch(model.config.vocab_size, [8, 5], seed=2)
     valid = mask.bool()
@@ -174,8 +185,14 @@ def test_backends_bfloat16_within_the_rounding_model(layout, attn):
             raise
     err = (logits[mask.bool()].double() - exact).abs().max().item()
     if attn == "flex_attention" and not err <= bound:  # also NaN
-        _skip_if_llama_flex_fails_too(model, ids, mask, f"logits off by {err:.3g}, bound {bound:.3g}",
-                                      our_error=err, our_scale=exact.abs().max().item())
+        _skip_if_llama_flex_fails_too(
+            model,
+            ids,
+            mask,
+            f"logits off by {err:.3g}, bound {bound:.3g}",
+            our_error=err,
+            our_scale=exact.abs().max().item(),
+        )
     assert err <= bound, (err, bound)
 
 
@@ -289,7 +306,9 @@ def _pairing_case(version, hq, hkv, seed=0):
     n = H // G
     width = 2 * d if version == 1 else d
     E = max(H * width, 32)
-    cfg = tiny_config("v1_gqa", hidden_size=E, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, diff_version=version)
+    cfg = tiny_config(
+        "v1_gqa", hidden_size=E, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, diff_version=version
+    )
     attn = DIFF_ATTENTION_CLASSES[version](cfg, layer_idx=2).eval()
     big = 60.0
     T = 2 * H + 1  # distinct target position per map, and a final query token
@@ -337,15 +356,19 @@ def _pairing_case(version, hq, hkv, seed=0):
 
 
 @pytest.mark.parametrize("version,hq,hkv", [(1, 8, 4), (1, 8, 2), (1, 8, 8), (2, 8, 2), (2, 8, 4)])
-@pytest.mark.parametrize("attn_impl,mask_kind", [("eager", "additive"), ("sdpa", "additive"), ("sdpa", "bool"),
-                                                 ("sdpa", "none"), ("contract_sdpa", "bool")])
+@pytest.mark.parametrize(
+    "attn_impl,mask_kind",
+    [("eager", "additive"), ("sdpa", "additive"), ("sdpa", "bool"), ("sdpa", "none"), ("contract_sdpa", "bool")],
+)
 def test_hand_set_weights_pair_maps_keys_and_values_as_the_paper(version, hq, hkv, attn_impl, mask_kind):
     """Every kernel path: an additive float mask (transformers' sdpa call), a boolean mask and no mask (V1's own
     kernel under "sdpa"), and the padded single call that flash/flex receive (through the contract checker)."""
     attn, x, pos, expected, width = _pairing_case(version, hq, hkv)
     attn.config._attn_implementation = attn_impl
     causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None, None]
-    mask = {"additive": torch.zeros(causal.shape).masked_fill(~causal, float("-inf")), "bool": causal, "none": None}[mask_kind]
+    mask = {"additive": torch.zeros(causal.shape).masked_fill(~causal, float("-inf")), "bool": causal, "none": None}[
+        mask_kind
+    ]
     with torch.no_grad():
         out, _, _ = attn(x, pos, attention_mask=mask)
     torch.testing.assert_close(out[0, -1, :width], expected, atol=1e-4, rtol=1e-4)
@@ -388,7 +411,9 @@ def test_differential_attention_is_float64_end_to_end(layout, attn):
     with torch.no_grad():
         out, _, lam = attn_module(x, (cos, sin), attention_mask=mask)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    ref, _, ref_lam = reference_attention(state, "model.layers.1.self_attn.", model.config, x[0], torch.arange(t), allowed, 1)
+    ref, _, ref_lam = reference_attention(
+        state, "model.layers.1.self_attn.", model.config, x[0], torch.arange(t), allowed, 1
+    )
     assert out.dtype == lam.dtype == torch.float64
     torch.testing.assert_close(out[0], ref, atol=1e-13, rtol=0)
     torch.testing.assert_close(lam.reshape(ref_lam.shape), ref_lam, atol=1e-14, rtol=0)
@@ -398,8 +423,11 @@ ROPE_SCALINGS = {
     "linear": {"factor": 2.0},
     "dynamic": {"factor": 2.0},
     "yarn": {"factor": 4.0, "original_max_position_embeddings": 16},
-    "longrope": {"short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.5, 3.0, 3.5],
-                 "original_max_position_embeddings": 16},
+    "longrope": {
+        "short_factor": [1.0, 1.1, 1.2, 1.3],
+        "long_factor": [2.0, 2.5, 3.0, 3.5],
+        "original_max_position_embeddings": 16,
+    },
     "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
 }
 

@@ -71,7 +71,9 @@ def test_motif_folder_loads_without_remote_code_and_matches_the_oracle(kind, tmp
     assert type(auto) is MotifForCausalLM and type(auto).__module__ == "difftransformer.motif"
     assert all(torch.equal(t, auto.state_dict()[k]) for k, t in model.state_dict().items())
     assert model.config.lambda_init_layer_offset == -1 and model.config.hidden_act == "poly_norm"
-    assert model.config.subln_eps == cfg["attn_rms_norm_eps"] and model.config.noise_heads == cfg.get("num_noise_heads", cfg["num_attention_heads"] // 2)
+    assert model.config.subln_eps == cfg["attn_rms_norm_eps"] and model.config.noise_heads == cfg.get(
+        "num_noise_heads", cfg["num_attention_heads"] // 2
+    )
     ids = _ids(cfg["vocab_size"], (2, 12))
     exact = motif_forward(cfg, state, ids)
     bound = float32_bound(cfg, state, ids, exact)
@@ -106,11 +108,15 @@ def test_greedy_tokens_equal_the_oracles_with_and_without_cache(kind, tmp_path):
 
 
 def test_rows_are_reordered_at_load_where_motif_and_our_orders_differ(tmp_path, monkeypatch):
-    """tiny-gqa has two noise heads per KV pair: Motif's rows ``[s0, n0, s1, n1]`` per pair are ours ``[s0, s1, n0, n1]``
-    (a real permutation, done by the load-time conversion the class carries); without it the logits leave the
+    """tiny-gqa has two noise heads per KV pair: Motif's rows ``[s0, n0, s1, n1]`` per pair are ours ``[s0, s1, n0,
+    n1]`` (a real permutation, done by the load-time conversion the class carries); without it the logits leave the
     bound. The released shapes need none (one noise head per KV pair)."""
-    for kind, expected in (("tiny-gqa", [0, 2, 1, 3, 4, 6, 5, 7]), ("tiny-gda", list(range(10))),
-                           ("2.6b", list(range(16))), ("12.7b", list(range(40)))):
+    for kind, expected in (
+        ("tiny-gqa", [0, 2, 1, 3, 4, 6, 5, 7]),
+        ("tiny-gda", list(range(10))),
+        ("2.6b", list(range(16))),
+        ("12.7b", list(range(40))),
+    ):
         assert motif_query_heads(MotifConfig(**motif_config(kind))).tolist() == expected, kind
     cfg, state = motif_folder(tmp_path / "m", "tiny-gqa", seed=4)
     ids = _ids(cfg["vocab_size"], (2, 10))
@@ -137,8 +143,12 @@ def test_motifs_lambda_init_schedule_is_what_makes_it_exact(tmp_path):
 # The released checkpoints, as published: parameters (billions, the models' names) and, for Motif-2-12.7B, the tensor
 # shapes measured on its real weights (the MLX port's README, tests/motif_reference.py's source [MLX]).
 RELEASED_BILLIONS = {"2.6b": 2.6, "12.7b": 12.7}
-RELEASED_12_7B_SHAPES = {"self_attn.q_proj.weight": (5120, 4096), "self_attn.k_proj.weight": (2048, 4096),
-                         "self_attn.o_proj.weight": (4096, 8192), "self_attn.subln.weight": (256,)}
+RELEASED_12_7B_SHAPES = {
+    "self_attn.q_proj.weight": (5120, 4096),
+    "self_attn.k_proj.weight": (2048, 4096),
+    "self_attn.o_proj.weight": (4096, 8192),
+    "self_attn.subln.weight": (256,),
+}
 
 
 @pytest.mark.parametrize("kind", ["2.6b", "12.7b"])
@@ -169,7 +179,9 @@ def test_released_layer_shapes_match_the_oracle(kind, tmp_path):
     cfg, state = motif_folder(tmp_path / kind, kind, dtype=torch.bfloat16, num_hidden_layers=1, vocab_size=256)
     model = MotifForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32)
     attn = model.model.layers[0].self_attn
-    assert attn.o_proj.in_features == 2 * model.config.num_diff_heads * 128 and attn.noise_ratio == (4 if kind == "12.7b" else 1)
+    assert attn.o_proj.in_features == 2 * model.config.num_diff_heads * 128 and attn.noise_ratio == (
+        4 if kind == "12.7b" else 1
+    )
     ids = _ids(256, (1, 8))
     exact = motif_forward(cfg, state, ids)
     with torch.no_grad():
@@ -191,10 +203,14 @@ def test_save_pretrained_writes_motifs_layout_back(tmp_path):
         assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state), folder
         assert json.loads((folder / "config.json").read_text())["model_type"] == "Motif"
         assert not list(folder.glob("*.py"))  # no difftransformer code in a Motif folder
-    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, state["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        model.model.layers[0].self_attn.q_proj.weight, state["model.layers.0.self_attn.q_proj.weight"]
+    )
     ids = _ids(cfg["vocab_size"], (1, 7))
     with torch.no_grad():
-        torch.testing.assert_close(MotifForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)(ids).logits, model(ids).logits)
+        torch.testing.assert_close(
+            MotifForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)(ids).logits, model(ids).logits
+        )
 
 
 def test_trainer_shifts_labels_for_label_smoothing(tmp_path):
@@ -241,11 +257,30 @@ def test_converter_writes_a_difftransformer_folder_equal_to_the_motif_model(tmp_
     cfg, state = motif_folder(tmp_path / "m", "tiny-gda", seed=7)
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "m").iterdir()}
     out = tmp_path / "ours"
-    assert convert_cli.main(["--from", "motif", "--input", str(tmp_path / "m"), "--output", str(out), "--dtype", "float32", "--no-progress"]) == 0
+    assert (
+        convert_cli.main(
+            [
+                "--from",
+                "motif",
+                "--input",
+                str(tmp_path / "m"),
+                "--output",
+                str(out),
+                "--dtype",
+                "float32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "m").iterdir()} == before
-    assert {"modeling_difftransformer.py", "configuration_difftransformer.py", "kernels_difftransformer.py"} <= {p.name for p in out.iterdir()}
+    assert {"modeling_difftransformer.py", "configuration_difftransformer.py", "kernels_difftransformer.py"} <= {
+        p.name for p in out.iterdir()
+    }
     config = AutoConfig.from_pretrained(out)
-    assert config.model_type == "difftransformer" and config.num_noise_heads == 2 and config.lambda_init_layer_offset == -1
+    assert (
+        config.model_type == "difftransformer" and config.num_noise_heads == 2 and config.lambda_init_layer_offset == -1
+    )
     ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     motif = MotifForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     assert type(ours) is DiffTransformerForCausalLM
@@ -257,11 +292,18 @@ def test_converter_writes_a_difftransformer_folder_equal_to_the_motif_model(tmp_
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
     (bad / "model.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
-    for config_edit, field in (({"num_attention_heads": 0}, "num_attention_heads"), ({"k_ratio": 3}, "k_ratio"),
-                               ({"attn_rms_norm_eps": -1.0}, "attn_rms_norm_eps"), ({"model_type": "llama"}, "model_type")):
+    for config_edit, field in (
+        ({"num_attention_heads": 0}, "num_attention_heads"),
+        ({"k_ratio": 3}, "k_ratio"),
+        ({"attn_rms_norm_eps": -1.0}, "attn_rms_norm_eps"),
+        ({"model_type": "llama"}, "model_type"),
+    ):
         (bad / "config.json").write_text(json.dumps({**cfg, **config_edit}))
         capsys.readouterr()
-        assert convert_cli.main(["--from", "motif", "--input", str(bad), "--output", str(tmp_path / "x"), "--no-progress"]) == 2
+        assert (
+            convert_cli.main(["--from", "motif", "--input", str(bad), "--output", str(tmp_path / "x"), "--no-progress"])
+            == 2
+        )
         err = capsys.readouterr().err
         assert field in err and err.count("\n") == 1, err
         assert str(bad / "config.json") in err or field == "model_type", err
@@ -269,11 +311,23 @@ def test_converter_writes_a_difftransformer_folder_equal_to_the_motif_model(tmp_
 
 
 def test_converted_folder_runs_as_remote_code_without_the_package(tmp_path):
-    """The converted GDA + PolyNorm + Motif-λinit folder, loaded with trust_remote_code in a process where difftransformer
-    cannot be imported, gives the oracle's greedy tokens with and without the cache."""
+    """The converted GDA + PolyNorm + Motif-λinit folder, loaded with trust_remote_code in a process where
+    difftransformer cannot be imported, gives the oracle's greedy tokens with and without the cache."""
     cfg, state = motif_folder(tmp_path / "m", "tiny-gda", seed=8)
-    convert_cli.main(["--from", "motif", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "ours"), "--dtype", "float32", "--no-progress"])
+    convert_cli.main(
+        [
+            "--from",
+            "motif",
+            "--input",
+            str(tmp_path / "m"),
+            "--output",
+            str(tmp_path / "ours"),
+            "--dtype",
+            "float32",
+            "--no-progress",
+        ]
+    )
     ids = _ids(cfg["vocab_size"], (1, 5), seed=9)
     expected, _ = oracle_greedy(cfg, state, ids, steps=NEW_TOKENS)
     remote = remote_generate(tmp_path / "ours", ids, tmp_path)
-    assert remote["cached"] == remote["uncached"] == expected[:, ids.shape[1]:].tolist()
+    assert remote["cached"] == remote["uncached"] == expected[:, ids.shape[1] :].tolist()

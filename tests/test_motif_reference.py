@@ -36,8 +36,13 @@ F64 = torch.float64
 def test_polynorm_published_vectors():
     # junhoyeo/mlx-motif tests/fixtures/motif_parity_cases.json, "polynorm_reference_2x3" (eps 1e-6)
     x = torch.tensor([[-1.5, -0.5, 0.0], [0.5, 1.0, 2.0]], dtype=F64)
-    expected = torch.tensor([[-0.5263191243230241, -0.10430044066400287, 0.125],
-                             [0.3508009408581749, 0.6717202624593248, 1.7277992321668438]], dtype=F64)
+    expected = torch.tensor(
+        [
+            [-0.5263191243230241, -0.10430044066400287, 0.125],
+            [0.3508009408581749, 0.6717202624593248, 1.7277992321668438],
+        ],
+        dtype=F64,
+    )
     got = polynorm(x, torch.tensor([0.2, 0.3, 0.5], dtype=F64), torch.tensor([0.125], dtype=F64), eps=1e-6)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     # swift/Tests/MotifKitTests/Fixtures/motif_golden_config.json "polynorm" (1-D input, scalar bias)
@@ -49,8 +54,9 @@ def test_polynorm_published_vectors():
     xb = torch.randn(3, 8).to(torch.bfloat16)
     yb = polynorm(xb, torch.ones(3) / 3, torch.zeros(1))
     assert yb.dtype == torch.bfloat16
-    torch.testing.assert_close(yb.float(), polynorm(xb.float(), torch.ones(3) / 3, torch.zeros(1)), rtol=1e-2,
-                               atol=1e-2)
+    torch.testing.assert_close(
+        yb.float(), polynorm(xb.float(), torch.ones(3) / 3, torch.zeros(1)), rtol=1e-2, atol=1e-2
+    )
 
 
 def test_lambda_init_is_shifted_by_one_layer():
@@ -155,7 +161,7 @@ def _rope_complex(x, pos, theta):
     d = x.shape[-1]
     inv = theta ** (-torch.arange(0, d, 2, dtype=F64) / d)
     rot = torch.polar(torch.ones(len(pos), d // 2, dtype=F64), pos[:, None].to(F64) * inv)
-    z = torch.complex(x[..., : d // 2], x[..., d // 2:]) * rot
+    z = torch.complex(x[..., : d // 2], x[..., d // 2 :]) * rot
     return torch.cat([z.real, z.imag], dim=-1)
 
 
@@ -182,8 +188,11 @@ def _vectorised_forward_r1(cfg, sd, ids):
         v = (x @ sd[p + "self_attn.v_proj.weight"].T).view(b, t, hkv, d).transpose(1, 2)
         q, k = _rope_complex(q, pos, cfg["rope_theta"]), _rope_complex(k, pos, cfg["rope_theta"])
         li = 0.8 - 0.6 * math.exp(-0.3 * (layer - 1))
-        lam = (torch.exp((sd[p + "self_attn.lambda_q1"] * sd[p + "self_attn.lambda_k1"]).sum())
-               - torch.exp((sd[p + "self_attn.lambda_q2"] * sd[p + "self_attn.lambda_k2"]).sum()) + li)
+        lam = (
+            torch.exp((sd[p + "self_attn.lambda_q1"] * sd[p + "self_attn.lambda_k1"]).sum())
+            - torch.exp((sd[p + "self_attn.lambda_q2"] * sd[p + "self_attn.lambda_k2"]).sum())
+            + li
+        )
         a = _four_attentions_r1(q, k, v, lam, li, sd[p + "self_attn.subln.weight"], cfg["attn_rms_norm_eps"])
         h = h + a @ sd[p + "self_attn.o_proj.weight"].T
         x = rms(h, sd[p + "post_attention_layernorm.weight"], eps)
@@ -213,8 +222,9 @@ def test_gda_model_equals_r1_model_with_duplicated_noise_rows():
     ids = torch.randint(0, cfg["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(motif_forward(cfg, sd, ids), motif_forward(cfg1, sd1, ids), rtol=1e-10, atol=1e-10)
     # and the r = 1 rewrite is an ordinary model the vectorised restatement agrees with
-    torch.testing.assert_close(motif_forward(cfg1, sd1, ids), _vectorised_forward_r1(cfg1, sd1, ids), rtol=1e-10,
-                               atol=1e-10)
+    torch.testing.assert_close(
+        motif_forward(cfg1, sd1, ids), _vectorised_forward_r1(cfg1, sd1, ids), rtol=1e-10, atol=1e-10
+    )
 
 
 def test_noise_rows_matter():
@@ -250,11 +260,24 @@ def test_left_padding_matches_unpadded():
 def test_checkpoint_key_layout():
     cfg = motif_config("tiny-gda")
     sd = random_motif_checkpoint(cfg, seed=0)
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                 "self_attn.lambda_q1", "self_attn.lambda_k1", "self_attn.lambda_q2", "self_attn.lambda_k2",
-                 "self_attn.subln.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "mlp.act_fn.weight", "mlp.act_fn.bias"]
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.lambda_q1",
+        "self_attn.lambda_k1",
+        "self_attn.lambda_q2",
+        "self_attn.lambda_k2",
+        "self_attn.subln.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "mlp.act_fn.weight",
+        "mlp.act_fn.bias",
+    ]
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     expected |= {f"model.layers.{i}.{n}" for i in range(2) for n in per_layer}
     assert set(sd) == expected
@@ -267,8 +290,11 @@ def test_checkpoint_key_layout():
     # tied: no lm_head.weight; biases: q/k/v/o and MLP biases appear with use_bias
     assert "lm_head.weight" not in random_motif_checkpoint(motif_config("tiny-gqa"))
     biased = motif_state_dict_shapes(motif_config("tiny", use_bias=True))
-    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.o_proj.bias",
-            "model.layers.0.mlp.down_proj.bias"} <= set(biased)
+    assert {
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.o_proj.bias",
+        "model.layers.0.mlp.down_proj.bias",
+    } <= set(biased)
     # the released 12.7B shapes
     big = motif_state_dict_shapes(motif_config("12.7b"))
     assert big["model.layers.0.self_attn.q_proj.weight"] == (40 * 128, 4096)
@@ -294,8 +320,9 @@ def test_random_checkpoint_is_deterministic_and_not_degenerate():
     assert (logits[:, 1:] - logits[:, :-1]).abs().mean() > 0.5  # positions differ
     # lambda departs from lambda_init, so its formula is exercised
     p = "model.layers.1.self_attn."
-    lam = (torch.exp((sd[p + "lambda_q1"] * sd[p + "lambda_k1"]).sum())
-           - torch.exp((sd[p + "lambda_q2"] * sd[p + "lambda_k2"]).sum()))
+    lam = torch.exp((sd[p + "lambda_q1"] * sd[p + "lambda_k1"]).sum()) - torch.exp(
+        (sd[p + "lambda_q2"] * sd[p + "lambda_k2"]).sum()
+    )
     assert abs(lam) > 0.05
 
 

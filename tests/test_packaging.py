@@ -53,9 +53,16 @@ def test_wheel_holds_only_the_package(wheel):
     outside = sorted({name.split("/")[0] for name in wheel.namelist()} - {"difftransformer", dist_info.rstrip("/")})
     assert not outside, outside
     modules = {name for name in wheel.namelist() if name.endswith(".py")}
-    assert {"difftransformer/__init__.py", "difftransformer/convert/cli.py", "difftransformer/upcycle/job.py"} <= modules
-    packages = {p.relative_to(REPO).as_posix() + "/__init__.py" for p in (REPO / "difftransformer").rglob("*")
-                if p.is_dir() and (p / "__init__.py").is_file()}
+    assert {
+        "difftransformer/__init__.py",
+        "difftransformer/convert/cli.py",
+        "difftransformer/upcycle/job.py",
+    } <= modules
+    packages = {
+        p.relative_to(REPO).as_posix() + "/__init__.py"
+        for p in (REPO / "difftransformer").rglob("*")
+        if p.is_dir() and (p / "__init__.py").is_file()
+    }
     assert packages <= modules, packages - modules  # every subpackage of the checkout is installed
 
 
@@ -71,7 +78,9 @@ def test_wheel_metadata_version_license_and_dependencies(wheel):
     assert {str(Requirement(r)) for r in installed} == {str(Requirement(r)) for r in declared}
     assert metadata["Requires-Python"] == ">=3.10"
     assert metadata["Description-Content-Type"] == "text/markdown"
-    assert metadata.get_payload().strip() == (REPO / "README.md").read_text().strip()  # the readme is the long description
+    assert (
+        metadata.get_payload().strip() == (REPO / "README.md").read_text().strip()
+    )  # the readme is the long description
 
 
 def test_extras_reach_the_wheel_with_their_platform_markers(wheel):

@@ -38,8 +38,15 @@ def peft_defaults():
 
 
 def base_model(version, seed=0):
-    config = DiffTransformerConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, diff_version=version)
+    config = DiffTransformerConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=version,
+    )
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(config).eval()
 
@@ -82,8 +89,11 @@ def test_register_peft_gives_our_type_llamas_defaults_in_every_table(peft_defaul
         TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
     )
 
-    with_llama = sorted(n for n, t in vars(constants).items()
-                        if n.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(t, dict) and "llama" in t)
+    with_llama = sorted(
+        n
+        for n, t in vars(constants).items()
+        if n.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(t, dict) and "llama" in t
+    )
     assert peft_defaults == with_llama and "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING" in with_llama
     assert TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["difftransformer"] == ["q_proj", "v_proj"]
     assert TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING["difftransformer"] == ["k_proj", "v_proj", "down_proj"]
@@ -160,8 +170,11 @@ def test_merge_and_unload_gives_a_normal_folder_with_and_without_the_package(tmp
 
     folders = []
     for version in (1, 2):
-        config = LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear",
-                            modules_to_save=lambda_modules_to_save(base_model(version).config))
+        config = LoraConfig(
+            task_type="CAUSAL_LM",
+            target_modules="all-linear",
+            modules_to_save=lambda_modules_to_save(base_model(version).config),
+        )
         model = get_peft_model(base_model(version), config)
         if version == 1:
             enable_lambda_training(model)
@@ -174,12 +187,19 @@ def test_merge_and_unload_gives_a_normal_folder_with_and_without_the_package(tmp
         assert not any("lora" in k for k in safe_open(str(folder / "model.safetensors"), "pt").keys())
         assert (folder / "modeling_difftransformer.py").is_file()
         # With the package: a plain transformers load.
-        torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(folder).eval()), expected,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            logits(AutoModelForCausalLM.from_pretrained(folder).eval()), expected, rtol=1e-5, atol=1e-5
+        )
         (folder.parent / "expected.json").write_text(json.dumps({"ids": IDS.tolist(), "logits": expected.tolist()}))
         folders.append(str(folder))
     # Without the package: remote code from the folder itself, in a fresh process.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", REMOTE_LOAD, *folders], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", REMOTE_LOAD, *folders],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]

@@ -31,9 +31,16 @@ def tokenizer(tmp_path_factory):
 def folder(request, tokenizer, tmp_path_factory):
     """A saved model + tokenizer folder, as examples/train.py writes it (random weights: only the plumbing matters)."""
     config = DiffTransformerConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, diff_version=request.param, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=request.param,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     model = DiffTransformerForCausalLM(config).eval()
@@ -174,8 +181,15 @@ def test_question_answering_start_and_end_logits_and_loss(layout):
 
 def test_text_classification_pipeline_reports_the_models_probabilities(tokenizer):
     config = DiffTransformerConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, diff_version=1, num_labels=3, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=1,
+        num_labels=3,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     model = DiffTransformerForSequenceClassification(config).eval()

@@ -22,16 +22,24 @@ def filler():
 
 def tiny(kind, vocab, seed=0):
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, initializer_range=0.2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+    )
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()
     return DiffTransformerForCausalLM(DiffTransformerConfig(diff_version=int(kind[1]), **common)).eval()
 
 
 def test_needle_in_haystack_structure(tok, filler):
-    examples = probes.needle_in_haystack(tok, context_lengths=(128, 256), depths=(0.0, 0.5, 1.0), num_needles=3,
-                                         samples=2, seed=0, filler_texts=filler)
+    examples = probes.needle_in_haystack(
+        tok, context_lengths=(128, 256), depths=(0.0, 0.5, 1.0), num_needles=3, samples=2, seed=0, filler_texts=filler
+    )
     assert len(examples) == 2 * 3 * 2
     for ex in examples:
         value = ex.answer.strip()
@@ -66,7 +74,9 @@ def test_probes_are_deterministic_per_seed(tok, filler):
 
 
 def test_associative_recall_multi_query_teacher_forcing(tok):
-    examples = probes.associative_recall(tok, num_pairs=(8,), depths=(0.0, 0.5, 1.0), samples=1, seed=0, num_candidates=4)
+    examples = probes.associative_recall(
+        tok, num_pairs=(8,), depths=(0.0, 0.5, 1.0), samples=1, seed=0, num_candidates=4
+    )
     assert len(examples) == 3
     for i, ex in enumerate(examples):
         assert ex.prompt[slice(*ex.evidence_span)] == ex.answer.strip()
@@ -141,14 +151,25 @@ def test_candidate_logprobs_match_full_sequence_scoring(tok, kind):
             setattr(out, CACHE_NAME, None)
             return out
 
-    torch.testing.assert_close(probes.candidate_logprobs(NoCache(model), tok, prompt, candidates), got, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        probes.candidate_logprobs(NoCache(model), tok, prompt, candidates), got, atol=1e-4, rtol=1e-4
+    )
 
 
 def _bigram_model(vocab, table):
     """Hand-set 1-layer Llama that predicts ``table[current token]`` (and nothing in particular elsewhere):
     one-hot embeddings (hidden size = vocab), attention and MLP outputs zeroed, lm_head = the bigram table."""
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=vocab, intermediate_size=8, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=8)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=vocab,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    ).eval()
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(torch.eye(vocab))
         model.model.layers[0].self_attn.o_proj.weight.zero_()
@@ -180,8 +201,9 @@ def test_a_model_that_always_gives_the_answer_scores_100_percent(tok):
 
 
 def test_accuracy_table_markdown_and_heatmap(tok, filler, tmp_path):
-    examples = probes.needle_in_haystack(tok, context_lengths=(64, 96), depths=(0.0, 1.0), num_needles=2, samples=2,
-                                         seed=0, filler_texts=filler)
+    examples = probes.needle_in_haystack(
+        tok, context_lengths=(64, 96), depths=(0.0, 1.0), num_needles=2, samples=2, seed=0, filler_texts=filler
+    )
     model = tiny("v2", len(tok))
     records = probes.evaluate(model, tok, examples)
     assert len(records) == len(examples)
@@ -197,7 +219,9 @@ def test_accuracy_table_markdown_and_heatmap(tok, filler, tmp_path):
     png = probes.plot_accuracy_heatmap(table, str(tmp_path / "acc.png"))
     assert open(png, "rb").read(4) == b"\x89PNG"
     with pytest.raises(ValueError, match="one probe"):
-        probes.accuracy_table(records + probes.evaluate(model, tok, probes.associative_recall(tok, num_pairs=(4,), samples=1)))
+        probes.accuracy_table(
+            records + probes.evaluate(model, tok, probes.associative_recall(tok, num_pairs=(4,), samples=1))
+        )
     icl = probes.evaluate(model, tok, probes.icl_shuffled(tok, num_demos=(4,), num_orders=3, samples=2))
     orders = probes.order_accuracies(icl)
     assert sorted(orders) == [0, 1, 2] and all(0.0 <= v <= 1.0 for v in orders.values())

@@ -39,8 +39,10 @@ def _torchao(kind):
     if kind == "int4":  # torchao's int4 weight-only on CPU: int4 values in groups of 32 along the input
         return TorchAoConfig(IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
     if not torch.cuda.is_available():
-        pytest.skip("torchao's Int4WeightOnlyConfig packs for CUDA kernels (tinygemm's tile layout, or mslk's, a CUDA "
-                    "library): no CPU form; its CPU int4 weight-only scheme is IntxWeightOnlyConfig (torchao-int4)")
+        pytest.skip(
+            "torchao's Int4WeightOnlyConfig packs for CUDA kernels (tinygemm's tile layout, or mslk's, a CUDA "
+            "library): no CPU form; its CPU int4 weight-only scheme is IntxWeightOnlyConfig (torchao-int4)"
+        )
     return TorchAoConfig(Int4WeightOnlyConfig(group_size=32))
 
 
@@ -64,9 +66,19 @@ SCHEMES = {
 
 def tiny(version):
     # Widths of 64: bitsandbytes' CPU 4-bit kernel packs output features in blocks, torchao's int4 groups inputs by 32.
-    return DiffTransformerConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=8, num_key_value_heads=4, head_dim=16, diff_version=version,
-                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return DiffTransformerConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        diff_version=version,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +118,14 @@ def test_quantization_leaves_the_differential_parameters_alone(folders, scheme, 
     attention = [layer.self_attn for layer in model.model.layers]
     assert all(is_quantized(a.q_proj) and is_quantized(a.o_proj) for a in attention), scheme  # it did quantize
     if version == 2:
-        assert all(type(a.lambda_proj) is DiffTransformerLambdaProjection and type(a.lambda_proj.weight) is nn.Parameter
-                   for a in attention)
+        assert all(
+            type(a.lambda_proj) is DiffTransformerLambdaProjection and type(a.lambda_proj.weight) is nn.Parameter
+            for a in attention
+        )
     expected, got = differential(reference), differential(model)
-    assert sorted(got) == sorted(expected) and len(got) == (10 if version == 1 else 2)  # 2 layers: 4 λ + subln, or lambda_proj
+    assert sorted(got) == sorted(expected) and len(got) == (
+        10 if version == 1 else 2
+    )  # 2 layers: 4 λ + subln, or lambda_proj
     for name, param in got.items():
         assert type(param) is nn.Parameter, (name, type(param))
         assert param.dtype == expected[name].dtype and torch.equal(param, expected[name]), name
@@ -125,8 +141,9 @@ def test_differential_parameters_keep_the_dtype_of_the_load(folders, dtype):
     stay float32, as without quantization; the float16 V2 runs."""
     for version in (1, 2):
         plain = AutoModelForCausalLM.from_pretrained(folders[version], dtype=dtype)
-        quantized = AutoModelForCausalLM.from_pretrained(folders[version], dtype=dtype,
-                                                         quantization_config=SCHEMES["torchao-int8"]())
+        quantized = AutoModelForCausalLM.from_pretrained(
+            folders[version], dtype=dtype, quantization_config=SCHEMES["torchao-int8"]()
+        )
         for model in (plain, quantized):
             for name, param in differential(model).items():
                 assert param.dtype == (torch.float32 if ".lambda_" in name and "proj" not in name else dtype), name
@@ -143,7 +160,8 @@ def test_a_users_skip_list_keeps_the_differential_parameters_too(folders):
     from transformers import BitsAndBytesConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        folders[2], quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["down_proj"]))
+        folders[2], quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["down_proj"])
+    )
     layer = model.model.layers[0]
     assert type(layer.mlp.down_proj) is nn.Linear and is_quantized(layer.self_attn.q_proj)
     assert type(layer.self_attn.lambda_proj) is DiffTransformerLambdaProjection
@@ -165,8 +183,9 @@ def test_qlora_trains_lambda_with_the_adapter(folders, scheme, version):
 
     model = AutoModelForCausalLM.from_pretrained(folders[version], quantization_config=SCHEMES[scheme]())
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    lora = LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"],
-                      modules_to_save=lambda_modules_to_save(model.config))
+    lora = LoraConfig(
+        task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"], modules_to_save=lambda_modules_to_save(model.config)
+    )
     model = get_peft_model(model, lora)
     if version == 1:
         enable_lambda_training(model)

@@ -20,14 +20,32 @@ README = (ROOT / "README.md").read_text()
 
 # "This machine" means nothing to a reader: a doc names the CPU (or GPU) a result ran on, as its JSON records it; nor do
 # the workplace's words for the machines the project was developed on.
-MACHINE_PHRASES = ("this machine", "this project's machines", "the project's machines", "this cpu", "lent to the project",
-                   "lent to this project", "machine is lent", "gpu is lent")
+MACHINE_PHRASES = (
+    "this machine",
+    "this project's machines",
+    "the project's machines",
+    "this cpu",
+    "lent to the project",
+    "lent to this project",
+    "machine is lent",
+    "gpu is lent",
+)
 # Where a reader meets them: every doc, the scripts a user runs and the requirements files they read.
 READER_FILES = ("README.md", "CONTRIBUTING.md", "docs/**/*.md", "scripts/*.sh", "requirements*.txt")
 WIDTH = 120
 # A commit hash in prose: 7 to 40 hex digits with at least one digit and one letter (not "deadbeef"-free words).
 COMMIT = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
-REFERENCE = ("model", "convert", "serving", "upcycling", "ecosystem", "distributed", "analysis", "performance", "models")
+REFERENCE = (
+    "model",
+    "convert",
+    "serving",
+    "upcycling",
+    "ecosystem",
+    "distributed",
+    "analysis",
+    "performance",
+    "models",
+)
 
 
 def _blocks(text: str, language: str) -> list[str]:
@@ -37,8 +55,11 @@ def _blocks(text: str, language: str) -> list[str]:
 def _wide_lines(text: str) -> list[tuple[int, int]]:
     """(line number, width) of every line wider than WIDTH columns, code blocks included; tables and HTML comments (the
     generated results table and its marker) are left out: a table row is one line, whatever its width."""
-    return [(number, len(line)) for number, line in enumerate(text.splitlines(), 1)
-            if len(line) > WIDTH and not line.startswith(("|", "<!--"))]
+    return [
+        (number, len(line))
+        for number, line in enumerate(text.splitlines(), 1)
+        if len(line) > WIDTH and not line.startswith(("|", "<!--"))
+    ]
 
 
 def test_readme_is_a_front_page_not_a_notebook():
@@ -50,8 +71,16 @@ def test_readme_is_a_front_page_not_a_notebook():
     for phrase in MACHINE_PHRASES:
         assert phrase not in README.lower(), phrase
     headings = [line for line in lines if line.startswith("## ")]
-    for needed in ("## Install", "## The two commands", "## Quickstart", "## Serving with vLLM", "## Results",
-                   "## Documentation", "## What is not tested", "## Citation"):
+    for needed in (
+        "## Install",
+        "## The two commands",
+        "## Quickstart",
+        "## Serving with vLLM",
+        "## Results",
+        "## Documentation",
+        "## What is not tested",
+        "## Citation",
+    ):
         assert needed in headings, needed
 
 
@@ -100,8 +129,13 @@ def test_quick_test_command_and_ci_share_one_core_list():
     script = (ROOT / "scripts" / "test_core.sh").read_text()
     test_sh = (ROOT / "scripts" / "test.sh").read_text()
     assert "CORE=(" in script and "CORE=(" not in test_sh and ". scripts/test_core.sh" in test_sh.splitlines()
-    listed = subprocess.run(["bash", "-c", '. scripts/test_core.sh && printf "%s\\n" "${CORE[@]}" && echo "k=$CORE_K"'],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    listed = subprocess.run(
+        ["bash", "-c", '. scripts/test_core.sh && printf "%s\\n" "${CORE[@]}" && echo "k=$CORE_K"'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     files, k = listed[:-1], listed[-1]
     assert len(files) >= 8 and k.startswith("k=not flex"), listed
     for name in files:
@@ -123,8 +157,12 @@ def test_readme_converter_command_uses_flags_the_converter_accepts(capsys):
     """The quickstart's `difftransformer-convert` line: the entry point exists and its --help lists every flag used."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     module, function = project["scripts"]["difftransformer-convert"].split(":")
-    line = next(line for block in _blocks(README, "bash") for line in block.splitlines()
-                if line.startswith("difftransformer-convert"))
+    line = next(
+        line
+        for block in _blocks(README, "bash")
+        for line in block.splitlines()
+        if line.startswith("difftransformer-convert")
+    )
     import importlib
 
     with pytest.raises(SystemExit) as exit_:
@@ -161,8 +199,14 @@ def test_readme_vllm_commands_exist():
 
 def test_what_is_not_tested_names_the_untested():
     section = README.split("## What is not tested", 1)[1].split("\n## ", 1)[0]
-    for item in ("FlashAttention", "vLLM on a GPU", "DeepSpeed", "Motif", "flex_attention inside `generate()`",
-                 "ExecuTorch"):
+    for item in (
+        "FlashAttention",
+        "vLLM on a GPU",
+        "DeepSpeed",
+        "Motif",
+        "flex_attention inside `generate()`",
+        "ExecuTorch",
+    ):
         assert item in section, item
 
 
@@ -218,8 +262,16 @@ def test_docs_document_every_config_field():
     fields = [f for f in DiffTransformerConfig.__annotations__ if not f.startswith("_")]
     assert fields and not [f for f in fields if f not in documented]
     defaults = DiffTransformerConfig()
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "diff_version", "lambda_std", "max_position_embeddings", "initializer_range"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "diff_version",
+        "lambda_std",
+        "max_position_embeddings",
+        "initializer_range",
+    ):
         value = getattr(defaults, name)
         assert f"| {value} |" in documented[name] or f"| `{value}` |" in documented[name], name
-

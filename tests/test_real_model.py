@@ -62,7 +62,10 @@ def test_smollm2_gguf_to_v2_logits_equal_the_gguf_llama(smollm2_llama, smollm2_v
     # the logit scale is over 100 float32 ulps (2^-24 ≈ 6e-8) of it.
     assert max(diffs) <= 1e-5 * scale, (diffs, scale)
     assert smollm2_v2.max_logit_diff <= 1e-5 * scale
-    print(f"SmolLM2 GGUF → V2: max |Δ logit| {max(diffs):.3e} (logit scale {scale:.1f}); verify prompt {smollm2_v2.max_logit_diff:.3e}")
+    print(
+        f"SmolLM2 GGUF → V2: max |Δ logit| {max(diffs):.3e} (logit scale {scale:.1f}); verify prompt "
+        f"{smollm2_v2.max_logit_diff:.3e}"
+    )
 
 
 def test_smollm2_v2_folder_has_what_chat_needs(smollm2_llama, smollm2_v2):
@@ -111,9 +114,10 @@ REMOTE = textwrap.dedent(
         logits = model(torch.tensor(expected["ids"])).logits
     diff = (logits - torch.tensor(expected["logits"])).abs().max().item()
     assert diff <= expected["atol"], diff
-    inputs = tokenizer.apply_chat_template(expected["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    print(json.dumps({"diff": diff, "answer": tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)}))
+    inputs = tokenizer.apply_chat_template(expected["messages"], add_generation_prompt=True, return_dict=True,
+    return_tensors="pt") out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    print(json.dumps({"diff": diff, "answer": tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
+    skip_special_tokens=True)}))
     """
 )
 
@@ -121,7 +125,12 @@ REMOTE = textwrap.dedent(
 def test_smollm2_v2_loads_without_the_package(smollm2_llama, smollm2_v2, tmp_path):
     llama, _ = smollm2_llama
     reference = logits(llama)
-    expected = {"ids": IDS.tolist(), "logits": reference.tolist(), "atol": 1e-5 * reference.abs().max().item(), "messages": QUESTION}
+    expected = {
+        "ids": IDS.tolist(),
+        "logits": reference.tolist(),
+        "atol": 1e-5 * reference.abs().max().item(),
+        "messages": QUESTION,
+    }
     (tmp_path / "expected.json").write_text(json.dumps(expected))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     proc = subprocess.run([sys.executable, "-c", REMOTE, str(smollm2_v2.output), str(tmp_path / "expected.json")],
@@ -167,12 +176,18 @@ def test_smollm2_to_v1_by_duplication_computes_its_defined_function(smollm2_llam
         bound = FLOAT32_FACTOR * (defined32[name] - exact[name]).abs().max().item()
         diff = (ours[name] - exact[name]).abs().max().item()
         assert diff <= bound, (name, diff, bound)
-        ppl = {key: math.exp(torch.nn.functional.cross_entropy(x[name][:, :-1].flatten(0, 1), blocks[:, 1:].flatten()).item())
-               for key, x in (("ours", ours), ("exact", exact), ("source", source))}
+        ppl = {
+            key: math.exp(
+                torch.nn.functional.cross_entropy(x[name][:, :-1].flatten(0, 1), blocks[:, 1:].flatten()).item()
+            )
+            for key, x in (("ours", ours), ("exact", exact), ("source", source))
+        }
         # |Δ log-softmax| <= 2 max |Δ logit| per token, hence for the mean: the perplexities agree to exp(2 diff).
         assert abs(math.log(ppl["ours"] / ppl["exact"])) <= 2 * diff, (name, ppl)
-        print(f"SmolLM2 → V1 duplicate, {name}: perplexity {ppl['ours']:.2f} = {ppl['ours'] / ppl['source']:.2f} × the "
-              f"source's; max |Δ logit| from the defined function {diff:.2e} (bound {bound:.2e})")
+        print(
+            f"SmolLM2 → V1 duplicate, {name}: perplexity {ppl['ours']:.2f} = {ppl['ours'] / ppl['source']:.2f} × the "
+            f"source's; max |Δ logit| from the defined function {diff:.2e} (bound {bound:.2e})"
+        )
     prompt = chat_ids(AutoTokenizer.from_pretrained(tmp_path / "v1"))
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
@@ -183,7 +198,9 @@ def test_smollm2_to_v1_by_duplication_computes_its_defined_function(smollm2_llam
 def smollm2_v1(smollm2_llama, tmp_path_factory):
     """SmolLM2 converted to DIFF V1 in memory (the converter's default: duplicate, calibrated on the corpus)."""
     model, tokenizer = smollm2_llama
-    return up.convert_student(up.Source(model, tokenizer, "smollm2"), 1, tmp_path_factory.mktemp("smollm2") / "v1").output
+    return up.convert_student(
+        up.Source(model, tokenizer, "smollm2"), 1, tmp_path_factory.mktemp("smollm2") / "v1"
+    ).output
 
 
 def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smollm2_v1, tmp_path):
@@ -201,9 +218,17 @@ def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smoll
     lam_before = model.get_base_model().layer_lambdas().clone()
     held = up.heldout_blocks(tokenizer, 4, 64)["validation"]
     before, held_before = kd_loss_on(model, teacher, blocks[:4]), kd_loss_on(model, teacher, held)
-    trainer = distillation_trainer(model, teacher, blocks, tmp_path, distill_weight=1.0, callbacks=[LambdaCheckpointCallback()],
-                                   args=dict(max_steps=8, learning_rate=1e-3, per_device_train_batch_size=2,
-                                             save_strategy="steps", save_steps=8, seed=0))
+    trainer = distillation_trainer(
+        model,
+        teacher,
+        blocks,
+        tmp_path,
+        distill_weight=1.0,
+        callbacks=[LambdaCheckpointCallback()],
+        args=dict(
+            max_steps=8, learning_rate=1e-3, per_device_train_batch_size=2, save_strategy="steps", save_steps=8, seed=0
+        ),
+    )
     trainer.train()
     after, held_after = kd_loss_on(model, teacher, blocks[:4]), kd_loss_on(model, teacher, held)
     assert after < 0.85 * before, (before, after)
@@ -214,8 +239,8 @@ def test_real_model_lora_lambda_trainer_run_lowers_the_loss(smollm2_llama, smoll
 
 
 def test_real_model_lens_report(smollm2_llama, smollm2_v2):
-    """The lens on the real model (docs/analysis.md). V2 is exact: both softmax maps of every differential head are the source
-    head's map, λ = 0.5, so the V2 lens reproduces the Llama's attention shares."""
+    """The lens on the real model (docs/analysis.md). V2 is exact: both softmax maps of every differential head are the
+    source head's map, λ = 0.5, so the V2 lens reproduces the Llama's attention shares."""
     llama, tokenizer = smollm2_llama
     v2 = AutoModelForCausalLM.from_pretrained(smollm2_v2.output, dtype=torch.float32).eval()
     prompt = "x = 1\ncolor = 'teal'\ny = 2\nz = x + y\nprint(z)\nassert color =="

@@ -18,8 +18,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Built from parts, so that this file does not match itself: a specification's sections, an issue number, a seed's
 # notes, and a notes file of the workspace outside the repository (``shared/SOMETHING.md``, an absolute /work path).
-CITATION = re.compile(r"\b" + "SP" + r"EC\b|\b[Ii]" + r"ssue #?\d+|\bseed " + "note|" + r"(?<![\w./-])" + "sha"
-                      + r"red/[A-Z][\w-]*\.md|" + r"(?<![\w.])/" + "wo" + r"rk/")
+CITATION = re.compile(
+    r"\b"
+    + "SP"
+    + r"EC\b|\b[Ii]"
+    + r"ssue #?\d+|\bseed "
+    + "note|"
+    + r"(?<![\w./-])"
+    + "sha"
+    + r"red/[A-Z][\w-]*\.md|"
+    + r"(?<![\w.])/"
+    + "wo"
+    + r"rk/"
+)
 KEPT = ("tests/assets/", "benchmarks/results/", "tests/test_references.py")  # the last: its own examples
 TEXT = (".py", ".md", ".sh", ".txt", ".toml", ".cfg", ".yml", ".yaml", ".json")
 
@@ -33,8 +44,11 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # a Markdown link; its target
 def tracked_texts() -> dict[str, str]:
     """Every tracked text file outside ``KEPT`` → its text."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    return {name: (ROOT / name).read_text(errors="replace") for name in files
-            if name.endswith(TEXT) and not name.startswith(KEPT) and (ROOT / name).is_file()}
+    return {
+        name: (ROOT / name).read_text(errors="replace")
+        for name in files
+        if name.endswith(TEXT) and not name.startswith(KEPT) and (ROOT / name).is_file()
+    }
 
 
 def citations() -> dict[str, list[str]]:
@@ -111,11 +125,24 @@ def broken_references(texts: dict[str, str]) -> list[str]:
 
 
 def test_the_pattern_finds_what_it_is_for():
-    for line in ("the SPEC §3 row order", "as issue 5 asks", "(Issue #12)", "a classic slip (seed note 003)",
-                 "compared with " + "sha" + "red/MOTIF-NOTES.md", "see /" + "work/notes/x.md"):
+    for line in (
+        "the SPEC §3 row order",
+        "as issue 5 asks",
+        "(Issue #12)",
+        "a classic slip (seed note 003)",
+        "compared with " + "sha" + "red/MOTIF-NOTES.md",
+        "see /" + "work/notes/x.md",
+    ):
         assert CITATION.search(line), line
-    for line in ("SPECIAL_TOKENS", "an issue of numerics", "the seed 3", "specification", "docs/shared/x.md",
-                 "shared_memory/Notes.md", "the network/"):
+    for line in (
+        "SPECIAL_TOKENS",
+        "an issue of numerics",
+        "the seed 3",
+        "specification",
+        "docs/shared/x.md",
+        "shared_memory/Notes.md",
+        "the network/",
+    ):
         assert not CITATION.search(line), line
 
 
@@ -127,18 +154,19 @@ def test_no_file_cites_a_document_the_reader_does_not_have():
 def test_the_reference_checks_find_what_they_are_for():
     assert slug("Llama, Mistral, Qwen2 → DIFF V2 (exact upcycling)") == "llama-mistral-qwen2--diff-v2-exact-upcycling"
     assert slug("Continuous batching and paged attention: `generate_batch`") == (
-        "continuous-batching-and-paged-attention-generate_batch")
+        "continuous-batching-and-paged-attention-generate_batch"
+    )
     assert slug("Updating a saved folder's code") == "updating-a-saved-folders-code"
     assert anchors("# A\n```bash\n# not a heading\n```\n## B\n## B\n") == {"a", "b", "b-1"}
     texts = {
-        "docs/a.md": "See docs/model.md, \"Configuration\", [the check](performance.md#the-gpu-check) and\n"
-                     "[a report](reports/) (history: `git show 3c6e660:docs/gone.md`).\n",
-        "x.py": "# docs/model.md, \"What it\n# computes\" and docs/model.md#loading\n",
+        "docs/a.md": 'See docs/model.md, "Configuration", [the check](performance.md#the-gpu-check) and\n'
+        "[a report](reports/) (history: `git show 3c6e660:docs/gone.md`).\n",
+        "x.py": '# docs/model.md, "What it\n# computes" and docs/model.md#loading\n',
     }
     assert broken_references(texts) == []
     texts = {
-        "docs/a.md": "docs/gone.md, [x](model.md#no-such-heading), [y](nowhere.md) and docs/performance.md, \"GDA\"\n",
-        "x.py": "\"docs/model.md#nowhere\"\n",
+        "docs/a.md": 'docs/gone.md, [x](model.md#no-such-heading), [y](nowhere.md) and docs/performance.md, "GDA"\n',
+        "x.py": '"docs/model.md#nowhere"\n',
     }
     assert broken_references(texts) == [
         "docs/a.md:1: docs/gone.md does not exist",

@@ -38,9 +38,9 @@ CLEAN_IMPORT = textwrap.dedent("""
     assert not [m for m in sys.modules if m.split(".")[0] in ("peft", "liger_kernel")], "PEFT or Liger imported"
     # Our own name only: config, the Auto classes, and Trainer's causal-LM name (the modeling file's setdefault).
     assert CONFIG_MAPPING["difftransformer"] is difftransformer.DiffTransformerConfig
-    assert AutoModelForCausalLM._model_mapping[difftransformer.DiffTransformerConfig] is difftransformer.DiffTransformerForCausalLM
-    changed = {k: v for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if names_before.get(k) != v}
-    assert changed == {"difftransformer": "DiffTransformerForCausalLM"}, changed
+    assert AutoModelForCausalLM._model_mapping[difftransformer.DiffTransformerConfig] is
+    difftransformer.DiffTransformerForCausalLM changed = {k: v for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if
+    names_before.get(k) != v} assert changed == {"difftransformer": "DiffTransformerForCausalLM"}, changed
     # No Motif name: no config, no model, no checkpoint conversion registered with transformers.
     assert "Motif" not in CONFIG_MAPPING
     assert AutoModelForCausalLM._model_mapping.get(difftransformer.MotifConfig, None) is None
@@ -50,8 +50,8 @@ CLEAN_IMPORT = textwrap.dedent("""
     # PEFT: no default targets for our type until register_peft(); PEFT itself says what is missing.
     from peft import LoraConfig, get_peft_model
     from peft.utils import constants
-    tables = {n: t for n, t in vars(constants).items() if n.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(t, dict)}
-    assert not [n for n, t in tables.items() if "difftransformer" in t]
+    tables = {n: t for n, t in vars(constants).items() if n.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(t,
+    dict)} assert not [n for n, t in tables.items() if "difftransformer" in t]
     config = difftransformer.DiffTransformerConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     try:
@@ -182,8 +182,14 @@ OTHERS_FIRST = textwrap.dedent("""
 
 def _run(script, *args, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    out = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
 
 
@@ -226,7 +232,8 @@ def test_register_model_type_is_idempotent_and_refuses_to_replace():
     with pytest.raises(RegistrationConflict, match=r"AutoConfig maps model_type .* to .*\.GuestConfig"):
         register_model_type(OtherGuestConfig, {})
     assert registration_conflicts(GuestConfig, {AutoModelForCausalLM: OtherGuestModel}) == [
-        f"AutoModelForCausalLM maps GuestConfig to {__name__}.GuestModel"]
+        f"AutoModelForCausalLM maps GuestConfig to {__name__}.GuestModel"
+    ]
     with pytest.raises(RegistrationConflict, match="GuestModel"):
         register_model_type(GuestConfig, {AutoModelForCausalLM: OtherGuestModel})
     assert AutoModelForCausalLM._model_mapping[GuestConfig] is GuestModel

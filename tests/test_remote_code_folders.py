@@ -33,6 +33,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ASSETS = Path(__file__).parent / "assets" / "remote_code_0.1.0"
 PACKAGE = Path(__file__).resolve().parents[1] / "difftransformer"
+
+
 def package_greedy(folder: Path, ids: torch.Tensor) -> list:
     """The installed package's greedy tokens for the same folder (a loop of full forwards, no generate())."""
     model = DiffTransformerForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -51,11 +53,22 @@ def saved_folder(tmp_path, layout):
 
 def converted_folder(tmp_path, version):
     torch.manual_seed(1)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=6, num_key_value_heads=2, head_dim=8))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
     source = tmp_path / "llama"
     llama.save_pretrained(source)
-    return Path(convert("llama", source, tmp_path / f"converted_v{version}", diff_version=version, progress=False).output)
+    return Path(
+        convert("llama", source, tmp_path / f"converted_v{version}", diff_version=version, progress=False).output
+    )
 
 
 def upcycled_folder(tmp_path):
@@ -66,8 +79,15 @@ def upcycled_folder(tmp_path):
     spec = importlib.util.spec_from_file_location("difftransformer_examples_upcycle", script)
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    settings = up.UpcycleSettings(**{**cli.SMOKE_SETTINGS, "output_dir": str(tmp_path / "upcycle"), "progress": False,
-                                     "diff_version": 2, "method": "full"})
+    settings = up.UpcycleSettings(
+        **{
+            **cli.SMOKE_SETTINGS,
+            "output_dir": str(tmp_path / "upcycle"),
+            "progress": False,
+            "diff_version": 2,
+            "method": "full",
+        }
+    )
     up.run_upcycle(settings, source=up.smoke_source(), log=lambda *_: None)
     return tmp_path / "upcycle" / "model"
 
@@ -92,7 +112,10 @@ def remote_results(tmp_path_factory):
         ids = torch.randint(3, vocab, (1, 7), generator=torch.Generator().manual_seed(4))
         built[kind] = (folder, ids, package_greedy(folder, ids))
     got = remote_generate_all([(folder, ids) for folder, ids, _ in built.values()], tmp_path_factory.mktemp("remote"))
-    return {kind: (folder, expected, result) for (kind, (folder, _, expected)), result in zip(built.items(), got, strict=True)}
+    return {
+        kind: (folder, expected, result)
+        for (kind, (folder, _, expected)), result in zip(built.items(), got, strict=True)
+    }
 
 
 @pytest.mark.parametrize("kind", FOLDERS)
@@ -132,8 +155,16 @@ def test_update_code_command_refreshes_a_folder_saved_by_release_0_1_0(tmp_path,
 
 
 def test_update_code_refuses_a_folder_that_is_not_ours(tmp_path):
-    LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(tmp_path / "llama")
     before = sorted(os.listdir(tmp_path / "llama"))
     with pytest.raises(ValueError, match="model_type 'llama'"):
         update_remote_code(tmp_path / "llama")

@@ -52,7 +52,11 @@ def test_multi_needle_sequences_hold_needles_distractors_and_queries():
 def test_mqar_sequences_and_errors():
     ex = rt.mqar(VOCAB, 6, random.Random(0), depth=1.0)
     ids = ex.input_ids
-    assert len(ids) == 2 + 2 * 6 + 2 * 3 == rt.mqar_length(6) and ids[0] == VOCAB.BOS and ids[ex.question_start - 1] == VOCAB.SEP
+    assert (
+        len(ids) == 2 + 2 * 6 + 2 * 3 == rt.mqar_length(6)
+        and ids[0] == VOCAB.BOS
+        and ids[ex.question_start - 1] == VOCAB.SEP
+    )
     pairs = dict(zip(ids[1:13:2], ids[2:13:2]))
     assert len(pairs) == 6 and set(ids[1:13:2]) <= set(VOCAB.tokens("keys"))
     queried = [ids[p] for p, _ in ex.targets]
@@ -61,12 +65,14 @@ def test_mqar_sequences_and_errors():
     assert all(pairs[ids[p]] == a == ids[p + 1] for p, a in ex.targets)
     assert ex.evidence[0] == (11, 13)  # depth 1: the first query asks for the last pair
     assert len(rt.mqar(VOCAB, 6, random.Random(0), num_queries=6).targets) == 6
-    for bad, match in ((lambda: rt.mqar(VOCAB, 1, random.Random(0)), "num_pairs"),
-                       (lambda: rt.mqar(VOCAB, 4, random.Random(0), num_queries=5), "num_queries"),
-                       (lambda: rt.multi_needle(VOCAB, 20, 4, 1, random.Random(0)), "too short"),
-                       (lambda: rt.multi_needle(VOCAB, 64, 2, 3, random.Random(0)), "num_queries"),
-                       (lambda: rt.multi_needle(VOCAB, 64, 2, 1, random.Random(0), 1.5), "depth"),
-                       (lambda: rt.TaskVocab(num_values=1), "num_values")):
+    for bad, match in (
+        (lambda: rt.mqar(VOCAB, 1, random.Random(0)), "num_pairs"),
+        (lambda: rt.mqar(VOCAB, 4, random.Random(0), num_queries=5), "num_queries"),
+        (lambda: rt.multi_needle(VOCAB, 20, 4, 1, random.Random(0)), "too short"),
+        (lambda: rt.multi_needle(VOCAB, 64, 2, 3, random.Random(0)), "num_queries"),
+        (lambda: rt.multi_needle(VOCAB, 64, 2, 1, random.Random(0), 1.5), "depth"),
+        (lambda: rt.TaskVocab(num_values=1), "num_values"),
+    ):
         with pytest.raises(ValueError, match=match):
             bad()
 
@@ -77,7 +83,9 @@ def test_sets_are_deterministic_and_cells_independent():
     c = rt.needle_grid(VOCAB, [64, 96], [2, 4], [0.0, 1.0], 2, seed=4)
     only = rt.needle_grid(VOCAB, [96], [4], [1.0], 2, seed=3)
     assert [x.input_ids for x in a] == [x.input_ids for x in b] != [x.input_ids for x in c]
-    assert [x.input_ids for x in only] == [x.input_ids for x in a if x.context_length == 96 and x.count == 4 and x.depth == 1.0]
+    assert [x.input_ids for x in only] == [
+        x.input_ids for x in a if x.context_length == 96 and x.count == 4 and x.depth == 1.0
+    ]
     train = rt.training_examples(VOCAB, 50, 0, 96, (1, 4), (4, 8, 40))
     assert {x.task for x in train} == {"needle", "mqar"} and max(x.context_length for x in train) <= 96
     assert all(x.count in (4, 8) for x in train if x.task == "mqar")  # 40 pairs do not fit in 96 tokens
@@ -127,8 +135,9 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     params = {m: runs[(m, 0)]["params"] for m in script.MODELS}
     assert params["v1"] - params["llama"] == 2 * 6 * 8  # λ vectors (4d) and subln (2d) per layer, as compare_small
     for r in runs.values():
-        assert set(r["lowbit"]["accuracy"]) == {"none"} | {f"{t}/{g}/{b}" for t in script.TARGETS
-                                                          for g in script.GRANULARITIES for b in (4,)}
+        assert set(r["lowbit"]["accuracy"]) == {"none"} | {
+            f"{t}/{g}/{b}" for t in script.TARGETS for g in script.GRANULARITIES for b in (4,)
+        }
         assert len(r["lowbit"]["activations"]["logits"]) == len(r["lowbit"]["activations"]["hidden"]) == 2
         assert 0 <= r["lens"]["answer_mean"] <= 1 and 0 <= r["lens"]["distractor_mean"] <= 1
         assert r["lens"]["kind"] == ("softmax" if r["model"] == "llama" else "diff")
@@ -137,14 +146,20 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     acc = report["summary"]["needle_accuracy"]
     for seed in ("0", "1"):
         assert acc["v1"]["diff_vs_llama"]["per_seed"][seed] == pytest.approx(
-            acc["v1"]["per_seed"][seed] - acc["llama"]["per_seed"][seed])
+            acc["v1"]["per_seed"][seed] - acc["llama"]["per_seed"][seed]
+        )
     saved = json.loads((out / "results.json").read_text())
     assert saved["provenance"]["script"] == "retrieval_lowbit.py" and saved["meta"]["setting_id"]
     # The code record names what ran (the staleness of the result is judged from it): tasks, model, low-bit, lens.
     ran = {key.rsplit(":", 1)[0] for key in saved["provenance"]["code"]["digests"]}
     assert saved["provenance"]["code"]["how"] == "traced"
-    assert {"difftransformer/retrieval_tasks.py", "difftransformer/modeling_difftransformer.py",
-            "difftransformer/lowbit.py", "difftransformer/analysis.py", "benchmarks/retrieval_lowbit.py"} <= ran
+    assert {
+        "difftransformer/retrieval_tasks.py",
+        "difftransformer/modeling_difftransformer.py",
+        "difftransformer/lowbit.py",
+        "difftransformer/analysis.py",
+        "benchmarks/retrieval_lowbit.py",
+    } <= ran
     # The report's tables and the README row are rendered from the file: one row per quantity, the paired column is
     # the per-seed difference; two files of the same setting combine, and a run found twice is refused.
     lines = script.doc_table_retrieval([saved], {})
@@ -165,8 +180,14 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     losses = script.doc_table_lowbit([saved], {"task": "needle", "measure": "loss"})
     r = saved["runs"][0]["lowbit"]["accuracy"]
     llama = [x for x in saved["runs"] if x["model"] == "llama"]
-    assert losses[2].split(" | ")[1].startswith(f"{statistics.mean(x['lowbit']['accuracy']['none']['needle']['loss'] for x in llama):.2f}")
-    assert "loss added" in losses[0] and set(r) == {"none"} | {f"{t}/{g}/4" for t in script.TARGETS for g in script.GRANULARITIES}
+    assert (
+        losses[2]
+        .split(" | ")[1]
+        .startswith(f"{statistics.mean(x['lowbit']['accuracy']['none']['needle']['loss'] for x in llama):.2f}")
+    )
+    assert "loss added" in losses[0] and set(r) == {"none"} | {
+        f"{t}/{g}/4" for t in script.TARGETS for g in script.GRANULARITIES
+    }
     with pytest.raises(ValueError, match="measure='nats'"):
         script.doc_table_lowbit([saved], {"measure": "nats"})
     assert len(script.doc_table_per_seed([saved], {})) == 2 + 6 + 2
@@ -229,7 +250,11 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
 
 
 def test_bad_flags_are_named(script):
-    for argv, match in ((["--models", "gpt2"], "--models"), (["--steps", "0"], "--steps"), (["--lowbit-bits", "1"], "--lowbit-bits")):
+    for argv, match in (
+        (["--models", "gpt2"], "--models"),
+        (["--steps", "0"], "--steps"),
+        (["--lowbit-bits", "1"], "--lowbit-bits"),
+    ):
         with pytest.raises(SystemExit, match=match):
             script.resolve_args(["--preset", "smoke", *argv])
     with pytest.raises(SystemExit, match="--stop-held"):
@@ -270,8 +295,10 @@ def test_a_run_stops_once_both_tasks_hold_90_percent(script, monkeypatch):
 
 
 REPORT = ROOT / "docs" / "reports" / "2026-11-27-retrieval-lowbit.md"
-RESULTS = ["benchmarks/results/retrieval_lowbit/results.json",
-           "benchmarks/results/retrieval_lowbit_seeds34/results.json"]
+RESULTS = [
+    "benchmarks/results/retrieval_lowbit/results.json",
+    "benchmarks/results/retrieval_lowbit_seeds34/results.json",
+]
 
 
 def _block(doc: str, renderer: str) -> list[str]:
@@ -318,8 +345,10 @@ def test_the_report_summary_is_the_one_its_json_gives(script):
     for model, label in (("llama", "Llama"), ("v1", "DIFF V1"), ("v2", "DIFF V2")):
         assert f"{label} {len(learned[model])}/{len(seeds)}" in text
     k, j, n = len(learned["v2"]), len(learned["llama"]), len(seeds)
-    tables = {a: math.comb(n, a) * math.comb(n, k + j - a) / math.comb(2 * n, k + j)
-              for a in range(max(0, k + j - n), min(n, k + j) + 1)}
+    tables = {
+        a: math.comb(n, a) * math.comb(n, k + j - a) / math.comb(2 * n, k + j)
+        for a in range(max(0, k + j - n), min(n, k + j) + 1)
+    }
     fisher = sum(p for p in tables.values() if p <= tables[k] * (1 + 1e-7))
     assert f"Fisher's exact test p = {_fmt(fisher)}" in text
 
@@ -331,14 +360,20 @@ def test_the_report_summary_is_the_one_its_json_gives(script):
     first = sum(by["v2"][s] < by["llama"][s] for s in seeds)
     assert f"V2 got there before the Llama of the same seed in {first} of {len(seeds)} seeds" in text
     budget = datas[0]["meta"]["setting"]["steps"]
-    rank = _brute_rank_p([min(v, budget + 1) for v in by["v2"].values()],
-                         [min(v, budget + 1) for v in by["llama"].values()])
+    rank = _brute_rank_p(
+        [min(v, budget + 1) for v in by["v2"].values()], [min(v, budget + 1) for v in by["llama"].values()]
+    )
     assert f"exact rank-sum test p = {_fmt(rank)}" in text
     # 4-bit logits: the needle accuracy each learned run loses, and V1's runs against the Llama's
-    lost = {m: sorted(r["lowbit"]["accuracy"]["none"]["needle"]["accuracy"]
-                      - r["lowbit"]["accuracy"]["logits/tensor/4"]["needle"]["accuracy"]
-                      for r in runs if r["model"] == m and r["lowbit"]["accuracy"]["none"]["needle"]["accuracy"] >= 0.9)
-            for m in ("llama", "v1")}
+    lost = {
+        m: sorted(
+            r["lowbit"]["accuracy"]["none"]["needle"]["accuracy"]
+            - r["lowbit"]["accuracy"]["logits/tensor/4"]["needle"]["accuracy"]
+            for r in runs
+            if r["model"] == m and r["lowbit"]["accuracy"]["none"]["needle"]["accuracy"] >= 0.9
+        )
+        for m in ("llama", "v1")
+    }
     assert f"needle accuracy lost Llama {lost['llama'][0]:.2f}–{lost['llama'][-1]:.2f} ({len(lost['llama'])})" in text
     assert f"DIFF V1 {lost['v1'][0]:.2f}–{lost['v1'][-1]:.2f} ({len(lost['v1'])})" in text
     assert f"in accuracy (p = {_fmt(_brute_rank_p(lost['v1'], lost['llama']))})" in text
@@ -380,8 +415,13 @@ def _grid_file(lr: float, seed: int, hits: dict, budget: int = 1000, every: int 
             if needle is not None and mqar is not None and step >= max(needle, mqar) + 2 * every:
                 stopped = step
                 break
-        runs.append({"model": model, "seed": seed, "curves": {"eval_step": steps, "val_accuracy_by_task": accs,
-                                                              "stopped_at": stopped}})
+        runs.append(
+            {
+                "model": model,
+                "seed": seed,
+                "curves": {"eval_step": steps, "val_accuracy_by_task": accs, "stopped_at": stopped},
+            }
+        )
     return {"meta": {"setting": {"lr": lr, "steps": budget}}, "runs": runs}
 
 
@@ -394,8 +434,10 @@ def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(s
         (5e-4, 6): {"llama": (None, 800), "v1": (None, None), "v2": (400, 300)},
         (5e-4, 7): {"llama": (700, 600), "v1": (600, 600), "v2": (300, 400)},
         (5e-4, 8): {"llama": (None, None), "v1": (None, None), "v2": (500, 500)},
-        **{(1e-3, s): {"llama": (400 + 100 * i, 500), "v1": (300, None), "v2": (200, 200 + 100 * (i % 2))}
-           for i, s in enumerate(seeds)},
+        **{
+            (1e-3, s): {"llama": (400 + 100 * i, 500), "v1": (300, None), "v2": (200, 200 + 100 * (i % 2))}
+            for i, s in enumerate(seeds)
+        },
     }
     datas = [_grid_file(lr, seed, hits) for (lr, seed), hits in plan.items()]
     grid = script.grid_cells(datas)
@@ -411,8 +453,10 @@ def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(s
     assert rows[1].startswith("| DIFF V2 | 0.001 **(best)** | 4 (5, 6, 7, 8) | 4/4 | 4/4 | 4/4 |")
     assert "> 1,000" in next(line for line in lines if line.startswith("| Llama | 0.0005 |"))
     v2 = next(line for line in lines if line.startswith("DIFF V2 at 0.001 against the Llama at 0.001"))
-    rank = _brute_rank_p([max(h) for s in seeds for h in [plan[(1e-3, s)]["v2"]]],
-                         [max(h) for s in seeds for h in [plan[(1e-3, s)]["llama"]]])
+    rank = _brute_rank_p(
+        [max(h) for s in seeds for h in [plan[(1e-3, s)]["v2"]]],
+        [max(h) for s in seeds for h in [plan[(1e-3, s)]["llama"]]],
+    )
     assert "4/4 against 4/4 (Fisher's exact test p = 1)" in v2 and f"(exact rank-sum test p = {_fmt(rank)})" in v2
     v1 = next(line for line in lines if line.startswith("DIFF V1 at 0.0005"))
     assert "learned both tasks 1/4 against 4/4" in v1  # V1's best rate: one seed learned both
@@ -433,8 +477,10 @@ def test_the_documented_commands_parse(script):
     from benchmarks import lowbit_pretrained
 
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "analysis.md").read_text(), flags=re.S)
-    parsers = {"benchmarks.retrieval_lowbit": script.resolve_args,
-               "benchmarks.lowbit_pretrained": lowbit_pretrained.resolve_args}
+    parsers = {
+        "benchmarks.retrieval_lowbit": script.resolve_args,
+        "benchmarks.lowbit_pretrained": lowbit_pretrained.resolve_args,
+    }
     seen = set()
     for line in (line for b in blocks for line in b.strip().splitlines()):
         argv = shlex.split(line, comments=True)

@@ -82,7 +82,8 @@ REMOTE_CODE_CHECK = textwrap.dedent(
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-5)  # other thread count: float rounding
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-5)  # other thread count: float
+        rounding
     base = AutoModel.from_pretrained(folder, trust_remote_code=True)
     assert type(base).__name__ == "DiffTransformerModel"
     # Trainer's label smoothing shifts labels only for causal LMs named in this table: the remote code registers itself.
@@ -105,7 +106,11 @@ def test_loads_with_trust_remote_code_in_a_process_without_the_package(tmp_path,
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
         [sys.executable, str(script), str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "expected.pt")],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
     )
     assert "REMOTE_CODE_OK" in result.stdout, result.stdout + result.stderr
 
@@ -155,7 +160,14 @@ def test_from_pretrained_initialises_nothing_the_checkpoint_provides(tmp_path):
     assert AutoModel.from_pretrained(folder).layers[0].self_attn.subln.weight.shape == (16,)
 
 
-@pytest.mark.parametrize("key", ["model.layers.1.self_attn.lambda_q2", "model.layers.0.self_attn.subln.weight", "model.layers.2.self_attn.k_proj.weight"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.layers.1.self_attn.lambda_q2",
+        "model.layers.0.self_attn.subln.weight",
+        "model.layers.2.self_attn.k_proj.weight",
+    ],
+)
 def test_checkpoint_missing_a_tensor_is_initialised_and_reported(tmp_path, key, caplog):
     """transformers' loading contract: a tensor the checkpoint lacks is initialised by _init_weights (λ vectors
     N(0, lambda_std), subln ones, projections N(0, initializer_range)) and named in the load report and the log."""
@@ -182,9 +194,22 @@ def test_a_llama_checkpoint_is_refused_with_a_pointer_to_the_converter(tmp_path)
     would load into differently-wired heads. Refused both by its config.json and, under our config.json, by its
     weights (no differential tensor at all)."""
     cfg = tiny_config("v1_gqa")
-    llama = LlamaForCausalLM(LlamaConfig(**{k: getattr(cfg, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim")}))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            **{
+                k: getattr(cfg, k)
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                )
+            }
+        )
+    )
     llama.save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match=r"'llama' checkpoint.*difftransformer-convert --from llama"):
         DiffTransformerForCausalLM.from_pretrained(tmp_path / "llama")
@@ -205,8 +230,9 @@ def test_empty_state_dict_initialises_every_tensor_like_a_new_model(layout, dtyp
     float32, bfloat16")."""
     cfg = tiny_config(layout)
     torch.manual_seed(0)
-    model, info = DiffTransformerForCausalLM.from_pretrained(None, config=cfg, state_dict={}, dtype=dtype,
-                                                             output_loading_info=True)
+    model, info = DiffTransformerForCausalLM.from_pretrained(
+        None, config=cfg, state_dict={}, dtype=dtype, output_loading_info=True
+    )
     assert set(info["missing_keys"]) >= {k for k in model.state_dict() if k != "lm_head.weight"}
     lambdas, checked = [], set()
     for name, p in model.named_parameters():

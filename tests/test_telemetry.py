@@ -26,7 +26,9 @@ def _recording_attention(module, query, key, value, attention_mask, scaling, dro
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling + attention_mask
     RAW_MAPS[module.layer_idx] = torch.softmax(scores.double(), dim=-1)
     RAW_SCORES[module.layer_idx] = scores.double()
-    return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, diff_lambda=diff_lambda, **kwargs)
+    return eager_attention_forward(
+        module, query, key, value, attention_mask, scaling, dropout, diff_lambda=diff_lambda, **kwargs
+    )
 
 
 AttentionInterface.register("telemetry_recorder", _recording_attention)
@@ -34,10 +36,18 @@ AttentionMaskInterface.register("telemetry_recorder", eager_mask)
 
 
 def tiny(version, seed=0):
-    config = DiffTransformerConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4 if version == 1 else 2, head_dim=8,
-                                   diff_version=version, initializer_range=0.3,
-                                   **({"lambda_std": 0.3} if version == 1 else {}))
+    config = DiffTransformerConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4 if version == 1 else 2,
+        head_dim=8,
+        diff_version=version,
+        initializer_range=0.3,
+        **({"lambda_std": 0.3} if version == 1 else {}),
+    )
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(config)
 
@@ -68,14 +78,21 @@ def direct(model, ids) -> dict[str, list[float]]:
         lam_b = lam.double() if lam.dim() == 0 else lam.double().transpose(1, 2)[..., None]
         torch.testing.assert_close(a1 - lam_b * a2, diff.double(), rtol=1e-5, atol=1e-6)
         s1, s2 = (m.flatten(1, 2) for m in RAW_SCORES[layer].unflatten(1, (-1, 2, attn.pair_stride)).unbind(2))
-        values = {"negative_share": ((diff < 0) & allowed).sum().item() / (allowed.sum().item() * diff.shape[0] * diff.shape[1]),
-                  "max_logit_map1": s1[..., allowed].max().item(), "max_logit_map2": s2[..., allowed].max().item(),
-                  "first_token_mass": diff[:, :, 1:, 0].double().mean().item(),
-                  "map_separation": (a1 - a2).abs().sum(-1).mean().item() / 2}
+        values = {
+            "negative_share": ((diff < 0) & allowed).sum().item()
+            / (allowed.sum().item() * diff.shape[0] * diff.shape[1]),
+            "max_logit_map1": s1[..., allowed].max().item(),
+            "max_logit_map2": s2[..., allowed].max().item(),
+            "first_token_mass": diff[:, :, 1:, 0].double().mean().item(),
+            "map_separation": (a1 - a2).abs().sum(-1).mean().item() / 2,
+        }
         if model.config.diff_version == 1:
             values["lambda"] = model.layer_lambdas()[layer].item()
         else:
-            values["lambda_mean"], values["lambda_std"] = lam.double().mean().item(), lam.double().std(unbiased=False).item()
+            values["lambda_mean"], values["lambda_std"] = (
+                lam.double().mean().item(),
+                lam.double().std(unbiased=False).item(),
+            )
         for name, value in values.items():
             result.setdefault(name, []).append(value)
     return result
@@ -150,11 +167,23 @@ def test_callback_logs_the_probe_through_the_trainer(tmp_path, version, lora):
         enable_lambda_training(model)
     ids = probe_ids()
     at_start = telemetry.probe_metrics(copy.deepcopy(model), ids)
-    args = TrainingArguments(str(tmp_path), max_steps=5, learning_rate=0.02, per_device_train_batch_size=4, logging_steps=1,
-                             save_steps=5, report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
+    args = TrainingArguments(
+        str(tmp_path),
+        max_steps=5,
+        learning_rate=0.02,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_steps=5,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     capture = _Capture()
     trainer = Trainer(model=model, args=args, train_dataset=_Rows(), callbacks=[capture])
-    callback = telemetry.DiffAttentionTelemetryCallback(ids, every=2, spike_factor=1.01, spike_window=3, spike_min_history=1)
+    callback = telemetry.DiffAttentionTelemetryCallback(
+        ids, every=2, spike_factor=1.01, spike_window=3, spike_min_history=1
+    )
     callback.attach(trainer)
     trainer.train()
     history = trainer.state.log_history
@@ -184,14 +213,26 @@ def test_terminal_gets_one_line_per_probe_the_integrations_every_layer(tmp_path,
     """The Trainer's printer (or progress bar) prints a probe record as one summary line; the reporting integrations
     (here _Capture) and log_history still receive every per-layer value."""
     ids = probe_ids()
-    args = TrainingArguments(str(tmp_path), max_steps=4, learning_rate=0.02, per_device_train_batch_size=4,
-                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                             disable_tqdm=disable_tqdm, seed=0)
+    args = TrainingArguments(
+        str(tmp_path),
+        max_steps=4,
+        learning_rate=0.02,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=disable_tqdm,
+        seed=0,
+    )
     capture = _Capture()
     trainer = Trainer(model=tiny(2), args=args, train_dataset=_Rows(), callbacks=[capture])
     telemetry.DiffAttentionTelemetryCallback(ids, every=2).attach(trainer)
-    printers = [type(c).__name__ for c in trainer.callback_handler.callbacks if "Printer" in type(c).__name__
-                or "Progress" in type(c).__name__]
+    printers = [
+        type(c).__name__
+        for c in trainer.callback_handler.callbacks
+        if "Printer" in type(c).__name__ or "Progress" in type(c).__name__
+    ]
     assert printers == ["TelemetryPrinterCallback" if disable_tqdm else "TelemetryProgressCallback"]
     trainer.train()
     out = capsys.readouterr()
@@ -207,11 +248,22 @@ def test_terminal_gets_one_line_per_probe_the_integrations_every_layer(tmp_path,
 
 
 def test_summary_line():
-    record = {"step": 4, **telemetry.flatten({"lambda": [0.2, 0.4], "map_separation": [0.1, 0.3],
-                                              "max_logit_map1": [3.0, 9.5], "max_logit_map2": [7.25, 2.0]}),
-              "diffattn/grad_norm_spikes": 1}
-    assert telemetry.summary_line(record) == ("[diffattn] λ 0.300 | map separation 0.200 | max logit map 1 9.50 (layer 1)"
-                                              " | max logit map 2 7.25 (layer 0) | grad-norm spikes 1")
+    record = {
+        "step": 4,
+        **telemetry.flatten(
+            {
+                "lambda": [0.2, 0.4],
+                "map_separation": [0.1, 0.3],
+                "max_logit_map1": [3.0, 9.5],
+                "max_logit_map2": [7.25, 2.0],
+            }
+        ),
+        "diffattn/grad_norm_spikes": 1,
+    }
+    assert telemetry.summary_line(record) == (
+        "[diffattn] λ 0.300 | map separation 0.200 | max logit map 1 9.50 (layer 1)"
+        " | max logit map 2 7.25 (layer 0) | grad-norm spikes 1"
+    )
     assert telemetry.summary_line({"loss": 1.0}) is None
 
 
@@ -227,7 +279,9 @@ def test_callback_needs_the_trainer(tmp_path):
 
 def test_grad_norm_spikes_rule():
     norms = [1.0, 1.2, 0.9, 1.1, 1.0, 5.0, 1.0, 2.9, 1.0]
-    history = [{"step": i + 1, "grad_norm": n, "loss": 1.0} for i, n in enumerate(norms)] + [{"step": 9, "eval_loss": 2.0}]
+    history = [{"step": i + 1, "grad_norm": n, "loss": 1.0} for i, n in enumerate(norms)] + [
+        {"step": 9, "eval_loss": 2.0}
+    ]
     spikes = telemetry.grad_norm_spikes(history, factor=3.0, window=20, min_history=5)
     assert [s["step"] for s in spikes] == [6]  # 2.9 at step 8 is below 3 × the median 1.0 of what precedes it
     assert spikes[0]["median"] == 1.0 and spikes[0]["ratio"] == 5.0
@@ -240,13 +294,30 @@ def test_grad_norm_spikes_rule():
 def test_plot_telemetry(tmp_path):
     history = []
     for step in (0, 2, 4):
-        history.append({"step": step, **telemetry.flatten({"lambda": [0.2 + step / 100, 0.4], "map_separation": [0.0, step / 10],
-                                                            "negative_share": [0.0, 0.1], "first_token_mass": [0.5, 0.4],
-                                                            "max_logit_map1": [4.0, 5.0 + step], "max_logit_map2": [3.0, 4.0]}),
-                        "diffattn/grad_norm_spikes": 0})
+        history.append(
+            {
+                "step": step,
+                **telemetry.flatten(
+                    {
+                        "lambda": [0.2 + step / 100, 0.4],
+                        "map_separation": [0.0, step / 10],
+                        "negative_share": [0.0, 0.1],
+                        "first_token_mass": [0.5, 0.4],
+                        "max_logit_map1": [4.0, 5.0 + step],
+                        "max_logit_map2": [3.0, 4.0],
+                    }
+                ),
+                "diffattn/grad_norm_spikes": 0,
+            }
+        )
         history.append({"step": step + 1, "loss": 1.0, "grad_norm": 1.0 + step})
     path = telemetry.plot_telemetry(history, tmp_path / "t.png", title="tiny")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    assert telemetry.unflatten(history[0]) == {"lambda": [0.2, 0.4], "map_separation": [0.0, 0.0],
-                                               "negative_share": [0.0, 0.1], "first_token_mass": [0.5, 0.4],
-                                               "max_logit_map1": [4.0, 5.0], "max_logit_map2": [3.0, 4.0]}
+    assert telemetry.unflatten(history[0]) == {
+        "lambda": [0.2, 0.4],
+        "map_separation": [0.0, 0.0],
+        "negative_share": [0.0, 0.1],
+        "first_token_mass": [0.5, 0.4],
+        "max_logit_map1": [4.0, 5.0],
+        "max_logit_map2": [3.0, 4.0],
+    }

@@ -30,24 +30,43 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def datasets(tokenizer):
-    return lm_datasets(tokenizer, 32, train_max_chars=40_000, validation_max_chars=20_000,
-                       max_train_blocks=64, max_validation_blocks=8)
+    return lm_datasets(
+        tokenizer, 32, train_max_chars=40_000, validation_max_chars=20_000, max_train_blocks=64, max_validation_blocks=8
+    )
 
 
 def make_model(tokenizer, version=1, seed=0):
     config = DiffTransformerConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, diff_version=version, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=version,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(config)
 
 
 def args(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
-                learning_rate=3e-3, max_steps=4, report_to="none", use_cpu=True, logging_steps=1, seed=0,
-                disable_tqdm=True, dataloader_pin_memory=False, save_strategy="no")
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=3e-3,
+        max_steps=4,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        save_strategy="no",
+    )
     return TrainingArguments(**{**base, **overrides})
 
 
@@ -68,9 +87,14 @@ def test_default_training_arguments_train_and_evaluate(tokenizer, datasets, tmp_
     model = make_model(tokenizer, version)
     before = params(model)
     # Defaults except logging every step (the default, every 500 steps, would log no loss within 3 steps).
-    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to="none",
-                                                          use_cpu=True, disable_tqdm=True, logging_steps=1),
-                      train_dataset=train, eval_dataset=valid)
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=str(tmp_path), max_steps=3, report_to="none", use_cpu=True, disable_tqdm=True, logging_steps=1
+        ),
+        train_dataset=train,
+        eval_dataset=valid,
+    )
     result = trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
@@ -79,7 +103,9 @@ def test_default_training_arguments_train_and_evaluate(tokenizer, datasets, tmp_
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     # λ trains too (V1: the four λ vectors; V2: lambda_proj)
     lam = "lambda_q1" if version == 1 else "lambda_proj.weight"
-    assert not torch.equal(before[f"model.layers.0.self_attn.{lam}"], dict(model.named_parameters())[f"model.layers.0.self_attn.{lam}"])
+    assert not torch.equal(
+        before[f"model.layers.0.self_attn.{lam}"], dict(model.named_parameters())[f"model.layers.0.self_attn.{lam}"]
+    )
 
     metrics = trainer.evaluate()
     model.eval()
@@ -102,7 +128,8 @@ def test_checkpoint_resume_reproduces_uninterrupted_training(tokenizer, datasets
     assert trainer.state.global_step == 4
     assert_same_params(params(resumed), params(full), rtol=1e-5, atol=1e-6)
     assert [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e][-1] == pytest.approx(
-        Trainer(model=full, args=args(tmp_path / "e"), eval_dataset=valid).evaluate()["eval_loss"], rel=1e-5)
+        Trainer(model=full, args=args(tmp_path / "e"), eval_dataset=valid).evaluate()["eval_loss"], rel=1e-5
+    )
 
 
 def test_gradient_checkpointing_gives_the_same_training(tokenizer, datasets, tmp_path):
@@ -113,8 +140,9 @@ def test_gradient_checkpointing_gives_the_same_training(tokenizer, datasets, tmp
     seen = []
     layer = checkpointed.model.layers[0]
     layer.register_forward_pre_hook(lambda m, a: seen.append(m.gradient_checkpointing and torch.is_grad_enabled()))
-    trainer = Trainer(model=checkpointed, args=args(tmp_path / "b", max_steps=2, gradient_checkpointing=True),
-                      train_dataset=train)
+    trainer = Trainer(
+        model=checkpointed, args=args(tmp_path / "b", max_steps=2, gradient_checkpointing=True), train_dataset=train
+    )
     trainer.train()
     assert checkpointed.is_gradient_checkpointing and any(seen)
     assert_same_params(params(checkpointed), params(plain), rtol=1e-5, atol=1e-6)
@@ -205,13 +233,23 @@ def test_num_items_in_batch_makes_gradient_accumulation_exact(tokenizer, dataset
     the whole step (num_items_in_batch) to the model's loss, so both give the same update even though the
     micro-batches score very different numbers of tokens."""
     data = _Uneven(datasets[0].blocks)
-    common = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, weight_decay=0.0,
-                  lr_scheduler_type="constant", train_sampling_strategy="sequential")
+    common = dict(
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        train_sampling_strategy="sequential",
+    )
     whole = make_model(tokenizer)
     Trainer(model=whole, args=args(tmp_path / "a", per_device_train_batch_size=4, **common), train_dataset=data).train()
     accumulated = make_model(tokenizer)
-    trainer = Trainer(model=accumulated, args=args(tmp_path / "b", per_device_train_batch_size=2,
-                                                   gradient_accumulation_steps=2, **common), train_dataset=data)
+    trainer = Trainer(
+        model=accumulated,
+        args=args(tmp_path / "b", per_device_train_batch_size=2, gradient_accumulation_steps=2, **common),
+        train_dataset=data,
+    )
     assert trainer.model_accepts_loss_kwargs
     trainer.train()
     assert_same_params(params(accumulated), params(whole), rtol=1e-4, atol=1e-6)

@@ -23,7 +23,9 @@ import pytest
 
 from fetch_transformers_tests import FetchError, fetch
 
-pytest.importorskip("parameterized", reason="transformers' test_modeling_common imports `parameterized` (pip install parameterized)")
+pytest.importorskip(
+    "parameterized", reason="transformers' test_modeling_common imports `parameterized` (pip install parameterized)"
+)
 
 try:
     TESTS_DIR = fetch()
@@ -55,7 +57,10 @@ sys.modules[PACKAGE] = _package
 # the one common test that asks for GenerationTesterMixin is skipped below with that reason. Where present, the real
 # mixin is used (and GenerationTesterMixin joins the test classes).
 MISSING_FROM_SDIST = {}
-for _module, _class in (("generation.test_utils", "GenerationTesterMixin"), ("exporters.test_export", "ExportTesterMixin")):
+for _module, _class in (
+    ("generation.test_utils", "GenerationTesterMixin"),
+    ("exporters.test_export", "ExportTesterMixin"),
+):
     if not (TESTS_DIR / (_module.replace(".", "/") + ".py")).is_file():
         MISSING_FROM_SDIST[_class] = f"tests/{_module.replace('.', '/')}.py"
         _parent = f"{PACKAGE}.{_module.split('.')[0]}"
@@ -73,7 +78,11 @@ ModelTesterMixin, ids_tensor = _common.ModelTesterMixin, _common.ids_tensor
 if "GenerationTesterMixin" in MISSING_FROM_SDIST:
     MIXINS = (ModelTesterMixin, TrainingTesterMixin)
 else:
-    MIXINS = (ModelTesterMixin, sys.modules[f"{PACKAGE}.generation.test_utils"].GenerationTesterMixin, TrainingTesterMixin)
+    MIXINS = (
+        ModelTesterMixin,
+        sys.modules[f"{PACKAGE}.generation.test_utils"].GenerationTesterMixin,
+        TrainingTesterMixin,
+    )
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,9 +101,25 @@ class DiffTransformerModelTester:
     token_classification_class = DiffTransformerForTokenClassification
     question_answering_class = DiffTransformerForQuestionAnswering
 
-    def __init__(self, parent, diff_version, query_heads, kv_heads, batch_size=13, seq_length=7, vocab_size=99,
-                 hidden_size=32, head_dim=8, intermediate_size=37, num_hidden_layers=2, num_labels=3, num_choices=4,
-                 type_sequence_label_size=2, is_training=True, config_overrides=None):
+    def __init__(
+        self,
+        parent,
+        diff_version,
+        query_heads,
+        kv_heads,
+        batch_size=13,
+        seq_length=7,
+        vocab_size=99,
+        hidden_size=32,
+        head_dim=8,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_labels=3,
+        num_choices=4,
+        type_sequence_label_size=2,
+        is_training=True,
+        config_overrides=None,
+    ):
         self.parent = parent
         self.diff_version, self.query_heads, self.kv_heads = diff_version, query_heads, kv_heads
         self.batch_size, self.seq_length, self.vocab_size = batch_size, seq_length, vocab_size
@@ -107,10 +132,19 @@ class DiffTransformerModelTester:
 
     def get_config(self):
         return DiffTransformerConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.query_heads,
-            num_key_value_heads=self.kv_heads, head_dim=self.head_dim, diff_version=self.diff_version,
-            max_position_embeddings=512, num_labels=self.num_labels, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.query_heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            diff_version=self.diff_version,
+            max_position_embeddings=512,
+            num_labels=self.num_labels,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
             **self.config_overrides,
         )
 
@@ -170,7 +204,8 @@ class _DiffTransformerCommonTests(*MIXINS):
 
         def test_generation_tester_mixin_inheritance(self):
             self.skipTest(
-                f"GenerationTesterMixin is not in the transformers sdist ({MISSING_FROM_SDIST['GenerationTesterMixin']} "
+                "GenerationTesterMixin is not in the transformers sdist "
+                f"({MISSING_FROM_SDIST['GenerationTesterMixin']} "
                 "is missing); generate() is covered by tests/test_generation_difftransformer.py"
             )
 

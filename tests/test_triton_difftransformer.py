@@ -44,8 +44,13 @@ from difftransformer import triton_difftransformer as tdt  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 U32 = 2.0**-24
 UNIT = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-SMALL_TILES = {"forward": dict(BLOCK_T=16, BLOCK_N=16), "dq": dict(BLOCK_T=16, BLOCK_N=16),
-               "dkdv": dict(BLOCK_T=16, BLOCK_N=16), "preprocess": dict(BLOCK_T=16), "decode": dict(BLOCK_N=16)}
+SMALL_TILES = {
+    "forward": dict(BLOCK_T=16, BLOCK_N=16),
+    "dq": dict(BLOCK_T=16, BLOCK_N=16),
+    "dkdv": dict(BLOCK_T=16, BLOCK_N=16),
+    "preprocess": dict(BLOCK_T=16),
+    "decode": dict(BLOCK_N=16),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,8 +135,10 @@ def magnitudes(query, key, value, lam, dout, scaling, n, r, mask=None, is_causal
         dv = torch.einsum("bgjts,bgjte->bgse", a1, do) + lam * torch.einsum("bguts,bgute->bgse", a2, dsum)
         mags["value"] = dv.reshape(b, g, s, 2, d).transpose(2, 3).reshape(b, 2 * g, s, d)
         mags["lam"] = (dsum * o2).sum()
-    sigma = scaling * max(torch.einsum("btgjd,bgsd->bgjts", qa[:, :, :, :n], ka[:, :, 0]).max().item(),
-                          torch.einsum("btgud,bgsd->bguts", qa[:, :, :, n:], ka[:, :, 1]).max().item())
+    sigma = scaling * max(
+        torch.einsum("btgjd,bgsd->bgjts", qa[:, :, :, :n], ka[:, :, 0]).max().item(),
+        torch.einsum("btgud,bgsd->bguts", qa[:, :, :, n:], ka[:, :, 1]).max().item(),
+    )
     return mags, sigma
 
 
@@ -141,8 +148,10 @@ def assert_within(name, got, ref, bound):
     if bad.any():
         ratio = (err / bound.clamp_min(1e-300)).max().item()
         idx = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{name}: error {err[idx].item():.3g} exceeds its bound {bound[idx].item():.3g} at {idx} "
-                             f"(worst error/bound ratio {ratio:.3g})")
+        raise AssertionError(
+            f"{name}: error {err[idx].item():.3g} exceeds its bound {bound[idx].item():.3g} at {idx} "
+            f"(worst error/bound ratio {ratio:.3g})"
+        )
 
 
 def coefficients(dtype, d, s, t, b, g, n, m, sigma):
@@ -166,8 +175,9 @@ def f64(x):
     return None if x is None else x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()
 
 
-def check_forward_backward(query, key, value, lam, n, r, mask=None, is_causal=True,
-                           attention=tdt.differential_attention_triton):
+def check_forward_backward(
+    query, key, value, lam, n, r, mask=None, is_causal=True, attention=tdt.differential_attention_triton
+):
     """Forward and every gradient (of query, key, value and λ; ``.grad`` must be retained) against the float64
     reference, within the error model. ``attention``: the function that runs the kernel (a compiled one, say). Returns
     the kernel's and the reference's outputs."""
@@ -183,8 +193,9 @@ def check_forward_backward(query, key, value, lam, n, r, mask=None, is_causal=Tr
     mask = f64(mask)
     ref = reference(q64, k64, v64, lam64, scaling, n, r, mask, is_causal)
     ref.backward(f64(dout))
-    mags, sigma = magnitudes(q64.detach(), k64.detach(), v64.detach(), lam64.detach(), f64(dout), scaling, n, r,
-                             mask, is_causal)
+    mags, sigma = magnitudes(
+        q64.detach(), k64.detach(), v64.detach(), lam64.detach(), f64(dout), scaling, n, r, mask, is_causal
+    )
     coef_f, coef_b, u_out = coefficients(query.dtype, d, s, t, b, g, n, n // r, sigma)
     assert_within("output", out.detach(), ref.detach(), coef_f * mags["out"] + u_out * ref.detach().abs())
     grads = {"query": query.grad, "key": key.grad, "value": value.grad}
@@ -480,8 +491,13 @@ def test_hopper_defaults_use_wgmma_tiles():
         pytest.param("dkdv", cfg(4, 2, BLOCK_T=16, BLOCK_N=32), {}, True, id="4-warps-for-a-small-tile"),
         pytest.param("forward", cfg(4, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {}, False, id="accumulators-too-many"),
         pytest.param("forward", cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {"r": 2}, False, id="r2-triples-rows"),
-        pytest.param("forward", cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {"dtype": torch.float32}, False,
-                     id="float32-counts-double"),
+        pytest.param(
+            "forward",
+            cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1),
+            {"dtype": torch.float32},
+            False,
+            id="float32-counts-double",
+        ),
         pytest.param("forward", cfg(8, 3, BLOCK_T=128, BLOCK_N=32, UNITS=1), {"t": 40}, False, id="tile-over-queries"),
         pytest.param("dkdv", cfg(8, 2, BLOCK_T=32, BLOCK_N=128), {"s": 100}, True, id="key-tile-within-bucket"),
         pytest.param("dkdv", cfg(8, 2, BLOCK_T=32, BLOCK_N=128), {"s": 60}, False, id="key-tile-over-keys"),
@@ -576,11 +592,14 @@ def test_pinned_configurations_are_launched(monkeypatch, unpinned):
     monkeypatch.setattr(tdt, "_TUNING", {"preprocess": dict(BLOCK_T=16)})  # no tile override: the rules decide
     small = cfg(4, 2, BLOCK_T=16, BLOCK_N=16, UNITS=1)
     never = cfg(8, 3, BLOCK_T=128, BLOCK_N=128, UNITS=1)
-    tdt.set_configs({
-        "forward": [{"when": {"head_dim": 64}, "config": never}, {"when": {"head_dim": 16}, "config": small}],
-        "dq": small, "dkdv": {k: v for k, v in small.items() if k != "UNITS"},
-        "decode": dict(tdt.LAUNCH_CONFIGS["decode"][0], BLOCK_N=16),
-    })
+    tdt.set_configs(
+        {
+            "forward": [{"when": {"head_dim": 64}, "config": never}, {"when": {"head_dim": 16}, "config": small}],
+            "dq": small,
+            "dkdv": {k: v for k, v in small.items() if k != "UNITS"},
+            "decode": dict(tdt.LAUNCH_CONFIGS["decode"][0], BLOCK_N=16),
+        }
+    )
     monkeypatch.setattr(tdt, "_TUNING", {})  # plans are cached only without an override
     query, key, value, lam = leaf_inputs(1, 40, 40, 1, 2, 1, 16)
     check_forward_backward(query, key, value, lam, 2, 1)
@@ -622,8 +641,10 @@ def test_tuning_sweep_on_the_interpreter(monkeypatch, unpinned, tmp_path):
     monkeypatch.setitem(tdt.LAUNCH_CONFIGS, "dkdv", (cfg(4, 2, BLOCK_T=16, BLOCK_N=16),))
     monkeypatch.setitem(tdt.LAUNCH_CONFIGS, "dq", (small,))
     problem = {"batch": 1, "queries": 20, "keys": 20, "groups": 1, "n": 3, "head_dim": 16}
-    shapes = [{"name": "prefill", "kernels": ["forward"], **problem},
-              {"name": "train", "kernels": ["dkdv", "dq"], **problem}]
+    shapes = [
+        {"name": "prefill", "kernels": ["forward"], **problem},
+        {"name": "train", "kernels": ["dkdv", "dq"], **problem},
+    ]
     result = json.loads(json.dumps(tdt.tuning_sweep(shapes, torch.float32, DEVICE, rep_ms=1.0, workers=0)))
     forward = result["results"][0]
     assert [row["error"] is None for row in forward["timings"]] == [True, True, False]
@@ -740,8 +761,11 @@ def _good():
         (lambda a: a.update(query=a["query"].double()), TypeError, "query.dtype must be one of"),
         (lambda a: a.update(key=a["key"].half()), TypeError, "must share one dtype"),
         (lambda a: a.update(value=a["value"][:, :, :5]), ValueError, "key and value must have the same shape"),
-        (lambda a: a.update(key=a["key"][:1], value=a["value"][:1], query=a["query"].expand(2, -1, -1, -1)),
-         ValueError, "does not match query shape"),
+        (
+            lambda a: a.update(key=a["key"][:1], value=a["value"][:1], query=a["query"].expand(2, -1, -1, -1)),
+            ValueError,
+            "does not match query shape",
+        ),
         (lambda a: a.update(key=a["key"][:, :1], value=a["value"][:, :1]), ValueError, "even count"),
         (lambda a: a.update(pair_stride=3), ValueError, r"must have 1 × \(3 \+ 3\) = 6"),
         (lambda a: a.update(pair_stride=0), ValueError, "pair_stride"),
@@ -784,7 +808,6 @@ def test_module_imports_without_triton(monkeypatch):
         module.differential_attention_triton(**_good())
 
 
-
 # ----------------------------------------------------------------------------------------------------------------------
 # The GPU build: the interpreter runs the kernels' Python, it does not compile them
 # ----------------------------------------------------------------------------------------------------------------------
@@ -808,9 +831,11 @@ def test_kernels_compile_for_h100(monkeypatch):
     from triton.runtime.jit import JITFunction
 
     if not isinstance(tdt.tl.standard.cdiv, JITFunction):  # triton.language's own jit functions, made at its import
-        pytest.skip("triton was imported with TRITON_INTERPRET=1 set, so its language functions are the interpreter's "
-                    "and nothing compiles for a GPU in this process (run without TRITON_INTERPRET in the environment: "
-                    "this module sets it itself)")
+        pytest.skip(
+            "triton was imported with TRITON_INTERPRET=1 set, so its language functions are the interpreter's and "
+            "nothing compiles for a GPU in this process (run without TRITON_INTERPRET in the environment: this module "
+            "sets it itself)"
+        )
 
     launches = []
 
@@ -832,8 +857,13 @@ def test_kernels_compile_for_h100(monkeypatch):
     query, key, value, lam = make_inputs(b, 1, 512, g, n, r, d, torch.bfloat16)
     tdt._decode(query, key, value, lam, d**-0.5, n, r, None, True)
     assert [name for name, _, _ in launches] == [
-        "_diff_attn_fwd", "_diff_attn_bwd_preprocess", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dq", "_diff_attn_fwd",
-        "_diff_attn_decode_combine"]
+        "_diff_attn_fwd",
+        "_diff_attn_bwd_preprocess",
+        "_diff_attn_bwd_dkdv",
+        "_diff_attn_bwd_dq",
+        "_diff_attn_fwd",
+        "_diff_attn_decode_combine",
+    ]
     assert launches[4][2]["SPLIT"], "the decode launch should split 512 keys over programs"
 
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -873,7 +903,8 @@ def test_double_backward_is_refused():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The kernels as PyTorch custom ops (torch.ops.difftransformer): torch.library's checks and torch.compile(fullgraph=True)
+# The kernels as PyTorch custom ops (torch.ops.difftransformer): torch.library's checks and
+# torch.compile(fullgraph=True)
 # ----------------------------------------------------------------------------------------------------------------------
 
 # GQA factor 2 without a mask; grouped noise heads (r = 2) with a left-padding mask.

@@ -1,8 +1,10 @@
 """V1 inside the model through the one-pass Triton kernel (``model.set_differential_kernel("triton")``; on CUDA the
-default is stock SDPA, docs/model.md "Kernels"), on the CPU through Triton's interpreter: the modeling file's dispatch, its sdpa-convention
-adapter and the kernel together, against the float64 reference, uncached greedy decoding and eager's gradients.
+default is stock SDPA, docs/model.md "Kernels"), on the CPU through Triton's interpreter: the modeling file's dispatch,
+its sdpa-convention adapter and the kernel together, against the float64 reference, uncached greedy decoding and eager's
+gradients.
 
-The kernel's own tests (every gradient, masks, GQA factors, GDA, decode, dtypes) are tests/test_triton_difftransformer.py.
+The kernel's own tests (every gradient, masks, GQA factors, GDA, decode, dtypes) are
+tests/test_triton_difftransformer.py.
 """
 
 import os
@@ -98,8 +100,9 @@ def test_training_gradients_equal_eagers(triton_on_cpu):
     assert triton_on_cpu, "the sdpa step did not run the Triton kernel"
     assert grads["sdpa"].keys() == grads["eager"].keys()
     for name, grad in grads["eager"].items():
-        torch.testing.assert_close(grads["sdpa"][name], grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * grad.abs().max().item(),
-                                   msg=name)
+        torch.testing.assert_close(
+            grads["sdpa"][name], grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * grad.abs().max().item(), msg=name
+        )
 
 
 def _recording_backend(graphs: list, backend: str):
@@ -115,8 +118,12 @@ def _recording_backend(graphs: list, backend: str):
 
 def _kernel_ops(graphs: list) -> list[str]:
     """The calls of this package's custom ops (torch.ops.difftransformer) in the traced graphs."""
-    return [str(node.target) for gm in graphs for node in gm.graph.nodes
-            if node.op == "call_function" and str(node.target).startswith("difftransformer.")]
+    return [
+        str(node.target)
+        for gm in graphs
+        for node in gm.graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("difftransformer.")
+    ]
 
 
 def test_compiled_model_runs_the_kernel(monkeypatch):
@@ -146,8 +153,14 @@ def test_compiled_model_runs_the_kernel(monkeypatch):
     rows = mask.bool()
     torch.testing.assert_close(logits[rows], ref[rows], atol=FP32_LOGITS_ATOL, rtol=0)
 
-    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_scores=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     ref = model.generate(ids, **kwargs)
     torch._dynamo.reset()
     graphs.clear()

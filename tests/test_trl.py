@@ -2,7 +2,8 @@
 computes the logits itself from the base model and the output embeddings, bypassing the model's forward: it must
 equal the model's own loss), SFTTrainer with padding-free packing (sequences concatenated into one row, their
 boundaries given by position ids that restart at 0: the loss must equal that of the same examples padded, i.e. no
-token attends across a boundary), and DPOTrainer. vLLM weight sync for GRPOTrainer: tests_serving/test_vllm_weight_sync.py."""
+token attends across a boundary), and DPOTrainer. vLLM weight sync for GRPOTrainer:
+tests_serving/test_vllm_weight_sync.py."""
 
 import copy
 import math
@@ -19,8 +20,14 @@ from difftransformer.data import get_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "class Stack:\n    pass\n",
-         "x = [i * i for i in range(10)]\n", "while True:\n    break\n", "from math import pi\nr = 2 * pi\n"]
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nprint(os.getcwd())\n",
+    "class Stack:\n    pass\n",
+    "x = [i * i for i in range(10)]\n",
+    "while True:\n    break\n",
+    "from math import pi\nr = 2 * pi\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,25 +36,48 @@ def tokenizer(tmp_path_factory):
 
 
 def tiny(version, tokenizer, seed=0):
-    config = DiffTransformerConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, head_dim=8, diff_version=version,
-                                   pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                   eos_token_id=tokenizer.eos_token_id)
+    config = DiffTransformerConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        diff_version=version,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(config)
 
 
 def sft_args(tmp_path, **kwargs):
-    return SFTConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=6, learning_rate=1e-2,
-                     report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-                     **kwargs)
+    return SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=6,
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_sft_default_loss_is_the_models_loss_and_trains(tmp_path, tokenizer, version):
     model = tiny(version, tokenizer)
-    trainer = SFTTrainer(model=model, args=sft_args(tmp_path, max_length=64), processing_class=tokenizer,
-                         train_dataset=Dataset.from_dict({"text": TEXTS}))
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_args(tmp_path, max_length=64),
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"text": TEXTS}),
+    )
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     assert (batch["labels"] == -100).any()  # padded: the padding is ignored by both losses
     with torch.no_grad():
@@ -95,12 +125,19 @@ def test_sft_padding_free_packing_equals_the_padded_batch(tmp_path, tokenizer, v
     Its loss on the examples equals the default collator's loss on the same examples padded."""
     model = tiny(version, tokenizer)
     data = Dataset.from_dict({"text": TEXTS})
-    packed = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=data,
-                        args=sft_args(tmp_path / "packed", packing=True, max_length=256))
-    padded = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=data,
-                        args=sft_args(tmp_path / "padded", max_length=256))
+    packed = SFTTrainer(
+        model=model,
+        processing_class=tokenizer,
+        train_dataset=data,
+        args=sft_args(tmp_path / "packed", packing=True, max_length=256),
+    )
+    padded = SFTTrainer(
+        model=model, processing_class=tokenizer, train_dataset=data, args=sft_args(tmp_path / "padded", max_length=256)
+    )
     assert packed.padding_free
-    packed_batch = packed._prepare_inputs(packed.data_collator([packed.train_dataset[i] for i in range(len(packed.train_dataset))]))
+    packed_batch = packed._prepare_inputs(
+        packed.data_collator([packed.train_dataset[i] for i in range(len(packed.train_dataset))])
+    )
     padded_batch = padded._prepare_inputs(padded.data_collator([padded.train_dataset[i] for i in range(len(TEXTS))]))
     assert packed_batch["input_ids"].shape[0] == 1 and "attention_mask" not in packed_batch
     restarts = (packed_batch["position_ids"][0] == 0).sum().item()
@@ -120,13 +157,30 @@ def test_dpo_trains(tmp_path, tokenizer, version):
     exactly log 2 (rewards 0); after a few steps the policy prefers the chosen answers more than the reference."""
     model = tiny(version, tokenizer)
     prompts = ["def f(x):\n", "import ", "class A:\n", "for i in "]
-    data = Dataset.from_dict({"prompt": prompts, "chosen": ["    return x\n", "os\n", "    pass\n", "range(3):\n"],
-                              "rejected": ["))((\n", "+++\n", "]]]\n", "::::\n"]})
-    args = DPOConfig(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=5e-3,
-                     report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-                     max_length=64, beta=0.1)
-    trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, processing_class=tokenizer,
-                         train_dataset=data)
+    data = Dataset.from_dict(
+        {
+            "prompt": prompts,
+            "chosen": ["    return x\n", "os\n", "    pass\n", "range(3):\n"],
+            "rejected": ["))((\n", "+++\n", "]]]\n", "::::\n"],
+        }
+    )
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        max_length=64,
+        beta=0.1,
+    )
+    trainer = DPOTrainer(
+        model=model, ref_model=copy.deepcopy(model), args=args, processing_class=tokenizer, train_dataset=data
+    )
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)

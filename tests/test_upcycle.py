@@ -81,7 +81,9 @@ def test_distillation_loss_is_the_token_mean_kl_times_t_squared():
         expected = (p * (p.log() - q.log())).sum(-1).mean() * t * t
         assert up.distillation_loss(student, teacher, t).item() == pytest.approx(expected.item(), rel=1e-5)
     # Zero when the distributions agree (logits equal up to a constant per token), positive otherwise.
-    assert up.distillation_loss(teacher + torch.randn(2, 5, 1, generator=gen), teacher).item() == pytest.approx(0.0, abs=1e-6)
+    assert up.distillation_loss(teacher + torch.randn(2, 5, 1, generator=gen), teacher).item() == pytest.approx(
+        0.0, abs=1e-6
+    )
     assert up.distillation_loss(student, teacher).item() > 0.1
     with pytest.raises(ValueError, match="temperature"):
         up.distillation_loss(student, teacher, 0.0)
@@ -109,7 +111,9 @@ def test_smollm2_style_tokenizers_separate_documents_with_endoftext():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "a": 3}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")), eos_token="<|im_end|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")), eos_token="<|im_end|>"
+    )
     assert up.document_separator_id(tok) == 0  # not the chat end-of-turn token
 
 
@@ -140,7 +144,9 @@ def test_a_few_distillation_steps_lower_the_loss(source, students, tmp_path, ver
                     p.normal_(0, 0.5)
     before = kd_loss_on(model, source.model, blocks[:4])
     assert before > 0.0
-    trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=1.0, args=dict(learning_rate=lr))
+    trainer = distillation_trainer(
+        model, source.model, blocks, tmp_path, distill_weight=1.0, args=dict(learning_rate=lr)
+    )
     trainer.train()
     after = kd_loss_on(model, source.model, blocks[:4])
     assert after < 0.9 * before
@@ -158,9 +164,22 @@ def test_mixed_loss_and_gradient_accumulation(source, students, tmp_path):
     for bs, accum in ((4, 1), (2, 2), (1, 4)):
         torch.manual_seed(0)
         model = up.load_student(students[1])
-        trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=0.25,
-                                       args=dict(max_steps=1, per_device_train_batch_size=bs, gradient_accumulation_steps=accum,
-                                                 optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0.0))
+        trainer = distillation_trainer(
+            model,
+            source.model,
+            blocks,
+            tmp_path,
+            distill_weight=0.25,
+            args=dict(
+                max_steps=1,
+                per_device_train_batch_size=bs,
+                gradient_accumulation_steps=accum,
+                optim="sgd",
+                learning_rate=0.1,
+                lr_scheduler_type="constant",
+                max_grad_norm=0.0,
+            ),
+        )
         trainer.train()
         entry = next(e for e in trainer.state.log_history if "loss" in e)
         assert entry["loss"] == pytest.approx(0.75 * entry["lm_loss"] + 0.25 * entry["distill_loss"], rel=1e-3)
@@ -174,12 +193,23 @@ def test_mixed_loss_and_gradient_accumulation(source, students, tmp_path):
 def test_lambda_trains_at_its_own_learning_rate(source, students, tmp_path, version, method):
     model = up.prepare_student(up.load_student(students[version]), method, lora_r=4, lora_alpha=8)
     blocks = up.training_blocks(source.tokenizer, 32, max_blocks=4)
-    lam_names = {n for n, p in model.named_parameters() if p.requires_grad and ("lambda_q" in n or "lambda_k" in n or "lambda_proj" in n)}
+    lam_names = {
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and ("lambda_q" in n or "lambda_k" in n or "lambda_proj" in n)
+    }
     assert lam_names
     by_id = {id(p): n for n, p in model.named_parameters()}
     for scale in (1.0, 10.0):
-        trainer = distillation_trainer(model, source.model, blocks, tmp_path, distill_weight=0.5, lambda_lr_scale=scale,
-                                       args=dict(learning_rate=1e-3))
+        trainer = distillation_trainer(
+            model,
+            source.model,
+            blocks,
+            tmp_path,
+            distill_weight=0.5,
+            lambda_lr_scale=scale,
+            args=dict(learning_rate=1e-3),
+        )
         optimizer = trainer.create_optimizer()
         grouped = [{by_id[id(p)] for p in g["params"]} for g in optimizer.param_groups]
         assert sum(len(g) for g in grouped) == sum(p.requires_grad for p in model.parameters())  # every trainable once
@@ -197,8 +227,14 @@ def test_lambda_trains_at_its_own_learning_rate(source, students, tmp_path, vers
 def test_evaluation_reports_the_plain_lm_loss(source, students, tmp_path):
     held = up.heldout_blocks(source.tokenizer, 2, 32)
     model = up.load_student(students[1])
-    trainer = distillation_trainer(model, source.model, held["validation"], tmp_path, distill_weight=1.0,
-                                   args=dict(per_device_eval_batch_size=2, prediction_loss_only=True))
+    trainer = distillation_trainer(
+        model,
+        source.model,
+        held["validation"],
+        tmp_path,
+        distill_weight=1.0,
+        args=dict(per_device_eval_batch_size=2, prediction_loss_only=True),
+    )
     metrics = trainer.evaluate({name: LMBlockDataset(b) for name, b in held.items()})
     for name, blocks in held.items():
         assert math.exp(metrics[f"eval_{name}_loss"]) == pytest.approx(up.perplexity(model, blocks), rel=1e-4)
@@ -238,8 +274,15 @@ def test_lambda_statistics(source, students):
 
 
 def _tiny_v1(seed=0):
-    config = DiffTransformerConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, diff_version=1)
+    config = DiffTransformerConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=1,
+    )
     torch.manual_seed(seed)
     return DiffTransformerForCausalLM(config)
 
@@ -270,8 +313,16 @@ def _lora_v1():
 
 
 def _lambda_args(out, **kwargs):
-    values = dict(max_steps=4, save_steps=2, learning_rate=0.05, per_device_train_batch_size=4, report_to="none",
-                  use_cpu=True, disable_tqdm=True, seed=0)
+    values = dict(
+        max_steps=4,
+        save_steps=2,
+        learning_rate=0.05,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     return TrainingArguments(str(out), **{**values, **kwargs})
 
 
@@ -282,8 +333,12 @@ def test_trainer_checkpoints_of_a_v1_peft_model_keep_and_restore_lambda(tmp_path
     initial = _tiny_v1().layer_lambdas()
     model = _lora_v1()
     record = _RecordLambdas(model)
-    trainer = Trainer(model=model, args=_lambda_args(tmp_path / "out"), train_dataset=_Rows(),
-                      callbacks=[record, LambdaCheckpointCallback()])
+    trainer = Trainer(
+        model=model,
+        args=_lambda_args(tmp_path / "out"),
+        train_dataset=_Rows(),
+        callbacks=[record, LambdaCheckpointCallback()],
+    )
     trainer.train()
     final = model.get_base_model().layer_lambdas()
     assert not torch.allclose(final, initial, atol=1e-3)  # λ trained
@@ -307,8 +362,12 @@ def test_trainer_checkpoints_of_a_v1_peft_model_keep_and_restore_lambda(tmp_path
                 param.add_(0.3)
     assert not torch.allclose(resumed.get_base_model().layer_lambdas(), record.at[2], atol=1e-2)
     check = _RecordLambdas(resumed)
-    Trainer(model=resumed, args=_lambda_args(tmp_path / "out"), train_dataset=_Rows(),
-            callbacks=[check, LambdaCheckpointCallback()]).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    Trainer(
+        model=resumed,
+        args=_lambda_args(tmp_path / "out"),
+        train_dataset=_Rows(),
+        callbacks=[check, LambdaCheckpointCallback()],
+    ).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     torch.testing.assert_close(check.at[3], record.at[3], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(resumed.get_base_model().layer_lambdas(), final, rtol=1e-5, atol=1e-6)
 
@@ -344,7 +403,8 @@ def test_report_holds_what_it_claims(smoke_run, source):
     for name, blocks in held.items():
         assert report["teacher"]["perplexity"][name] == pytest.approx(up.perplexity(source.model, blocks), rel=1e-5)
         assert report["ratio_to_teacher"]["after"][name] == pytest.approx(
-            report["after"]["perplexity"][name] / report["teacher"]["perplexity"][name])
+            report["after"]["perplexity"][name] / report["teacher"]["perplexity"][name]
+        )
     # The saved Hub folder is the trained student (LoRA merged): it reproduces the reported perplexity and λ.
     check_hub_folder(out / "model")
     saved = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
@@ -370,8 +430,12 @@ def test_report_holds_what_it_claims(smoke_run, source):
     assert tel["before"]["map_separation"] == pytest.approx([0.0, 0.0], abs=1e-6)
     assert min(tel["after"]["map_separation"]) > 1e-4
     probe = held["validation"][:2, :32]
-    for name, values in telemetry.probe_metrics(saved, probe).items():  # merged LoRA: rounding may flip a few near-zero entries
-        assert tel["after"][name] == pytest.approx(values, rel=1e-4, abs=1e-3 if name == "negative_share" else 1e-6), name
+    for name, values in telemetry.probe_metrics(
+        saved, probe
+    ).items():  # merged LoRA: rounding may flip a few near-zero entries
+        assert tel["after"][name] == pytest.approx(values, rel=1e-4, abs=1e-3 if name == "negative_share" else 1e-6), (
+            name
+        )
     steps = [e["step"] for e in report["training"]["log_history"] if "diffattn/map_separation" in e]
     assert steps == [0, 2, 4]
     prov = report["provenance"]
@@ -429,14 +493,33 @@ def test_cli_help_bad_flags_and_smoke_run(tmp_path, capsys):
         for opt in action.option_strings:
             assert opt in help_text
         assert action.help, f"{action.option_strings} has no help"
-    for bad, field in ((["--distill-weight", "1.5"], "distill_weight"), (["--max-steps", "0"], "max_steps"),
-                       (["--method", "prefix"], "--method"), (["--diff-version", "3"], "--diff-version")):
+    for bad, field in (
+        (["--distill-weight", "1.5"], "distill_weight"),
+        (["--max-steps", "0"], "max_steps"),
+        (["--method", "prefix"], "--method"),
+        (["--diff-version", "3"], "--diff-version"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             cli.parse_settings(bad)
         assert exit_info.value.code == 2 and field in capsys.readouterr().err, bad
     assert cli.parse_settings(["--smoke", "--max-steps", "3"]).max_steps == 3  # typed flags win over --smoke
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--diff-version", "2", "--threads", "1",
-                           "--output-dir", str(tmp_path / "cli")], capture_output=True, text=True, env=ENV, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--diff-version",
+            "2",
+            "--threads",
+            "1",
+            "--output-dir",
+            str(tmp_path / "cli"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "it/s]" in proc.stderr or "s/it]" in proc.stderr  # the Trainer's tqdm progress bar
     report = json.loads((tmp_path / "cli" / "report.json").read_text())
@@ -464,14 +547,19 @@ def test_compare_upcycled_smoke(tmp_path):
     assert steps == {bench.SIZES["smoke"]["steps"]}
     values = [results["runs"]["v1"][s]["after"]["perplexity"]["validation"] for s in (0, 1)]
     stats = results["summary"]["v1"]["after"]["ppl_validation"]
-    assert stats["mean"] == pytest.approx(sum(values) / 2) and stats["std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2))
+    assert stats["mean"] == pytest.approx(sum(values) / 2) and stats["std"] == pytest.approx(
+        abs(values[0] - values[1]) / math.sqrt(2)
+    )
     for name in ("results.json", "results.md", "comparison.png"):
         assert (tmp_path / name).is_file()
     md = (tmp_path / "results.md").read_text()
     assert "python benchmarks/compare_upcycled.py --size smoke" in md
     prov = results["provenance"]  # where benchmarks/harness.py's readers look for it
     assert prov["script"] == "compare_upcycled.py" and prov["commit"] in md and "nearly inert" in md
-    assert prov["command"] == "python benchmarks/compare_upcycled.py --size smoke --out " + str(tmp_path) + " --no-progress --threads 1"
+    assert (
+        prov["command"]
+        == "python benchmarks/compare_upcycled.py --size smoke --out " + str(tmp_path) + " --no-progress --threads 1"
+    )
     # The V1 layout with a nearly inert per-head norm starts closer to the source than the paper's V1.
     start = {m: results["summary"][m]["before"]["ppl_validation"]["mean"] for m in ("llama", "v1", "v1_eps1")}
     assert abs(start["v1_eps1"] - start["llama"]) < abs(start["v1"] - start["llama"])
@@ -483,7 +571,8 @@ def test_compare_upcycled_smoke(tmp_path):
         assert tel["before"]["map_separation"]["layer_max"]["mean"] == pytest.approx(0.0, abs=1e-6)
         per_seed = [r["train"]["telemetry"][-1]["metrics"]["map_separation"] for r in results["runs"][name].values()]
         assert tel["after"]["map_separation"]["layer_mean"]["mean"] == pytest.approx(
-            sum(sum(v) / len(v) for v in per_seed) / len(per_seed))
+            sum(sum(v) / len(v) for v in per_seed) / len(per_seed)
+        )
     assert "telemetry" not in results["summary"]["llama"]
 
 

@@ -143,8 +143,14 @@ def test_known_passed_on_arguments_are_accepted():
     ids = torch.randint(3, 97, (2, 6))
     with torch.no_grad():
         out = model(
-            ids, labels=ids, output_attentions=False, output_hidden_states=True, output_lambdas=True,
-            num_items_in_batch=torch.tensor(10), ignore_index=-100, return_dict=True,
+            ids,
+            labels=ids,
+            output_attentions=False,
+            output_hidden_states=True,
+            output_lambdas=True,
+            num_items_in_batch=torch.tensor(10),
+            ignore_index=-100,
+            return_dict=True,
         )
     assert out.loss is not None and len(out.hidden_states) == model.config.num_hidden_layers + 1
     assert len(out.lambdas) == model.config.num_hidden_layers
@@ -158,7 +164,9 @@ def test_a_decoding_step_without_its_cache_raises(layout):
     position = torch.full((2, 1), 6)
     with torch.no_grad():
         model(ids, use_cache=True)  # the prefill whose cache gets lost
-        with pytest.raises(ValueError, match=rf"position_ids starting at 6 but no cache.*transformers {transformers.__version__}"):
+        with pytest.raises(
+            ValueError, match=rf"position_ids starting at 6 but no cache.*transformers {transformers.__version__}"
+        ):
             model(ids[:, -1:], position_ids=position, use_cache=False)
         with pytest.raises(ValueError, match="an empty cache"):
             model(ids[:, -1:], position_ids=position, cache=DynamicCache(config=model.config), use_cache=True)

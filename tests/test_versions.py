@@ -52,9 +52,13 @@ def lowest_transformers() -> str:
     """What scripts/setup_min.sh installs: the X.Y of pyproject.toml's `transformers>=X.Y,` (any X.Y.* release), read
     with the script's own sed expression."""
     script = (REPO / "scripts" / "setup_min.sh").read_text()
-    command = 'MIN=$(sed -n \'s/.*"transformers>=\\([0-9.]*\\),.*/\\1/p\' pyproject.toml)'
+    command = "MIN=$(sed -n 's/.*\"transformers>=\\([0-9.]*\\),.*/\\1/p' pyproject.toml)"
     assert command in script, "setup_min.sh reads pyproject.toml"
-    lines = [line for line in (REPO / "pyproject.toml").read_text().splitlines() if re.match(r'.*"transformers>=([0-9.]*),', line)]
+    lines = [
+        line
+        for line in (REPO / "pyproject.toml").read_text().splitlines()
+        if re.match(r'.*"transformers>=([0-9.]*),', line)
+    ]
     found = {re.match(r'.*"transformers>=([0-9.]*),', line)[1] for line in lines}
     assert found == set(lower_bounds()["transformers"]) and len(found) == 1, (found, lower_bounds()["transformers"])
     return found.pop()
@@ -73,11 +77,13 @@ def lowest_pins() -> dict[str, str]:
 
 def same_release(bound: str, installed: str) -> bool:
     """`>=2.13` is run by 2.13.0, `>=0.23.3` by 0.23.3 (a bound names a release, trailing zeros aside)."""
+
     def norm(v):
         parts = [int(p) for p in v.split(".")]
         while parts and parts[-1] == 0:
             parts.pop()
         return parts
+
     return norm(bound) == norm(installed)
 
 
@@ -89,7 +95,8 @@ def test_every_lower_bound_is_a_version_ci_runs(package):
     ci_runs |= {version for name, version in lowest_pins().items() if name == package}
     for bound in bounds:
         assert any(same_release(bound, version) for version in ci_runs), (
-            f"pyproject.toml: {package}>={bound}, but CI installs {sorted(ci_runs)} (raise the bound or test that version)"
+            f"pyproject.toml: {package}>={bound}, but CI installs {sorted(ci_runs)} (raise the bound or test that "
+            "version)"
         )
 
 
@@ -97,12 +104,19 @@ def test_docs_tested_versions_are_what_ci_installs():
     """docs/ecosystem.md's "Tested versions" table: the pinned run's versions are requirements-dev.txt's, the lowest
     run's transformers is the declared lower bound, and the newest run resolves the newest releases at each run."""
     section = (REPO / "docs" / "ecosystem.md").read_text().split("### Tested versions", 1)[1].split("\n#", 1)[0]
-    rows = {cells[1].strip(): cells for cells in (line.split("|") for line in section.splitlines() if line.startswith("| "))}
+    rows = {
+        cells[1].strip(): cells for cells in (line.split("|") for line in section.splitlines() if line.startswith("| "))
+    }
     assert {"pinned", "newest", "lowest"} <= set(rows), sorted(rows)
     installed = pins()
     pinned = " ".join(rows["pinned"][3:5])
-    expected = [installed["transformers"], *(f"{name} {installed[name.replace('_', '-')]}" for name in
-                                             ("torch", "peft", "accelerate", "tokenizers", "safetensors", "huggingface_hub"))]
+    expected = [
+        installed["transformers"],
+        *(
+            f"{name} {installed[name.replace('_', '-')]}"
+            for name in ("torch", "peft", "accelerate", "tokenizers", "safetensors", "huggingface_hub")
+        ),
+    ]
     missing = [fragment for fragment in expected if fragment not in pinned]
     assert not missing, (missing, pinned)
     assert f"{lowest_transformers()}.x" in rows["lowest"][3], rows["lowest"][3]
@@ -118,8 +132,12 @@ def test_newest_versions_tells_whether_the_newest_releases_are_the_pinned_ones()
     nv = _newest_versions()
 
     def report(**versions):
-        return {"install": [{"metadata": {"name": n, "version": versions.get(n, pins()[nv.normalize(n)])}}
-                            for n in nv.PACKAGES] + [{"metadata": {"name": "numpy", "version": "9.9"}}]}
+        return {
+            "install": [
+                {"metadata": {"name": n, "version": versions.get(n, pins()[nv.normalize(n)])}} for n in nv.PACKAGES
+            ]
+            + [{"metadata": {"name": "numpy", "version": "9.9"}}]
+        }
 
     line, code = nv.compare(report(torch=pins()["torch"] + "+cpu"))
     assert code == 0 and f"transformers {pins()['transformers']}" in line and "numpy" not in line

@@ -27,7 +27,9 @@ def _normalised(line: str) -> str:
 def import_noise(module: str) -> frozenset[str]:
     """The stderr lines (log prefixes removed) of ``python -c "import <module>"`` in this environment."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return frozenset(_normalised(line) for line in out.stderr.splitlines() if line.strip())
 

@@ -8,8 +8,9 @@ source model with every head's attention output ``o`` (the input of ``o_proj``, 
 
 ``ρ`` the head's calibrated rms and ``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit`` its layer's λ: both maps of a head are
 the source head's, so ``A1 − λA2 = (1 − λ)A``; the per-head norm divides by ``sqrt((1 − λ)² rms(o)² + eps)``; the
-``(1 − λinit)`` factor and the ``o_proj`` scale ``sqrt(ρ² + e)/(1 − λinit)`` make the rest. :func:`duplicate_v1_function`
-makes a source model compute exactly that, so a converted model can be compared with it to rounding.
+``(1 − λinit)`` factor and the ``o_proj`` scale ``sqrt(ρ² + e)/(1 − λinit)`` make the rest.
+:func:`duplicate_v1_function` makes a source model compute exactly that, so a converted model can be compared with it to
+rounding.
 """
 
 import contextlib
@@ -24,14 +25,18 @@ def mean_head_rms(source, input_ids: torch.Tensor) -> torch.Tensor:
     ``o_proj`` input, in the source's dtype: what the duplicate method's calibration is defined to compute."""
     heads = source.config.num_attention_heads
     seen = {}
-    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, []).append(args[0]))
-             for i, layer in enumerate(source.model.layers)]
+    hooks = [
+        layer.self_attn.o_proj.register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, []).append(args[0]))
+        for i, layer in enumerate(source.model.layers)
+    ]
     try:
         source(input_ids, use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    rms = [torch.cat(seen[i]).unflatten(-1, (heads, -1)).pow(2).mean(-1).sqrt().flatten(0, 1).mean(0) for i in sorted(seen)]
+    rms = [
+        torch.cat(seen[i]).unflatten(-1, (heads, -1)).pow(2).mean(-1).sqrt().flatten(0, 1).mean(0) for i in sorted(seen)
+    ]
     return torch.stack(rms)
 
 
@@ -41,7 +46,9 @@ def v1_lambdas(config, state_dict) -> list[float]:
     lambdas = []
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}.self_attn."
-        q1, k1, q2, k2 = (state_dict[p + name].double() for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"))
+        q1, k1, q2, k2 = (
+            state_dict[p + name].double() for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+        )
         init = config.lambda_init if config.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * layer)
         lambdas.append((torch.exp(q1 @ k1) - torch.exp(q2 @ k2)).item() + init)
     return lambdas
@@ -66,7 +73,9 @@ def duplicate_v1_function(source, v1_config, v1_state_dict, rho: torch.Tensor):
 
         return hook
 
-    handles = [layer.self_attn.o_proj.register_forward_pre_hook(hook_for(i)) for i, layer in enumerate(source.model.layers)]
+    handles = [
+        layer.self_attn.o_proj.register_forward_pre_hook(hook_for(i)) for i, layer in enumerate(source.model.layers)
+    ]
     try:
         yield source
     finally:

@@ -38,13 +38,22 @@ def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
-def save_tiny_lm(folder, diff_version: int, tokenizer: PreTrainedTokenizerFast, num_hidden_layers: int = 4, seed: int = 0):
+def save_tiny_lm(
+    folder, diff_version: int, tokenizer: PreTrainedTokenizerFast, num_hidden_layers: int = 4, seed: int = 0
+):
     """Save a tiny random DiffTransformer sized for `tokenizer`, with the tokenizer, like the main job's folder."""
     torch.manual_seed(seed)
     config = DiffTransformerConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=8, num_key_value_heads=4 if diff_version == 1 else 2, diff_version=diff_version,
-        max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=8,
+        num_key_value_heads=4 if diff_version == 1 else 2,
+        diff_version=diff_version,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     model = DiffTransformerForCausalLM(config).eval()

@@ -12,7 +12,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-def write_tiny_gguf(path, arch="llama", layers=2, hidden=48, ffn=96, hq=3, hkv=1, head_dim=16, vocab=300, tied=True, bias=False, seed=0):
+
+def write_tiny_gguf(
+    path, arch="llama", layers=2, hidden=48, ffn=96, hq=3, hkv=1, head_dim=16, vocab=300, tied=True, bias=False, seed=0
+):
     """A small float32 GGUF as llama.cpp lays one out: metadata, a byte-level BPE tokenizer with a chat template and
     ChatML special tokens (ids 0-2, eos = ``<|im_end|>``), random tensors under GGUF names."""
     from gguf import GGUFWriter

@@ -77,7 +77,9 @@ def ms_attention_v2(sd, p, x, H, G, d):
     k = rotary_interleaved((x @ sd[p + "k_proj.weight"].T).view(T, G, d), THETA)
     v = (x @ sd[p + "v_proj.weight"].T).view(T, G, d)
     rep = 2 * H // G
-    a = torch.stack([causal_softmax(q[:, j], k[:, j // rep], d) @ v[:, j // rep] for j in range(2 * H)], 1)  # (T, 2H, d)
+    a = torch.stack(
+        [causal_softmax(q[:, j], k[:, j // rep], d) @ v[:, j // rep] for j in range(2 * H)], 1
+    )  # (T, 2H, d)
     lam = torch.sigmoid(x @ sd[p + "lambda_proj.weight"].T)  # (T, H)
     o = a[:, 0::2] - lam[..., None] * a[:, 1::2]
     return o.reshape(T, H * d) @ sd[p + "o_proj.weight"].T

@@ -9,7 +9,10 @@ from safetensors.torch import save_file
 from motif_reference import motif_config, random_motif_checkpoint
 
 # Motif's own files, named by the auto_map of its Hub folders; absent here, so loading must not need them.
-MOTIF_AUTO_MAP = {"AutoConfig": "configuration_motif.MotifConfig", "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM"}
+MOTIF_AUTO_MAP = {
+    "AutoConfig": "configuration_motif.MotifConfig",
+    "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM",
+}
 
 
 def motif_folder(path, kind, seed=0, dtype=torch.float32, **overrides):

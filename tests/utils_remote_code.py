@@ -42,8 +42,9 @@ def remote_generate_all(jobs: list[tuple[Path, torch.Tensor]], tmp_path: Path) -
     script.write_text(REMOTE_GENERATE)
     job_file.write_text(json.dumps([[str(folder), ids.tolist()] for folder, ids in jobs]))
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(script), str(job_file)],
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(script), str(job_file)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, result.stdout + result.stderr
     return json.loads(lines[-1].removeprefix("RESULT "))

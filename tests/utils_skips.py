@@ -16,9 +16,9 @@ import pytest
 
 
 class SkipRecorder:
-    """``guarded_claims``: node-id prefix → the claim the tests it matches guard. ``suite``: the test folder. Each prefix
-    must match a collected test when the whole suite runs (else the session fails: a renamed test would otherwise stop
-    being guarded unnoticed)."""
+    """``guarded_claims``: node-id prefix → the claim the tests it matches guard. ``suite``: the test folder. Each
+    prefix must match a collected test when the whole suite runs (else the session fails: a renamed test would otherwise
+    stop being guarded unnoticed)."""
 
     def __init__(self, guarded_claims: dict[str, str], suite: Path):
         self.guarded_claims = guarded_claims
@@ -30,8 +30,14 @@ class SkipRecorder:
 
     def _record(self, nodeid: str, longrepr, module: bool) -> None:
         reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        self.skips.append({"test": nodeid, "reason": reason.removeprefix("Skipped: "), "module": module,
-                           "claim": self.claim_of(nodeid)})
+        self.skips.append(
+            {
+                "test": nodeid,
+                "reason": reason.removeprefix("Skipped: "),
+                "module": module,
+                "claim": self.claim_of(nodeid),
+            }
+        )
 
     def collectreport(self, report) -> None:
         """pytest_collectreport: a module skipped as a whole (a module-level ``importorskip``, ``pytest.skip``)."""
@@ -53,9 +59,12 @@ class SkipRecorder:
         suite = {f"{self.suite.name}/{path.name}" for path in self.suite.glob("test_*.py")}
         if not suite <= files:
             return  # a part of the suite (CI's newest and lowest runs, single files): only the whole suite checks
-        missing = [prefix for prefix in self.guarded_claims
-                   if not any(nodeid.startswith(prefix) for nodeid in collected)
-                   and not any(s["test"].startswith(prefix.split("::")[0]) for s in self.skips)]
+        missing = [
+            prefix
+            for prefix in self.guarded_claims
+            if not any(nodeid.startswith(prefix) for nodeid in collected)
+            and not any(s["test"].startswith(prefix.split("::")[0]) for s in self.skips)
+        ]
         if missing:
             raise pytest.UsageError(f"GUARDED_CLAIMS entries match no collected test (renamed?): {missing}")
 

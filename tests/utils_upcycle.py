@@ -21,11 +21,22 @@ def logits(model, ids=IDS):
 def distillation_trainer(model, teacher, blocks, tmp_path, **kwargs):
     """A :class:`~difftransformer.upcycle.DistillationTrainer` over ``blocks``: 4 steps of batch 2, lr 3e-3, a log
     every step, no checkpoints (``args=dict(...)`` overrides TrainingArguments, other kwargs go to the trainer)."""
-    args = dict(output_dir=str(tmp_path / "t"), max_steps=4, per_device_train_batch_size=2, learning_rate=3e-3,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
+    args = dict(
+        output_dir=str(tmp_path / "t"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     args.update(kwargs.pop("args", {}))
-    return up.DistillationTrainer(model=model, args=TrainingArguments(**args), train_dataset=LMBlockDataset(blocks),
-                                  teacher=teacher, **kwargs)
+    return up.DistillationTrainer(
+        model=model, args=TrainingArguments(**args), train_dataset=LMBlockDataset(blocks), teacher=teacher, **kwargs
+    )
 
 
 def kd_loss_on(model, teacher, batch):

@@ -46,8 +46,8 @@ from utils_skips import SkipRecorder  # noqa: E402
 # (scripts/test.sh: the serving run writes to the same $DIFFTRANSFORMER_SKIP_REPORT as the others, as venv "serving").
 # Node-id prefix → the claim the test guards; each must match a collected test when the whole suite runs.
 GUARDED_CLAIMS = {
-    "tests_serving/test_vllm_native.py::test_two_tensor_parallel_ranks_equal_generate":
-        "vLLM tensor parallelism: 2 ranks of the native model",
+    "tests_serving/test_vllm_native.py::test_two_tensor_parallel_ranks_equal_generate": "vLLM tensor parallelism: 2 "
+    "ranks of the native model",
 }
 SKIPS = SkipRecorder(GUARDED_CLAIMS, Path(__file__).parent)
 

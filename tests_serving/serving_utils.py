@@ -52,8 +52,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def save_random_model(folder: Path, *, diff_version: int, num_key_value_heads: int, num_attention_heads: int = 8,
-                      seed: int = 0, **config_fields):
+def save_random_model(
+    folder: Path,
+    *,
+    diff_version: int,
+    num_key_value_heads: int,
+    num_attention_heads: int = 8,
+    seed: int = 0,
+    **config_fields,
+):
     """A tiny random DIFF model saved with save_pretrained (remote code included). head_dim 32: vLLM's CPU attention
     kernels support 32, 64, 80, ... (not the 8 of the main suite's tiny models; V1's single call runs 2·32 = 64).
     initializer_range 0.1 (instead of 0.02) gives logits far enough apart for greedy decoding to be determined (see
@@ -62,10 +69,20 @@ def save_random_model(folder: Path, *, diff_version: int, num_key_value_heads: i
 
     torch.manual_seed(seed)
     config = DiffTransformerConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=32,
-        diff_version=diff_version, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None, **config_fields,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=32,
+        diff_version=diff_version,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **config_fields,
     )
     model = DiffTransformerForCausalLM(config).eval()
     model.save_pretrained(folder)
@@ -82,9 +99,18 @@ def save_duplicated_v1_upcycle(folder: Path, *, num_attention_heads: int, num_ke
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=32,
-        max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=32,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     source = Path(folder).with_name(Path(folder).name + "-llama")
     LlamaForCausalLM(config).save_pretrained(source)
@@ -106,11 +132,16 @@ class Greedy:
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> Greedy:
     """``model.generate`` (batch 1, greedy, default cache) with its step logits."""
     out = model.generate(
-        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0,
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id if eos_token_id is not None else 0,
     )
-    ids = out.sequences[0, len(prompt_ids):].tolist()
+    ids = out.sequences[0, len(prompt_ids) :].tolist()
     logprobs, margins = [], []
     for step, token in zip(out.logits, ids, strict=True):
         lp = torch.log_softmax(step[0].double(), -1)
@@ -123,7 +154,9 @@ def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_toke
 def assert_matches(token_ids, logprobs, ref: Greedy, tol: float, what: str):
     """vLLM's greedy tokens equal ours and their log-probabilities agree within ``tol``; the reference's margins
     exceed ``2·tol`` at every step (else equality would not be a property of the model)."""
-    assert min(ref.margins) > 2 * tol, f"{what}: the reference's greedy choice is not determined (margin {min(ref.margins):.2e})"
+    assert min(ref.margins) > 2 * tol, (
+        f"{what}: the reference's greedy choice is not determined (margin {min(ref.margins):.2e})"
+    )
     assert list(token_ids) == ref.ids, what
     if logprobs is not None:
         diff = max(abs(a - b) for a, b in zip(logprobs, ref.logprobs, strict=True))
@@ -135,7 +168,11 @@ def chat_references(model, tokenizer, prompts=CHAT_PROMPTS, max_new_tokens=CHAT_
     """Our greedy chat answers: the tokenizer's chat template with the generation prompt, then one batched ``generate``
     (prompts left-padded, as ``generate`` expects), cut after each row's EOS."""
     prompt_ids = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
         for p in prompts
     ]
     width = max(map(len, prompt_ids))
@@ -143,8 +180,14 @@ def chat_references(model, tokenizer, prompts=CHAT_PROMPTS, max_new_tokens=CHAT_
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
     out = model.generate(
-        input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
-        return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
     )
     refs = []
     for row, ids in enumerate(prompt_ids):
@@ -172,8 +215,13 @@ def save_motif_folder(folder: Path, kind: str, *, seed: int = 0, **overrides) ->
 
     from motif_reference import motif_config, random_motif_checkpoint
 
-    config = {**motif_config(kind, **overrides), "auto_map": {
-        "AutoConfig": "configuration_motif.MotifConfig", "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM"}}
+    config = {
+        **motif_config(kind, **overrides),
+        "auto_map": {
+            "AutoConfig": "configuration_motif.MotifConfig",
+            "AutoModelForCausalLM": "modeling_motif.MotifForCausalLM",
+        },
+    }
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(random_motif_checkpoint(config, seed=seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -222,17 +270,25 @@ def run_engine_jobs(jobs_file: str, out_file: str) -> None:
         record["prefix_caching"] = bool(config.cache_config.enable_prefix_caching)
         record["chunked_prefill"] = bool(config.scheduler_config.enable_chunked_prefill)
         record["max_num_batched_tokens"] = config.scheduler_config.max_num_batched_tokens
-        params = vllm.SamplingParams(temperature=0, max_tokens=job["new_tokens"], ignore_eos=True, logprobs=0,
-                                     detokenize=False)
+        params = vllm.SamplingParams(
+            temperature=0, max_tokens=job["new_tokens"], ignore_eos=True, logprobs=0, detokenize=False
+        )
         record["rounds"] = []
         for prompts in job["rounds"]:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-            record["rounds"].append([
-                {"ids": list(o.outputs[0].token_ids),
-                 "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
-                 "cached": o.num_cached_tokens}
-                for o in outputs
-            ])
+            record["rounds"].append(
+                [
+                    {
+                        "ids": list(o.outputs[0].token_ids),
+                        "logprobs": [
+                            step[t].logprob
+                            for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+                        ],
+                        "cached": o.num_cached_tokens,
+                    }
+                    for o in outputs
+                ]
+            )
         record["seconds"] = time.perf_counter() - started
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -259,10 +315,17 @@ def run_weight_sync_jobs(jobs_file: str, out_file: str) -> None:
 
     results = {}
     for job in json.loads(Path(jobs_file).read_text()):
-        params = vllm.SamplingParams(temperature=0, max_tokens=job["new_tokens"], ignore_eos=True, logprobs=0,
-                                     detokenize=False)
-        llm = vllm.LLM(model=job["folder"], dtype="float32", seed=0, max_model_len=256, enforce_eager=True,
-                       skip_tokenizer_init=True)
+        params = vllm.SamplingParams(
+            temperature=0, max_tokens=job["new_tokens"], ignore_eos=True, logprobs=0, detokenize=False
+        )
+        llm = vllm.LLM(
+            model=job["folder"],
+            dtype="float32",
+            seed=0,
+            max_model_len=256,
+            enforce_eager=True,
+            skip_tokenizer_init=True,
+        )
 
         def greedy(llm=llm, params=params, prompt=job["prompt"]):
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
@@ -286,8 +349,9 @@ def run_weight_sync_jobs(jobs_file: str, out_file: str) -> None:
     Path(out_file).write_text(json.dumps(results))
 
 
-def engine_jobs_in_child(jobs: list[dict], workdir: Path, env: dict | None = None, timeout: int = 1500,
-                         runner: str = "run_engine_jobs") -> dict:
+def engine_jobs_in_child(
+    jobs: list[dict], workdir: Path, env: dict | None = None, timeout: int = 1500, runner: str = "run_engine_jobs"
+) -> dict:
     """``runner`` (a function of this module: :func:`run_engine_jobs`, :func:`run_weight_sync_jobs`) on ``jobs`` in a
     child process (``env`` added to this process's environment); returns its results. Fails with the end of the
     child's log when it does not finish."""
@@ -306,8 +370,15 @@ def engine_jobs_in_child(jobs: list[dict], workdir: Path, env: dict | None = Non
         f"    {runner}({str(jobs_file)!r}, {str(out_file)!r})\n"
     )
     with open(log_file, "wb") as log:
-        proc = subprocess.run([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                              env={**os.environ, **(env or {})})
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
     if proc.returncode != 0 or not out_file.is_file():
-        raise AssertionError(f"vLLM child process exited with {proc.returncode}:\n{log_file.read_text(errors='replace')[-6000:]}")
+        raise AssertionError(
+            f"vLLM child process exited with {proc.returncode}:\n{log_file.read_text(errors='replace')[-6000:]}"
+        )
     return json.loads(out_file.read_text())

@@ -40,9 +40,23 @@ def serve_command(folder: Path, port: int, model_name: str) -> list[str]:
         launcher = [str(Path(sys.executable).with_name("vllm")), "serve"]
     except importlib.metadata.PackageNotFoundError:
         launcher = [sys.executable, str(ROOT / "examples" / "serve_vllm.py")]
-    return [*launcher, str(folder),
-            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
-            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        *launcher,
+        str(folder),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--served-model-name",
+        model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -54,8 +68,13 @@ def server(request, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "vllm-serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(serve_command(folder, port, model_name), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(
+            serve_command(folder, port, model_name),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT
     try:
@@ -69,7 +88,9 @@ def server(request, tmp_path_factory):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not answer /health within {START_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
+                pytest.fail(
+                    f"vllm serve did not answer /health within {START_TIMEOUT} s:\n{log_path.read_text()[-4000:]}"
+                )
             time.sleep(2)
         # The native model, not vLLM's fallback to its Transformers backend (TransformersForCausalLM).
         assert "Resolved architecture: DiffTransformerForCausalLM" in log_path.read_text(errors="replace")
@@ -85,8 +106,14 @@ def server(request, tmp_path_factory):
 
 
 def request(model_name: str, prompt: str) -> dict:
-    return dict(model=model_name, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=CHAT_TOKENS,
-                logprobs=True, extra_body={"return_token_ids": True})
+    return dict(
+        model=model_name,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=CHAT_TOKENS,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
 
 
 async def ask(client, model_name: str, prompt: str, stream: bool):
@@ -110,7 +137,9 @@ async def ask(client, model_name: str, prompt: str, stream: bool):
 async def ask_all(base_url: str, model_name: str, stream: bool):
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     async with client:
-        return await asyncio.gather(*(ask(client, model_name, p, stream) for p in CHAT_PROMPTS))  # 8 concurrent requests
+        return await asyncio.gather(
+            *(ask(client, model_name, p, stream) for p in CHAT_PROMPTS)
+        )  # 8 concurrent requests
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])

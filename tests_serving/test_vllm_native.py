@@ -1,6 +1,6 @@
 """The package's native vLLM model (difftransformer/vllm_model.py, registered by its vLLM plugin) for DIFF V1, grouped
-differential attention and Motif-2 checkpoints: greedy tokens equal our ``generate()`` and log-probabilities agree within
-float32 rounding, with concurrent requests, chunked prefill and prefix caching on, with and without vLLM's
+differential attention and Motif-2 checkpoints: greedy tokens equal our ``generate()`` and log-probabilities agree
+within float32 rounding, with concurrent requests, chunked prefill and prefix caching on, with and without vLLM's
 torch.compile, and on two tensor-parallel ranks; vLLM's Transformers backend refuses V1 with an error that points to the
 native model. (V2 without GDA: test_vllm_offline.py; the real SmolLM2 upcycles through ``vllm serve``:
 test_openai_server.py.)
@@ -49,7 +49,8 @@ PREFIX_LEN = 160  # > one KV block (vLLM's CPU default block_size is 128): the s
 CHUNK = 64  # max_num_batched_tokens: every prompt (>= 165 tokens) is prefilled in several chunks
 NEW_TOKENS = 16
 VOCAB = 512
-# Motif's tiny kinds with vLLM-sized heads (its CPU attention needs 2·head_dim in {32, 64, ...}) and room for the prompts.
+# Motif's tiny kinds with vLLM-sized heads (its CPU attention needs 2·head_dim in {32, 64, ...}) and room for the
+# prompts.
 MOTIF_OVERRIDES = dict(vocab_size=VOCAB, max_position_embeddings=1024)
 
 # name: how to build it. The seeds give every reference step a top-1 margin of at least 1.2e-3, three times the
@@ -68,11 +69,19 @@ MODELS = {
 }
 # (Hq, Hkv, noise heads, r) each model must have: the layouts the tests claim.
 LAYOUTS = {
-    "v1_mha_n1": (8, 8, 4, 1), "v1_gqa_n2": (16, 8, 8, 1), "v1_gqa_n3": (12, 4, 6, 1), "v1_duplicate_3q1kv": (6, 2, 3, 1),
-    "v1_gda_r4": (10, 4, 2, 4), "v2_gda_r2": (6, 2, 2, 2), "motif_mha": (8, 8, 4, 1), "motif_gqa": (8, 4, 4, 1),
+    "v1_mha_n1": (8, 8, 4, 1),
+    "v1_gqa_n2": (16, 8, 8, 1),
+    "v1_gqa_n3": (12, 4, 6, 1),
+    "v1_duplicate_3q1kv": (6, 2, 3, 1),
+    "v1_gda_r4": (10, 4, 2, 4),
+    "v2_gda_r2": (6, 2, 2, 2),
+    "motif_mha": (8, 8, 4, 1),
+    "motif_gqa": (8, 4, 4, 1),
     "motif_gda": (10, 4, 2, 4),
 }
-COMPILED = "v1_gqa_n3"  # vLLM's default (torch.compile); the others run enforce_eager (compilation costs ~30 s of CPU each)
+COMPILED = (
+    "v1_gqa_n3"  # vLLM's default (torch.compile); the others run enforce_eager (compilation costs ~30 s of CPU each)
+)
 # 2 groups of 4 signal + 1 noise heads: one whole group per rank, and PolyNorm's all-reduce. Several groups per rank
 # (v1_gqa_n2) are left to the shard arithmetic below: each two-rank engine costs CI about a minute of both cores.
 TENSOR_PARALLEL = ("motif_gda",)
@@ -89,8 +98,15 @@ ROUNDS = [random_prompts(2, 6, PREFIX), random_prompts(3, 6, PREFIX)]  # 6 concu
 
 
 def engine_kwargs(**extra) -> dict:
-    return dict(dtype="float32", seed=0, max_model_len=512, max_num_batched_tokens=CHUNK, max_num_seqs=8,
-                skip_tokenizer_init=True, **extra)
+    return dict(
+        dtype="float32",
+        seed=0,
+        max_model_len=512,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=8,
+        skip_tokenizer_init=True,
+        **extra,
+    )
 
 
 def build(name: str, folder):
@@ -129,14 +145,27 @@ def engine_results(models, tmp_path_factory):
     """One child process: every model on the native model (default model_impl), then the Transformers backend on a
     V1 folder (which must refuse it)."""
     jobs = [
-        dict(name=name, model=str(folder), new_tokens=NEW_TOKENS, rounds=ROUNDS,
-             llm=engine_kwargs(**({} if name == COMPILED else {"enforce_eager": True})))
+        dict(
+            name=name,
+            model=str(folder),
+            new_tokens=NEW_TOKENS,
+            rounds=ROUNDS,
+            llm=engine_kwargs(**({} if name == COMPILED else {"enforce_eager": True})),
+        )
         for name, (folder, _, _) in models.items()
     ]
-    jobs.append(dict(name="transformers_backend", model=str(models["v1_gqa_n2"][0]), new_tokens=NEW_TOKENS, rounds=[],
-                     llm=engine_kwargs(model_impl="transformers", trust_remote_code=True, enforce_eager=True)))
-    return engine_jobs_in_child(jobs, tmp_path_factory.mktemp("native_engines"),
-                                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    jobs.append(
+        dict(
+            name="transformers_backend",
+            model=str(models["v1_gqa_n2"][0]),
+            new_tokens=NEW_TOKENS,
+            rounds=[],
+            llm=engine_kwargs(model_impl="transformers", trust_remote_code=True, enforce_eager=True),
+        )
+    )
+    return engine_jobs_in_child(
+        jobs, tmp_path_factory.mktemp("native_engines"), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    )
 
 
 def assert_rounds_equal_references(result: dict, refs, what: str, architecture: str):
@@ -163,7 +192,9 @@ def architecture(name: str) -> str:
 def test_native_model_equals_generate(name, models, engine_results):
     _, model, refs = models[name]
     config = model.config
-    assert (config.num_attention_heads, config.num_key_value_heads, config.noise_heads, config.noise_ratio) == LAYOUTS[name]
+    assert (config.num_attention_heads, config.num_key_value_heads, config.noise_heads, config.noise_ratio) == LAYOUTS[
+        name
+    ]
     assert config.diff_version == (2 if name.startswith("v2") else 1)
     if name.startswith("motif"):
         assert type(model).__name__ == "MotifForCausalLM" and config.hidden_act == "poly_norm"
@@ -196,12 +227,22 @@ def test_two_tensor_parallel_ranks_equal_generate(models, tmp_path_factory):
     """``tensor_parallel_size=2`` (vLLM's multiprocess executor, one worker per rank, each bound to its own core):
     every rank holds a whole KV group with its query half-heads, λ and o_proj columns (motif_gda: one group of 4 signal
     + 1 noise heads per rank), and PolyNorm's means of squares are summed over the ranks."""
-    jobs = [dict(name=name, model=str(models[name][0]), new_tokens=NEW_TOKENS, rounds=ROUNDS,
-                 llm=engine_kwargs(tensor_parallel_size=2, enforce_eager=True)) for name in TENSOR_PARALLEL]
+    jobs = [
+        dict(
+            name=name,
+            model=str(models[name][0]),
+            new_tokens=NEW_TOKENS,
+            rounds=ROUNDS,
+            llm=engine_kwargs(tensor_parallel_size=2, enforce_eager=True),
+        )
+        for name in TENSOR_PARALLEL
+    ]
     # vLLM's CPU build binds each rank's threads to NUMA nodes by default and refuses two ranks on one node.
     results = engine_jobs_in_child(jobs, tmp_path_factory.mktemp("tp2"), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     for name in TENSOR_PARALLEL:
-        assert_rounds_equal_references(results[name], models[name][2], f"{name}, tensor_parallel_size=2", architecture(name))
+        assert_rounds_equal_references(
+            results[name], models[name][2], f"{name}, tensor_parallel_size=2", architecture(name)
+        )
 
 
 def test_tensor_parallel_shards_whole_groups():
@@ -243,8 +284,10 @@ def test_v1_eager_forms_equal_the_native_forms(dtype):
 
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
-        pads = [DiffTransformerQueryPadOp(groups=2, rows=6, signal_rows=3, head_dim=16),  # r = 1: n = 3
-                DiffTransformerQueryPadOp(groups=2, rows=5, signal_rows=4, head_dim=16)]  # GDA r = 4: 4 + 1 rows
+        pads = [
+            DiffTransformerQueryPadOp(groups=2, rows=6, signal_rows=3, head_dim=16),  # r = 1: n = 3
+            DiffTransformerQueryPadOp(groups=2, rows=5, signal_rows=4, head_dim=16),
+        ]  # GDA r = 4: 4 + 1 rows
         norm = DiffTransformerHeadRMSNormOp(32, eps=1e-5, scale=0.7)
     # Every platform's form runs: vLLM dispatches eager GPUs to forward_cuda (CustomOp's own raises), ROCm to
     # forward_hip (which calls it), the others to their native forms.

@@ -70,8 +70,14 @@ def assert_impl(llm, impl: str):
 @pytest.fixture(scope="module", params=list(IMPLS))
 def random_v2_llm(request, random_v2):
     llm = vllm.LLM(
-        model=str(random_v2[0]), **IMPLS[request.param], dtype="float32", seed=0,
-        max_model_len=512, max_num_batched_tokens=CHUNK, max_num_seqs=8, skip_tokenizer_init=True,
+        model=str(random_v2[0]),
+        **IMPLS[request.param],
+        dtype="float32",
+        seed=0,
+        max_model_len=512,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=8,
+        skip_tokenizer_init=True,
     )
     assert_impl(llm, request.param)
     assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching

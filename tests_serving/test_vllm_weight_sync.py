@@ -46,8 +46,13 @@ def lora_merged(model, seed: int):
 
     torch.manual_seed(seed)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
-                        modules_to_save=["lambda_proj"] if getattr(model.config, "diff_version", 1) == 2 else None)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=targets,
+        init_lora_weights=False,
+        modules_to_save=["lambda_proj"] if getattr(model.config, "diff_version", 1) == 2 else None,
+    )
     tuned = get_peft_model(model, config)
     with torch.no_grad():  # a "trained" λ: V2's projection copy, V1's vectors (in place, as enable_lambda_training)
         for name, param in tuned.named_parameters():
@@ -69,8 +74,9 @@ def test_single_tensor_weight_sync_in_any_order_repeatedly(tmp_path):
         folder = tmp_path / name
         spec = dict(spec)
         if "motif" in spec:
-            save_motif_folder(folder, spec.pop("motif"), seed=spec.pop("seed"), vocab_size=512,
-                              max_position_embeddings=1024)
+            save_motif_folder(
+                folder, spec.pop("motif"), seed=spec.pop("seed"), vocab_size=512, max_position_embeddings=1024
+            )
         else:
             save_random_model(folder, **spec)
         base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -83,12 +89,18 @@ def test_single_tensor_weight_sync_in_any_order_repeatedly(tmp_path):
             save_file({n: p.detach().contiguous() for n, p in merged.named_parameters()}, str(path))
             updates.append(str(path))
         assert references[name][1].ids != references[name][0].ids, name  # the update changes the output
-        jobs.append({"name": name, "folder": str(folder), "updates": updates, "prompt": PROMPT,
-                     "new_tokens": NEW_TOKENS})
+        jobs.append(
+            {"name": name, "folder": str(folder), "updates": updates, "prompt": PROMPT, "new_tokens": NEW_TOKENS}
+        )
 
     # vLLM imported once, in a child process, each engine inside it (serving_utils.run_weight_sync_jobs).
-    results = engine_jobs_in_child(jobs, tmp_path / "child", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                                   timeout=1200, runner="run_weight_sync_jobs")
+    results = engine_jobs_in_child(
+        jobs,
+        tmp_path / "child",
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        timeout=1200,
+        runner="run_weight_sync_jobs",
+    )
     for name, record in results.items():
         before, *after = references[name]
         assert_matches(record["before"]["ids"], record["before"]["logprobs"], before, LOGPROB_TOL, f"{name} loaded")

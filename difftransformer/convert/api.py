@@ -148,9 +148,13 @@ def build_plan(
         implied = config.diff_version
     if source == "llama":
         if diff_version is None:
-            raise ConversionError("--from llama needs --diff-version 1 (approximate, needs training) or 2 (exact upcycling).")
+            raise ConversionError(
+                "--from llama needs --diff-version 1 (approximate, needs training) or 2 (exact upcycling)."
+            )
     elif diff_version is not None and diff_version != implied:
-        raise ConversionError(f"--diff-version {diff_version} conflicts with --from {source}, which gives DIFF V{implied}.")
+        raise ConversionError(
+            f"--diff-version {diff_version} conflicts with --from {source}, which gives DIFF V{implied}."
+        )
     if source == "diffllama" and target == "diffllama":
         raise ConversionError("--from diffllama --to diffllama: nothing to convert; use --to difftransformer.")
     if (target == "gda") != (num_noise_heads is not None):
@@ -183,14 +187,21 @@ def build_plan(
 
 def _check_v1_options(source: str, diff_version, v1_init, v1_calibration, v1_subln_eps=None) -> None:
     if v1_subln_eps is not None:
-        if isinstance(v1_subln_eps, bool) or not isinstance(v1_subln_eps, (int, float)) or not 0 < v1_subln_eps < float("inf"):
+        if (
+            isinstance(v1_subln_eps, bool)
+            or not isinstance(v1_subln_eps, (int, float))
+            or not 0 < v1_subln_eps < float("inf")
+        ):
             raise ConversionError(f"--v1-subln-eps must be a positive finite number; got {v1_subln_eps!r}.")
         if not (source == "llama" and diff_version == 1):
             raise ConversionError("--v1-subln-eps applies to --from llama --diff-version 1 only.")
     if v1_init not in V1_INITS:
         raise ConversionError(f"--v1-init {v1_init!r}; allowed: {list(V1_INITS)}.")
     if not isinstance(v1_calibration, torch.Tensor) and v1_calibration not in V1_CALIBRATIONS:
-        raise ConversionError(f"--v1-calibration {v1_calibration!r}; allowed: {list(V1_CALIBRATIONS)} (or, in Python, a tensor of token ids).")
+        raise ConversionError(
+            f"--v1-calibration {v1_calibration!r}; allowed: {list(V1_CALIBRATIONS)} (or, in Python, a tensor of token "
+            "ids)."
+        )
     if source == "llama" and diff_version == 1:
         return
     if v1_init != "auto":
@@ -207,8 +218,12 @@ def _source_tokenizer(in_folder: Path | None, required: bool):
         return AutoTokenizer.from_pretrained(in_folder)
     except Exception as err:  # a broken tokenizer only matters if the corpus calibration needs it
         if required:
-            raise ConversionError(f"--v1-calibration corpus: the tokenizer in {in_folder} does not load: {one_line(err)}") from None
-        logger.warning("The tokenizer in %s does not load (%s); calibrating on random token ids.", in_folder, one_line(err))
+            raise ConversionError(
+                f"--v1-calibration corpus: the tokenizer in {in_folder} does not load: {one_line(err)}"
+            ) from None
+        logger.warning(
+            "The tokenizer in %s does not load (%s); calibrating on random token ids.", in_folder, one_line(err)
+        )
         return None
 
 
@@ -222,9 +237,15 @@ def _calibrate(v1_calibration, model, in_folder: Path | None, tokenizer, src_con
         if v1_calibration != "random" and tokenizer is None:
             tokenizer = _source_tokenizer(in_folder, required=v1_calibration == "corpus")
         if v1_calibration == "corpus" and tokenizer is None:
-            raise ConversionError("--v1-calibration corpus needs the source's tokenizer (files beside the weights, or tokenizer=...); none was found.")
+            raise ConversionError(
+                "--v1-calibration corpus needs the source's tokenizer (files beside the weights, or tokenizer=...); "
+                "none was found."
+            )
         ids, how = calibration_input_ids(
-            src_config.vocab_size, getattr(src_config, "max_position_embeddings", None), None if v1_calibration == "random" else tokenizer, seed
+            src_config.vocab_size,
+            getattr(src_config, "max_position_embeddings", None),
+            None if v1_calibration == "random" else tokenizer,
+            seed,
         )
     reference = model
     if reference is None:
@@ -278,8 +299,10 @@ def _read_input(source: str, input, diff_version, v1: V1Upcycling) -> _Input:
     path = Path(input) if isinstance(input, (str, os.PathLike)) else None
     model = input if hasattr(input, "state_dict") and hasattr(input, "config") else None
     if path is None and model is None and not isinstance(input, Mapping):
-        raise ConversionError("input must be a folder, a .gguf file, a transformers model or (Microsoft sources) a "
-                              f"state dict; got {type(input).__name__}.")
+        raise ConversionError(
+            "input must be a folder, a .gguf file, a transformers model or (Microsoft sources) a "
+            f"state dict; got {type(input).__name__}."
+        )
     if source not in SOURCES:
         raise ConversionError(f"--from {source!r}; allowed: {list(SOURCES)}.")
     gguf = path is not None and is_gguf_path(path)
@@ -288,8 +311,8 @@ def _read_input(source: str, input, diff_version, v1: V1Upcycling) -> _Input:
         raise ConversionError(f"--input {str(folder)!r} is not a folder (nor a .gguf file).")
     if gguf and source != "llama":
         raise ConversionError(
-            f"--input {str(path)!r} is a GGUF file: GGUF files convert with --from llama (Llama-family models), "
-            f"not --from {source}."
+            f"--input {str(path)!r} is a GGUF file: GGUF files convert with --from llama (Llama-family models), not "
+            f"--from {source}."
         )
     _check_v1_options(source, diff_version, v1.init, v1.calibration, v1.subln_eps)
     return _Input(path, folder, gguf, model)
@@ -307,8 +330,9 @@ def _source_config(source: str, src: _Input, model, gguf_config, microsoft: Micr
         where = str(src.folder / "config.json") if src.folder is not None else str(src.path)
     if source.startswith("microsoft"):
         if model is not None:
-            raise ConversionError("Microsoft sources are state dicts: pass a folder or a state dict with "
-                                  "source_config.")
+            raise ConversionError(
+                "Microsoft sources are state dicts: pass a folder or a state dict with source_config."
+            )
         config = dict(_read_config_json(src.folder)) if src.folder is not None else {}
         config.update(microsoft.config or {})
         return config, where
@@ -448,8 +472,9 @@ def plan_conversion(
         out_dtype = resolve_dtype(dtype, plan, ckpt)
         method = plan.info.get("v1_init")
         if method == "pair" and not (isinstance(v1.calibration, str) and v1.calibration == "auto"):
-            raise ConversionError("--v1-calibration applies to --v1-init duplicate only; this conversion pairs heads "
-                                  "(--v1-init pair).")
+            raise ConversionError(
+                "--v1-calibration applies to --v1-init duplicate only; this conversion pairs heads (--v1-init pair)."
+            )
         if method == "duplicate":
             rho, how = _calibrate(v1.calibration, model, src.folder, tokenizer, src_config, v1.seed)
             if rho is not None:
@@ -464,8 +489,17 @@ def plan_conversion(
     for note in notes:
         logger.warning(note)
     return ConversionPlan(
-        source, target, plan, out_dtype, notes, tuple(p.resolve() for p in src.paths), src.folder, generation_config,
-        tokenizer, reference=model if src.gguf else input, checkpoint=ckpt,
+        source,
+        target,
+        plan,
+        out_dtype,
+        notes,
+        tuple(p.resolve() for p in src.paths),
+        src.folder,
+        generation_config,
+        tokenizer,
+        reference=model if src.gguf else input,
+        checkpoint=ckpt,
     )
 
 
@@ -486,8 +520,9 @@ def write_conversion(
     previous one untouched, and no temporary folder. A plan can be written more than once."""
     output = Path(output)
     if plan.closed:
-        raise ConversionError("write_conversion: this plan is closed (its source checkpoint was released); "
-                              "plan the conversion again.")
+        raise ConversionError(
+            "write_conversion: this plan is closed (its source checkpoint was released); plan the conversion again."
+        )
     prepare_output(output, list(plan.inputs), overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.converting-", dir=output.parent))
@@ -558,15 +593,26 @@ def convert(
             about one shard plus the source tensors it reads (memory-mapped).
         tokenizer: for an in-memory model: saved beside the result and used for the corpus calibration.
         num_noise_heads: ``target="gda"`` only: the noise heads of the grouped result (its query heads are
-            ``H + num_noise_heads``); the source's noise query rows must come in ``H / num_noise_heads`` identical copies.
+            ``H + num_noise_heads``); the source's noise query rows must come in ``H / num_noise_heads`` identical
+            copies.
     """
     microsoft = MicrosoftSource(key_map=key_map, config=source_config, module=microsoft_module)
     v1 = V1Upcycling(init=v1_init, calibration=v1_calibration, subln_eps=v1_subln_eps, seed=seed)
     # Refused before anything is read: a GGUF load or a V1 calibration can take minutes.
     prepare_output(Path(output), _read_input(source, input, diff_version, v1).paths, overwrite)
-    with plan_conversion(source, input, target, diff_version=diff_version, dtype=dtype, allow_pickle=allow_pickle,
-                         microsoft=microsoft, v1=v1, tokenizer=tokenizer, num_noise_heads=num_noise_heads,
-                         progress=progress) as plan:
+    with plan_conversion(
+        source,
+        input,
+        target,
+        diff_version=diff_version,
+        dtype=dtype,
+        allow_pickle=allow_pickle,
+        microsoft=microsoft,
+        v1=v1,
+        tokenizer=tokenizer,
+        num_noise_heads=num_noise_heads,
+        progress=progress,
+    ) as plan:
         result = write_conversion(plan, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
     if verify:
         result.max_logit_diff = verify_conversion(source, plan.reference, output)
@@ -599,7 +645,10 @@ def verify_conversion(source: str, input, output: str | os.PathLike) -> float | 
     if not torch.isfinite(new_logits).all():
         raise ConversionError(f"--verify: the converted model in {output} produces non-finite logits.")
     if source.startswith("microsoft"):
-        print("verify: Microsoft modules have no transformers implementation to compare with; the result loads and its logits are finite.")
+        print(
+            "verify: Microsoft modules have no transformers implementation to compare with; the result loads and its "
+            "logits are finite."
+        )
         return None
     reference = _load_float32(input) if isinstance(input, (str, os.PathLike)) else input
     was_training = reference.training
@@ -617,8 +666,9 @@ def verify_conversion(source: str, input, output: str | os.PathLike) -> float | 
 
 
 def _model_like(model, config: DiffTransformerConfig, state: dict) -> DiffTransformerForCausalLM:
-    """A new model of ``config`` holding ``state``, every tensor in the dtype and on the device it has in ``state`` (V1's
-    λ vectors stay float32 in a bf16 model), with ``model``'s generation config, attention implementation and mode."""
+    """A new model of ``config`` holding ``state``, every tensor in the dtype and on the device it has in ``state``
+    (V1's λ vectors stay float32 in a bf16 model), with ``model``'s generation config, attention implementation and
+    mode."""
     result = DiffTransformerForCausalLM(config)
     for name, param in result.named_parameters():
         param.data = param.data.to(dtype=state[name].dtype, device=state[name].device)
@@ -641,7 +691,10 @@ def gda_to_duplicated(model_or_folder, output: str | os.PathLike | None = None, 
     config = model_or_folder.config
     to_duplicated(Plan({}, {}, [], config, {}))  # the same checks as the folder path
     rows = expand_heads(gda_query_heads(config), config.head_dim)
-    state = {k: v.index_select(0, rows.to(v.device)) if QUERY_PROJ.search(k) else v for k, v in model_or_folder.state_dict().items()}
+    state = {
+        k: v.index_select(0, rows.to(v.device)) if QUERY_PROJ.search(k) else v
+        for k, v in model_or_folder.state_dict().items()
+    }
     return _model_like(model_or_folder, duplicated_config(config), state)
 
 
@@ -651,8 +704,20 @@ def duplicated_to_gda(model_or_folder, num_noise_heads: int, output: str | os.Pa
     if isinstance(model_or_folder, (str, os.PathLike)) or output is not None:
         if output is None:
             raise ConversionError("duplicated_to_gda(folder) needs output=: the folder to write.")
-        return convert("difftransformer", model_or_folder, output, target="gda", num_noise_heads=num_noise_heads, **convert_kwargs)
-    plan = to_gda(Plan({}, {}, [Step(k, (k,), lambda get, k=k: get(k)) for k in model_or_folder.state_dict()],
-                       model_or_folder.config, {}), num_noise_heads)
+        return convert(
+            "difftransformer", model_or_folder, output, target="gda", num_noise_heads=num_noise_heads, **convert_kwargs
+        )
+    plan = to_gda(
+        Plan(
+            {},
+            {},
+            [Step(k, (k,), lambda get, k=k: get(k)) for k in model_or_folder.state_dict()],
+            model_or_folder.config,
+            {},
+        ),
+        num_noise_heads,
+    )
     state = model_or_folder.state_dict()
-    return _model_like(model_or_folder, plan.config, {s.target: s.fn(state.__getitem__) for s in plan.steps})  # checks every copy
+    return _model_like(
+        model_or_folder, plan.config, {s.target: s.fn(state.__getitem__) for s in plan.steps}
+    )  # checks every copy

@@ -35,10 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Source format. diffllama: transformers DiffLlamaForCausalLM folder (V1, exact). microsoft-v1 / "
         "microsoft-v2: full-model state dict whose attention modules are Microsoft's MultiheadDiffAttn / "
         "MultiheadFlashDiff1 / MultiheadFlashDiff2 (V1) or MultiheadFlashDiffV2 (V2), Llama names elsewhere, with a "
-        "config.json in Microsoft's head convention (num_heads = differential heads, num_kv_heads). llama: any "
-        "Llama / Mistral / Qwen2 causal LM folder, or a Llama-family .gguf file (needs --diff-version). motif: a Motif-2.6B / "
-        "Motif-2-12.7B folder (model_type Motif; DIFF V1 with grouped differential attention, exact). difftransformer: our "
-        "own format (re-save with another dtype or shard size, or export with --to diffllama / duplicated / gda).",
+        "config.json in Microsoft's head convention (num_heads = differential heads, num_kv_heads). llama: any Llama "
+        "/ Mistral / Qwen2 causal LM folder, or a Llama-family .gguf file (needs --diff-version). motif: a "
+        "Motif-2.6B / Motif-2-12.7B folder (model_type Motif; DIFF V1 with grouped differential attention, exact). "
+        "difftransformer: our own format (re-save with another dtype or shard size, or export with --to diffllama / "
+        "duplicated / gda).",
     )
     parser.add_argument(
         "--to",
@@ -47,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TARGETS,
         help="Target format. difftransformer: our format, loadable with AutoModelForCausalLM (custom code and auto_map "
         "included). diffllama: transformers' DiffLlama, for V1 models only (subln folded into o_proj; needs "
-        "subln_eps == rms_norm_eps). duplicated: a grouped-differential-attention model (num_noise_heads) written as a "
-        "plain DIFF model, each noise head's query rows duplicated for its r signal heads (exact). gda: the way back, a "
-        "plain model whose noise query rows come in identical copies written with --num-noise-heads noise heads (exact; "
-        "refused when the copies differ).",
+        "subln_eps == rms_norm_eps). duplicated: a grouped-differential-attention model (num_noise_heads) written as "
+        "a plain DIFF model, each noise head's query rows duplicated for its r signal heads (exact). gda: the way "
+        "back, a plain model whose noise query rows come in identical copies written with --num-noise-heads noise "
+        "heads (exact; refused when the copies differ).",
     )
     parser.add_argument(
         "--input",
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         required=True,
         type=Path,
-        help="Folder to create. Never the input or a folder containing it; a non-empty folder is refused unless --overwrite.",
+        help="Folder to create. Never the input or a folder containing it; a non-empty folder is refused unless "
+        "--overwrite.",
     )
     parser.add_argument(
         "--diff-version",
@@ -72,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(1, 2),
         default=None,
         help="Only for --from llama (required there): 2 = exact upcycling (query heads duplicated, λ = 0.5, o_proj "
-        "doubled: same logits); 1 = approximate upcycling (see --v1-init; continued training is advised). Other sources imply "
-        "their version.",
+        "doubled: same logits); 1 = approximate upcycling (see --v1-init; continued training is advised). Other "
+        "sources imply their version.",
     )
     parser.add_argument(
         "--v1-init",
@@ -96,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--v1-subln-eps",
         type=float,
         default=None,
-        help="--from llama --diff-version 1 only: eps of V1's per-head RMSNorm (default: the source's rms_norm_eps, the "
-        "paper's setting). A large value such as 1 gives the V1 layout with its per-head norm made nearly inert: with "
-        "--v1-init duplicate the converted model then nearly equals the source, but it is not the paper's V1 "
+        help="--from llama --diff-version 1 only: eps of V1's per-head RMSNorm (default: the source's rms_norm_eps, "
+        "the paper's setting). A large value such as 1 gives the V1 layout with its per-head norm made nearly inert: "
+        "with --v1-init duplicate the converted model then nearly equals the source, but it is not the paper's V1 "
         "(docs/convert.md); export to DiffLlama is then not exact.",
     )
     parser.add_argument(
@@ -119,11 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify",
         action="store_true",
         help="After converting, run the source and the result (float32, CPU) on a fixed 16-token prompt and print the "
-        "max |logit difference|. Loads both models into memory; a .gguf source is compared as transformers' GGUF loader "
-        "gives it. Microsoft sources cannot be run: only the result is "
-        "checked (it loads and gives finite logits).",
+        "max |logit difference|. Loads both models into memory; a .gguf source is compared as transformers' GGUF "
+        "loader gives it. Microsoft sources cannot be run: only the result is checked (it loads and gives finite "
+        "logits).",
     )
-    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --output folder (only once the new one is complete).")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace a non-empty --output folder (only once the new one is complete).",
+    )
     parser.add_argument(
         "--allow-pickle",
         action="store_true",
@@ -147,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         "pairing is not DIFF V1).",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="--from llama --diff-version 1: seed of the N(0, lambda_std) λ initialisation (and of random calibration ids)."
+        "--seed",
+        type=int,
+        default=0,
+        help="--from llama --diff-version 1: seed of the N(0, lambda_std) λ initialisation (and of random calibration "
+        "ids).",
     )
     parser.add_argument(
         "--max-shard-size",
@@ -190,7 +200,6 @@ def main(argv=None) -> int:
     # result.notes were logged (as warnings, to stderr) while converting.
     print(f"wrote {result.output} ({'exact' if result.exact else 'approximate'} conversion)")
     return 0
-
 
 
 if __name__ == "__main__":

@@ -36,7 +36,10 @@ from .engine import (
 def config_from_diffllama(src: DiffLlamaConfig) -> DiffTransformerConfig:
     """DiffLlama config → V1 config. Its per-head norm has no weight and uses ``rms_norm_eps`` (docs/convert.md)."""
     if src.attention_dropout not in (None, 0, 0.0):
-        raise ConversionError(f"DiffLlama attention_dropout={src.attention_dropout}: the Differential Transformer defines none; expected 0.")
+        raise ConversionError(
+            f"DiffLlama attention_dropout={src.attention_dropout}: the Differential Transformer defines none; expected "
+            "0."
+        )
     return DiffTransformerConfig(
         **shared_fields(src),
         num_attention_heads=src.num_attention_heads,
@@ -75,22 +78,30 @@ def plan_from_diffllama(src: DiffLlamaConfig) -> Plan:
 def diffllama_config_from(config: DiffTransformerConfig) -> DiffLlamaConfig:
     """Our V1 config → DiffLlama's, refusing what DiffLlama cannot represent exactly."""
     if config.diff_version != 1:
-        raise ConversionError(f"--to diffllama: DiffLlama implements DIFF V1 only; this model has diff_version={config.diff_version}.")
+        raise ConversionError(
+            f"--to diffllama: DiffLlama implements DIFF V1 only; this model has diff_version={config.diff_version}."
+        )
     if config.lambda_init is not None:
-        raise ConversionError(f"--to diffllama: DiffLlama always uses the depth schedule for λinit; this model sets lambda_init={config.lambda_init}.")
+        raise ConversionError(
+            "--to diffllama: DiffLlama always uses the depth schedule for λinit; this model sets "
+            f"lambda_init={config.lambda_init}."
+        )
     if config.lambda_init_layer_offset:
         raise ConversionError(
             f"--to diffllama: DiffLlama's λinit schedule reads the layer index itself; this model sets "
             f"lambda_init_layer_offset={config.lambda_init_layer_offset} (Motif's schedule)."
         )
     if config.hidden_act == "poly_norm":
-        raise ConversionError("--to diffllama: DiffLlama's MLP takes transformers' activations; this model has hidden_act='poly_norm'.")
+        raise ConversionError(
+            "--to diffllama: DiffLlama's MLP takes transformers' activations; this model has hidden_act='poly_norm'."
+        )
     if config.mlp_bias:
         raise ConversionError("--to diffllama: DiffLlama's MLP has no bias; this model has mlp_bias=True.")
     if not math.isclose(config.subln_eps, config.rms_norm_eps, rel_tol=0, abs_tol=0):
         raise ConversionError(
             f"--to diffllama: DiffLlama's per-head norm uses rms_norm_eps ({config.rms_norm_eps}), this model's uses "
-            f"subln_eps ({config.subln_eps}); folding subln into o_proj is exact only when they are equal (docs/convert.md)."
+            f"subln_eps ({config.subln_eps}); folding subln into o_proj is exact only when they are equal "
+            "(docs/convert.md)."
         )
     fields = shared_fields(config)
     return DiffLlamaConfig(
@@ -132,4 +143,13 @@ def to_diffllama(plan: Plan) -> Plan:
             steps.append(Step(key, src.sources + norm.sources, fold))
         else:
             steps.append(Step(key, src.sources, src.fn))
-    return Plan(plan.source_shapes, plan.optional_sources, steps, dl_config, target_shapes, plan.exact, list(plan.notes), dict(plan.info))
+    return Plan(
+        plan.source_shapes,
+        plan.optional_sources,
+        steps,
+        dl_config,
+        target_shapes,
+        plan.exact,
+        list(plan.notes),
+        dict(plan.info),
+    )

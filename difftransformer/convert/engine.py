@@ -105,7 +105,8 @@ class Checkpoint:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, allow_pickle: bool = False) -> Checkpoint:
-        """Open ``model.safetensors``, a sharded safetensors index, or (only with ``allow_pickle``) ``pytorch_model.bin``."""
+        """Open ``model.safetensors``, a sharded safetensors index, or (only with ``allow_pickle``)
+        ``pytorch_model.bin``."""
         folder = Path(folder)
         files = _weight_files(folder, allow_pickle)
         if files[0].suffix == ".safetensors":
@@ -121,7 +122,9 @@ class Checkpoint:
                 try:
                     handle = ckpt._stack.enter_context(safe_open(file, framework="pt"))
                 except (SafetensorError, OSError) as err:
-                    raise ConversionError(f"{file} is not a readable safetensors file (truncated or damaged): {one_line(err)}.") from None
+                    raise ConversionError(
+                        f"{file} is not a readable safetensors file (truncated or damaged): {one_line(err)}."
+                    ) from None
                 handles[file] = handle
                 for key in handle.keys():
                     if key in where:
@@ -144,7 +147,9 @@ class Checkpoint:
             try:
                 sd = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
             except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
-                raise ConversionError(f"{file} is not a readable PyTorch checkpoint (truncated or damaged): {one_line(err)}.") from None
+                raise ConversionError(
+                    f"{file} is not a readable PyTorch checkpoint (truncated or damaged): {one_line(err)}."
+                ) from None
             if not isinstance(sd, Mapping):
                 raise ConversionError(f"{file} does not hold a state dict (found {type(sd).__name__}).")
             merged.update(sd)
@@ -156,7 +161,9 @@ def read_json_file(path: Path, what: str = "") -> object:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ConversionError(f"{path} is not valid JSON{what}: {err.msg} at line {err.lineno} column {err.colno}.") from None
+        raise ConversionError(
+            f"{path} is not valid JSON{what}: {err.msg} at line {err.lineno} column {err.colno}."
+        ) from None
     except UnicodeDecodeError as err:
         raise ConversionError(f"{path} is not UTF-8 text{what}: {one_line(err)}.") from None
 
@@ -164,7 +171,10 @@ def read_json_file(path: Path, what: str = "") -> object:
 def _weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
     if not folder.is_dir():
         raise ConversionError(f"--input {str(folder)!r} is not a folder.")
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
         index, single_file = folder / index_name, folder / single
         if index.is_file():
             weight_map = read_json_file(index)
@@ -178,8 +188,9 @@ def _weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
             continue
         if single.endswith(".bin") and not allow_pickle:
             raise ConversionError(
-                f"{folder} holds only pickled weights ({files[0].name}). Unpickling can run code; if you trust the file, "
-                "pass --allow-pickle (allow_pickle=True). Tensors are then read with torch.load(weights_only=True)."
+                f"{folder} holds only pickled weights ({files[0].name}). Unpickling can run code; if you trust the "
+                "file, pass --allow-pickle (allow_pickle=True). Tensors are then read with "
+                "torch.load(weights_only=True)."
             )
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -192,7 +203,8 @@ def _weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Index maps (the row order of docs/model.md, the conversions of docs/convert.md). Each returns, for every row (head) of the result, the source row (head) it comes from.
+# Index maps (the row order of docs/model.md, the conversions of docs/convert.md). Each returns, for every row (head) of
+# the result, the source row (head) it comes from.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -216,13 +228,22 @@ def v1_query_heads_from(layout: str, num_groups: int, n: int) -> torch.Tensor:
     for g in range(num_groups):
         for c in range(2):
             for r in range(n):
-                index.append({"diffllama": (c * num_groups + g) * n + r, "microsoft": (g * n + r) * 2 + c, "ours": (2 * g + c) * n + r}[layout])
+                index.append(
+                    {
+                        "diffllama": (c * num_groups + g) * n + r,
+                        "microsoft": (g * n + r) * 2 + c,
+                        "ours": (2 * g + c) * n + r,
+                    }[layout]
+                )
     return torch.tensor(index)
 
 
 def v1_kv_heads_from(layout: str, num_groups: int) -> torch.Tensor:
-    """V1 key/value heads in our order ``(g, c)``: their index in ``layout`` (DiffLlama: ``(c, g)``; Microsoft: ours)."""
-    return torch.tensor([c * num_groups + g if layout == "diffllama" else 2 * g + c for g in range(num_groups) for c in range(2)])
+    """V1 key/value heads in our order ``(g, c)``: their index in ``layout`` (DiffLlama: ``(c, g)``; Microsoft:
+    ours)."""
+    return torch.tensor(
+        [c * num_groups + g if layout == "diffllama" else 2 * g + c for g in range(num_groups) for c in range(2)]
+    )
 
 
 def expand_heads(head_index: torch.Tensor, d: int, within: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,15 +371,26 @@ def check_source(plan: Plan, ckpt: Checkpoint, source_name: str) -> None:
     expected = {**plan.optional_sources, **plan.source_shapes}
     missing = set(plan.source_shapes) - set(ckpt.shapes)
     unknown = set(ckpt.shapes) - set(expected)
-    misshaped = {k: (ckpt.shapes[k], expected[k]) for k in set(ckpt.shapes) & set(expected) if tuple(ckpt.shapes[k]) != tuple(expected[k])}
+    misshaped = {
+        k: (ckpt.shapes[k], expected[k])
+        for k in set(ckpt.shapes) & set(expected)
+        if tuple(ckpt.shapes[k]) != tuple(expected[k])
+    }
     problems = []
     if missing:
         problems.append(f"missing tensors: {_listing(missing)}")
     if unknown:
         problems.append(f"unknown tensors: {_listing(unknown)}")
     if misshaped:
-        problems.append("mis-shaped tensors: " + _listing(f"{k} {tuple(got)} (expected {tuple(want)})" for k, (got, want) in misshaped.items()))
-    non_float = [k for k in plan.source_shapes if k in ckpt.dtypes and ckpt.dtypes[k] is not None and not ckpt.dtypes[k].is_floating_point]
+        problems.append(
+            "mis-shaped tensors: "
+            + _listing(f"{k} {tuple(got)} (expected {tuple(want)})" for k, (got, want) in misshaped.items())
+        )
+    non_float = [
+        k
+        for k in plan.source_shapes
+        if k in ckpt.dtypes and ckpt.dtypes[k] is not None and not ckpt.dtypes[k].is_floating_point
+    ]
     if non_float:
         problems.append(f"non-floating tensors: {_listing(non_float)}")
     if problems:
@@ -403,17 +435,21 @@ def prepare_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
     for inp in inputs:
         inp = inp.resolve()
         if out == inp or out in inp.parents:
-            raise ConversionError(f"--output {str(output)!r} would overwrite the input {str(inp)!r}; choose another folder.")
+            raise ConversionError(
+                f"--output {str(output)!r} would overwrite the input {str(inp)!r}; choose another folder."
+            )
         if inp.is_dir() and inp in out.parents:
             raise ConversionError(
-                f"--output {str(output)!r} lies inside the input folder {str(inp)!r}: a conversion never writes into its "
-                "input; choose a folder outside it."
+                f"--output {str(output)!r} lies inside the input folder {str(inp)!r}: a conversion never writes into "
+                "its input; choose a folder outside it."
             )
     if out.exists():
         if not out.is_dir():
             raise ConversionError(f"--output {str(output)!r} exists and is not a folder.")
         if any(out.iterdir()) and not overwrite:
-            raise ConversionError(f"--output {str(output)!r} is not empty; pass --overwrite (overwrite=True) to replace it.")
+            raise ConversionError(
+                f"--output {str(output)!r} is not empty; pass --overwrite (overwrite=True) to replace it."
+            )
 
 
 def _default_permissions(folder: Path) -> None:
@@ -479,7 +515,10 @@ def write_plan(
             for name in names:
                 tensor = steps[name].fn(ckpt.get)
                 if tuple(tensor.shape) != tuple(plan.target_shapes[name]):
-                    raise ConversionError(f"internal: {name} computed with shape {tuple(tensor.shape)}, expected {plan.target_shapes[name]}.")
+                    raise ConversionError(
+                        f"internal: {name} computed with shape {tuple(tensor.shape)}, expected "
+                        f"{plan.target_shapes[name]}."
+                    )
                 shard[name] = tensor.to(device="cpu", dtype=out_dtype[name]).contiguous()
                 bar.update()
             save_file(shard, str(folder / filename), metadata={"format": "pt"})

@@ -57,17 +57,26 @@ def grouped_config(config: DiffTransformerConfig, num_noise_heads: int) -> DiffT
     """The GDA config of a plain model whose noise rows come in ``r = H / num_noise_heads`` copies."""
     if config.noise_ratio != 1:
         raise ConversionError(
-            f"--to gda: the model is already grouped (num_noise_heads={config.num_noise_heads}, r = {config.noise_ratio}); "
-            "convert a plain model (r = 1) whose noise heads are duplicated."
+            f"--to gda: the model is already grouped (num_noise_heads={config.num_noise_heads}, r = "
+            f"{config.noise_ratio}); convert a plain model (r = 1) whose noise heads are duplicated."
         )
     heads = config.num_diff_heads
-    if isinstance(num_noise_heads, bool) or not isinstance(num_noise_heads, int) or num_noise_heads <= 0 or heads % num_noise_heads:
+    if (
+        isinstance(num_noise_heads, bool)
+        or not isinstance(num_noise_heads, int)
+        or num_noise_heads <= 0
+        or heads % num_noise_heads
+    ):
         allowed = [k for k in range(1, heads + 1) if heads % k == 0]
-        raise ConversionError(f"--num-noise-heads must divide the {heads} differential heads; one of {allowed}, got {num_noise_heads!r}.")
+        raise ConversionError(
+            f"--num-noise-heads must divide the {heads} differential heads; one of {allowed}, got {num_noise_heads!r}."
+        )
     fields = config.to_dict()
     for key in ("model_type", "transformers_version", "architectures", "auto_map"):
         fields.pop(key, None)
-    fields.update(num_attention_heads=heads + num_noise_heads, num_noise_heads=num_noise_heads, head_dim=config.head_dim)
+    fields.update(
+        num_attention_heads=heads + num_noise_heads, num_noise_heads=num_noise_heads, head_dim=config.head_dim
+    )
     try:
         return DiffTransformerConfig(**fields)
     except ValueError as err:
@@ -83,24 +92,28 @@ def to_duplicated(plan: Plan) -> Plan:
     config = plan.config
     if config.noise_ratio == 1:
         raise ConversionError(
-            "--to duplicated: the model is not grouped (num_noise_heads unset or num_attention_heads / 2, r = 1): it is "
-            "already a plain DIFF model; use --to difftransformer."
+            "--to duplicated: the model is not grouped (num_noise_heads unset or num_attention_heads / 2, r = 1): it "
+            "is already a plain DIFF model; use --to difftransformer."
         )
     new_config = duplicated_config(config)
     rows = expand_heads(gda_query_heads(config), config.head_dim)
     steps = []
     for step in plan.steps:
         if QUERY_PROJ.search(step.target):
-            steps.append(Step(step.target, step.sources, lambda get, s=step: s.fn(get).index_select(0, rows), step.keep_float32))
+            steps.append(
+                Step(step.target, step.sources, lambda get, s=step: s.fn(get).index_select(0, rows), step.keep_float32)
+            )
         else:
             steps.append(step)
     target_shapes = meta_shapes(DiffTransformerForCausalLM, new_config)
     notes = list(plan.notes) + [
-        f"Written as a plain DIFF V{config.diff_version} model: each of the {config.noise_heads} noise heads' query rows "
-        f"duplicated {config.noise_ratio} times (num_attention_heads {config.num_attention_heads} -> "
+        f"Written as a plain DIFF V{config.diff_version} model: each of the {config.noise_heads} noise heads' query "
+        f"rows duplicated {config.noise_ratio} times (num_attention_heads {config.num_attention_heads} -> "
         f"{new_config.num_attention_heads}); same function."
     ]
-    return Plan(plan.source_shapes, plan.optional_sources, steps, new_config, target_shapes, plan.exact, notes, dict(plan.info))
+    return Plan(
+        plan.source_shapes, plan.optional_sources, steps, new_config, target_shapes, plan.exact, notes, dict(plan.info)
+    )
 
 
 def to_gda(plan: Plan, num_noise_heads: int) -> Plan:
@@ -121,20 +134,26 @@ def to_gda(plan: Plan, num_noise_heads: int) -> Plan:
         if not torch.equal(copies, tensor):
             heads = sorted({int(i) // d for i in (copies != tensor).reshape(tensor.shape[0], -1).any(-1).nonzero()})
             raise ConversionError(
-                f"--to gda --num-noise-heads {num_noise_heads}: in {step.target} the query heads {heads} differ from the "
-                f"copy of their noise head that is kept: the model is not a duplicated GDA model with r = "
+                f"--to gda --num-noise-heads {num_noise_heads}: in {step.target} the query heads {heads} differ from "
+                "the copy of their noise head that is kept: the model is not a duplicated GDA model with r = "
                 f"{new_config.noise_ratio} (its noise heads are not {new_config.noise_ratio} identical copies)."
             )
         return kept
 
-    steps = [Step(s.target, s.sources, lambda get, s=s: deduplicate(get, s), s.keep_float32) if QUERY_PROJ.search(s.target) else s
-             for s in plan.steps]
+    steps = [
+        Step(s.target, s.sources, lambda get, s=s: deduplicate(get, s), s.keep_float32)
+        if QUERY_PROJ.search(s.target)
+        else s
+        for s in plan.steps
+    ]
     target_shapes = meta_shapes(DiffTransformerForCausalLM, new_config)
     notes = list(plan.notes) + [
         f"Written as grouped differential attention: num_noise_heads={num_noise_heads}, r = {new_config.noise_ratio} "
         f"(num_attention_heads {config.num_attention_heads} -> {new_config.num_attention_heads}); same function."
     ]
-    return Plan(plan.source_shapes, plan.optional_sources, steps, new_config, target_shapes, plan.exact, notes, dict(plan.info))
+    return Plan(
+        plan.source_shapes, plan.optional_sources, steps, new_config, target_shapes, plan.exact, notes, dict(plan.info)
+    )
 
 
 __all__ = ["duplicated_config", "gda_query_heads", "grouped_config", "to_duplicated", "to_gda"]

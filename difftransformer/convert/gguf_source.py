@@ -59,7 +59,9 @@ def read_gguf_header(path: Path) -> tuple[dict, str]:
         metadata, _ = read_gguf_metadata(str(path))
         header = GgufHeader.from_file(str(path))
     except struct.error as err:
-        raise ConversionError(f"{path} is not a readable GGUF file (truncated or damaged header, {size} bytes): {one_line(err)}.") from None
+        raise ConversionError(
+            f"{path} is not a readable GGUF file (truncated or damaged header, {size} bytes): {one_line(err)}."
+        ) from None
     except _READ_ERRORS as err:
         raise ConversionError(f"{path} is not a readable GGUF file: {one_line(err)}") from None
     end = max((header.data_start + t.offset + t.nbytes for t in header.tensors), default=header.data_start)
@@ -118,7 +120,8 @@ def reading_each_file_once():
 
 
 def gguf_generation_config(metadata: dict) -> GenerationConfig:
-    """bos, pad and the end-of-generation ids the file names (eos, and eot/eom where present: llama.cpp stops at all)."""
+    """bos, pad and the end-of-generation ids the file names (eos, and eot/eom where present: llama.cpp stops at
+    all)."""
     eos = []
     for key in _END_OF_GENERATION_KEYS:
         if key in metadata and metadata[key] not in eos:
@@ -140,7 +143,9 @@ def load_gguf(path: str | Path, progress: bool = True) -> GgufSource:
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
             if config.model_type not in ("llama", "mistral", "qwen2"):
-                raise ConversionError(f"{path}: transformers reads it as model_type {config.model_type!r}, not a Llama-style model.")
+                raise ConversionError(
+                    f"{path}: transformers reads it as model_type {config.model_type!r}, not a Llama-style model."
+                )
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
         except ConversionError:
             raise
@@ -151,7 +156,9 @@ def load_gguf(path: str | Path, progress: bool = True) -> GgufSource:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             except (*_READ_ERRORS, TypeError, RuntimeError) as err:
-                raise ConversionError(f"{path}: its tokenizer cannot be read by transformers: {one_line(err)}") from None
+                raise ConversionError(
+                    f"{path}: its tokenizer cannot be read by transformers: {one_line(err)}"
+                ) from None
         else:
             notes.append(f"{path} holds no tokenizer (no tokenizer.ggml.tokens): the output folder has none either.")
     model.eval()

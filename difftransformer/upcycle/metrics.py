@@ -82,11 +82,17 @@ def chat(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 48) -> 
     answers = []
     with eval_mode(model) as device:
         for prompt in prompts:
-            enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)
+            enc = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
             enc = {k: v.to(device) for k, v in enc.items()}
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-            new = out[0, enc["input_ids"].shape[1]:]
-            answers.append({"prompt": prompt, "answer": tokenizer.decode(new, skip_special_tokens=True).strip(),
-                            "new_tokens": int(new.numel())})
+            new = out[0, enc["input_ids"].shape[1] :]
+            answers.append(
+                {
+                    "prompt": prompt,
+                    "answer": tokenizer.decode(new, skip_special_tokens=True).strip(),
+                    "new_tokens": int(new.numel()),
+                }
+            )
     return answers

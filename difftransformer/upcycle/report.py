@@ -25,8 +25,14 @@ def _git(*args: str) -> str | None:
 def _cpu() -> dict:
     model = platform.processor() or platform.machine()
     try:
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), model)
+        model = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            model,
+        )
     except OSError:
         pass
     return {"cpu": model, "logical_cpus": os.cpu_count()}
@@ -53,11 +59,18 @@ def provenance(script: str = "upcycle", command: str | None = None) -> dict:
     except ImportError:
         peft_version = None
     return {
-        "script": script, "commit": commit, "dirty": dirty, "dirty_files": files,
+        "script": script,
+        "commit": commit,
+        "dirty": dirty,
+        "dirty_files": files,
         "command": command or shlex.join(["python", *sys.argv]),
         "machine": _cpu() | {"torch_threads": torch.get_num_threads(), "platform": platform.platform()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "peft": peft_version},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft_version,
+        },
         "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -68,8 +81,10 @@ def lambda_summary(lam: dict) -> str:
         values = lam["per_layer"]
         return f"per layer (V1): mean {sum(values) / len(values):.4f}, min {min(values):.4f}, max {max(values):.4f}"
     means, stds = lam["mean"], lam["std"]
-    return (f"sigmoid(x W_λ) (V2) over held-out tokens: layer means {min(means):.4f}–{max(means):.4f}, "
-            f"per-layer std up to {max(stds):.4f}")
+    return (
+        f"sigmoid(x W_λ) (V2) over held-out tokens: layer means {min(means):.4f}–{max(means):.4f}, "
+        f"per-layer std up to {max(stds):.4f}"
+    )
 
 
 def print_measure(log, who: str, measured: dict) -> None:
@@ -89,15 +104,19 @@ def report_markdown(report: dict) -> str:
         f"# Upcycling {Path(report['source']).name} to DIFF V{s['diff_version']}",
         "",
         f"{s['method']} fine-tuning, distillation weight {s['distill_weight']} (temperature {s['temperature']}), "
-        f"learning rate {s['learning_rate'] or DEFAULT_LEARNING_RATES[s['method']]}, {t['global_step']} of {t['max_steps']} steps × {s['batch_size'] * s['grad_accum']} "
+        f"learning rate {s['learning_rate'] or DEFAULT_LEARNING_RATES[s['method']]}, {t['global_step']} of "
+        f"{t['max_steps']} steps × {s['batch_size'] * s['grad_accum']} "
         f"× {s['block_size']} tokens ({t['tokens']:,} tokens, {t['train_runtime_s'] or 0:.0f}s of training); "
         f"{report['student']['trainable_parameters']:,} of {report['student']['parameters']:,} parameters trainable.",
         "",
     ]
     if report.get("provenance"):
         p = report["provenance"]
-        lines += [f"Command: `{p['command']}` at commit {p['commit']} (uncommitted changes: {p['dirty']}); "
-                  f"{p['machine']['cpu']}, {p['machine']['torch_threads']} torch threads.", ""]
+        lines += [
+            f"Command: `{p['command']}` at commit {p['commit']} (uncommitted changes: {p['dirty']}); "
+            f"{p['machine']['cpu']}, {p['machine']['torch_threads']} torch threads.",
+            "",
+        ]
     lines += _perplexity_section(report) + _lambda_section(report) + _telemetry_section(report) + _chat_section(report)
     if report.get("conversion"):
         lines += ["## Conversion", ""] + [f"- {note}" for note in report["conversion"]["notes"]] + [""]
@@ -107,15 +126,25 @@ def report_markdown(report: dict) -> str:
 
 def _perplexity_section(report: dict) -> list[str]:
     names = list(report["teacher"]["perplexity"])
-    lines = ["## Held-out perplexity", "",
-             "| model | " + " | ".join(f"{n} (ratio to teacher)" for n in names) + " |",
-             "|---" * (len(names) + 1) + "|",
-             "| teacher | " + " | ".join(f"{report['teacher']['perplexity'][n]:.3f}" for n in names) + " |"]
+    lines = [
+        "## Held-out perplexity",
+        "",
+        "| model | " + " | ".join(f"{n} (ratio to teacher)" for n in names) + " |",
+        "|---" * (len(names) + 1) + "|",
+        "| teacher | " + " | ".join(f"{report['teacher']['perplexity'][n]:.3f}" for n in names) + " |",
+    ]
     for when in ("before", "after"):
         ppl, ratio = report[when]["perplexity"], report["ratio_to_teacher"][when]
         lines.append(f"| student {when} | " + " | ".join(f"{ppl[n]:.3f} ({ratio[n]:.3f})" for n in names) + " |")
-    lines += ["", "Held-out texts, first " + ", ".join(
-        f"{h['blocks']}×{h['length']} tokens of {n} ({h['description']})" for n, h in report["heldout"].items()) + ".", ""]
+    lines += [
+        "",
+        "Held-out texts, first "
+        + ", ".join(
+            f"{h['blocks']}×{h['length']} tokens of {n} ({h['description']})" for n, h in report["heldout"].items()
+        )
+        + ".",
+        "",
+    ]
     return lines
 
 
@@ -126,10 +155,17 @@ def _lambda_section(report: dict) -> list[str]:
         lines += ["| layer | λ before | λ after |", "|---|---|---|"]
         lines += [f"| {i} | {b:.4f} | {a:.4f} |" for i, (b, a) in enumerate(zip(lb["per_layer"], la["per_layer"]))]
     else:
-        lines += [f"sigmoid(x W_λ) over {la['tokens']:,} held-out tokens (validation) and every head.", "",
-                  "| layer | mean before | std before | mean after | std after | spread of head means after |", "|---|---|---|---|---|---|"]
-        lines += [f"| {i} | {lb['mean'][i]:.4f} | {lb['std'][i]:.4f} | {la['mean'][i]:.4f} | {la['std'][i]:.4f} | {la['head_mean_spread'][i]:.4f} |"
-                  for i in range(len(la["mean"]))]
+        lines += [
+            f"sigmoid(x W_λ) over {la['tokens']:,} held-out tokens (validation) and every head.",
+            "",
+            "| layer | mean before | std before | mean after | std after | spread of head means after |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {i} | {lb['mean'][i]:.4f} | {lb['std'][i]:.4f} | {la['mean'][i]:.4f} | {la['std'][i]:.4f} | "
+            f"{la['head_mean_spread'][i]:.4f} |"
+            for i in range(len(la["mean"]))
+        ]
     return lines + [""]
 
 
@@ -138,16 +174,23 @@ def _telemetry_section(report: dict) -> list[str]:
     if not tel or not tel.get("before") or not tel.get("after"):
         return []
     b, a = tel["before"], tel["after"]
-    lines = ["## Differential attention on the probe batch (telemetry)", "",
-             f"Probe: {tel['probe']}; step {tel['before_step']} and step {tel['after_step']}. Map separation: "
-             "½·Σ_k|A1 − A2| per query, mean over heads and queries (0: the two maps of every head are equal); "
-             "negative share: entries of A1 − λA2 below zero among those a query may attend to; first-token mass: "
-             f"weight of A1 − λA2 on token 0. Gradient-norm spikes: {tel['grad_norm_spikes']}.", "",
-             "| layer | separation before | separation after | negative share before | after | first-token mass before | after |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Differential attention on the probe batch (telemetry)",
+        "",
+        f"Probe: {tel['probe']}; step {tel['before_step']} and step {tel['after_step']}. Map separation: "
+        "½·Σ_k|A1 − A2| per query, mean over heads and queries (0: the two maps of every head are equal); "
+        "negative share: entries of A1 − λA2 below zero among those a query may attend to; first-token mass: "
+        f"weight of A1 − λA2 on token 0. Gradient-norm spikes: {tel['grad_norm_spikes']}.",
+        "",
+        "| layer | separation before | separation after | negative share before | after | first-token mass before | "
+        "after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i in range(len(a["map_separation"])):
-        lines.append(f"| {i} | {b['map_separation'][i]:.4f} | {a['map_separation'][i]:.4f} | {b['negative_share'][i]:.4f} | "
-                     f"{a['negative_share'][i]:.4f} | {b['first_token_mass'][i]:.4f} | {a['first_token_mass'][i]:.4f} |")
+        lines.append(
+            f"| {i} | {b['map_separation'][i]:.4f} | {a['map_separation'][i]:.4f} | {b['negative_share'][i]:.4f} | "
+            f"{a['negative_share'][i]:.4f} | {b['first_token_mass'][i]:.4f} | {a['first_token_mass'][i]:.4f} |"
+        )
     return lines + [""]
 
 

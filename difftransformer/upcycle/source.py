@@ -70,18 +70,33 @@ def smoke_source(seed: int = 0, vocab_size: int = 512) -> Source:
     tokenizer = get_tokenizer(vocab_size)
     tokenizer.chat_template = SMOKE_CHAT_TEMPLATE
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, max_position_embeddings=512,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
         initializer_range=0.1,  # peaked next-token distributions, so that a converted V1 starts measurably off
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     return Source(model, tokenizer, SMOKE, model.generation_config)
 
 
-def convert_student(source: Source, diff_version: int, folder: str | os.PathLike, seed: int = 0, v1_init: str = "auto",
-                    v1_subln_eps: float | None = None):
+def convert_student(
+    source: Source,
+    diff_version: int,
+    folder: str | os.PathLike,
+    seed: int = 0,
+    v1_init: str = "auto",
+    v1_subln_eps: float | None = None,
+):
     """Convert the teacher (in memory) into a DIFF ``diff_version`` folder with the converter
     (:func:`difftransformer.convert.convert`; V1: ``v1_init``, by default the converter's choice for the head layout,
     with its default calibration, and ``v1_subln_eps``, by default the source's ``rms_norm_eps``; a large value such
@@ -90,8 +105,17 @@ def convert_student(source: Source, diff_version: int, folder: str | os.PathLike
     from ..convert import convert
 
     v1 = diff_version == 1
-    return convert("llama", source.model, folder, diff_version=diff_version, tokenizer=source.tokenizer, seed=seed,
-                   progress=False, v1_init=v1_init if v1 else "auto", v1_subln_eps=v1_subln_eps if v1 else None)
+    return convert(
+        "llama",
+        source.model,
+        folder,
+        diff_version=diff_version,
+        tokenizer=source.tokenizer,
+        seed=seed,
+        progress=False,
+        v1_init=v1_init if v1 else "auto",
+        v1_subln_eps=v1_subln_eps if v1 else None,
+    )
 
 
 def load_student(folder: str | os.PathLike):

@@ -20,12 +20,17 @@ DEFAULT_LEARNING_RATES = {"full": 1e-4, "lora": 1e-3}
 LAMBDA_PARAM = re.compile(r"(^|\.)lambda_(proj|[qk][12])(\.|$)")
 
 
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Token-mean ``KL(p_teacher ‖ p_student) · T²`` of the next-token distributions at temperature ``T``
     (``p = softmax(logits / T)``), computed in float32. Shapes ``(..., vocab)``; 0 when the logits agree up to a
     constant per token."""
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student and teacher logits differ in shape: {tuple(student_logits.shape)} vs {tuple(teacher_logits.shape)}.")
+        raise ValueError(
+            f"student and teacher logits differ in shape: {tuple(student_logits.shape)} vs "
+            f"{tuple(teacher_logits.shape)}."
+        )
     if temperature <= 0:
         raise ValueError(f"`temperature` must be > 0, got {temperature}.")
     vocab = student_logits.shape[-1]
@@ -50,8 +55,15 @@ class DistillationTrainer(Trainer):
 
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, teacher=None, distill_weight: float = 0.0, temperature: float = 1.0,
-                 lambda_lr_scale: float = 1.0, **kwargs):
+    def __init__(
+        self,
+        *args,
+        teacher=None,
+        distill_weight: float = 0.0,
+        temperature: float = 1.0,
+        lambda_lr_scale: float = 1.0,
+        **kwargs,
+    ):
         if lambda_lr_scale <= 0:
             raise ValueError(f"`lambda_lr_scale` must be > 0, got {lambda_lr_scale}.")
         if not 0.0 <= distill_weight <= 1.0:
@@ -101,8 +113,13 @@ class DistillationTrainer(Trainer):
             lam = [p for p in group["params"] if is_lambda(p)]
             if lam:
                 group["params"] = [p for p in group["params"] if not is_lambda(p)]
-                optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": lam,
-                                           "lr": group["lr"] * self.lambda_lr_scale})
+                optimizer.add_param_group(
+                    {
+                        **{k: v for k, v in group.items() if k != "params"},
+                        "params": lam,
+                        "lr": group["lr"] * self.lambda_lr_scale,
+                    }
+                )
         optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
         return optimizer
 
@@ -117,8 +134,14 @@ class DistillationTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def prepare_student(model, method: str, lora_r: int = 16, lora_alpha: int = 32, lora_targets: str = "all-linear",
-                    freeze_embeddings: bool = False):
+def prepare_student(
+    model,
+    method: str,
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    lora_targets: str = "all-linear",
+    freeze_embeddings: bool = False,
+):
     """Make the parameters that train trainable; returns the model to train (a ``PeftModel`` for LoRA).
 
     ``"full"``: every parameter (but the tied input/output embedding with ``freeze_embeddings``). ``"lora"``: LoRA
@@ -141,10 +164,18 @@ def prepare_student(model, method: str, lora_r: int = 16, lora_alpha: int = 32, 
     from ..integrations import MODEL_TYPE, enable_lambda_training, lambda_modules_to_save
 
     version = model.config.diff_version if model.config.model_type == MODEL_TYPE else None
-    targets = lora_targets if lora_targets == "all-linear" else [t.strip() for t in lora_targets.split(",") if t.strip()]
+    targets = (
+        lora_targets if lora_targets == "all-linear" else [t.strip() for t in lora_targets.split(",") if t.strip()]
+    )
     save = None if version is None else ["subln"] if version == 1 else lambda_modules_to_save(model.config)
-    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=targets, modules_to_save=save,
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=0.0,
+        target_modules=targets,
+        modules_to_save=save,
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, config)
     if version == 1:
         enable_lambda_training(peft_model)

@@ -13,8 +13,13 @@ from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 def tiny_config(diff_version: int = 1, **overrides) -> DiffTransformerConfig:
     """2 layers, width 64, 8 query heads of width 8 (4 differential heads); V1: 4 KV heads = 2 groups, V2: 2 groups."""
     kwargs = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4 if diff_version == 1 else 2, diff_version=diff_version,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4 if diff_version == 1 else 2,
+        diff_version=diff_version,
     )
     return DiffTransformerConfig(**{**kwargs, **overrides})
 
@@ -36,4 +41,6 @@ def synthetic_token_ids(num_samples: int, seq_len: int, vocab_size: int, seed: i
 
 def synthetic_dataset(num_samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[dict]:
     """`synthetic_token_ids` as a list of ``{"input_ids", "labels"}`` examples, ready for `Trainer`."""
-    return [{"input_ids": row, "labels": row.clone()} for row in synthetic_token_ids(num_samples, seq_len, vocab_size, seed)]
+    return [
+        {"input_ids": row, "labels": row.clone()} for row in synthetic_token_ids(num_samples, seq_len, vocab_size, seed)
+    ]

@@ -2,12 +2,13 @@
 
 `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` shards q/k/v (and V2's `lambda_proj`)
 column-wise and `o_proj` row-wise, MLP likewise, embeddings by vocabulary rows. With the row order of docs/model.md
-("What it computes") a contiguous shard holds whole KV groups, so every process computes whole differential heads; V1's λ vectors and
-`subln` are replicated. `tp_size` must divide the number of KV groups (V1: `num_key_value_heads / 2`, V2:
+("What it computes") a contiguous shard holds whole KV groups, so every process computes whole differential heads; V1's
+λ vectors and `subln` are replicated. `tp_size` must divide the number of KV groups (V1: `num_key_value_heads / 2`, V2:
 `num_key_value_heads`).
 
     torchrun --nproc_per_node 2 examples/distributed/tp_generate.py --model FOLDER --prompt "def main("
-    torchrun --nproc_per_node 2 examples/distributed/tp_generate.py --model FOLDER --input-ids 1 5 7 --save-logits out.pt
+    torchrun --nproc_per_node 2 examples/distributed/tp_generate.py --model FOLDER --input-ids 1 5 7 --save-logits
+    out.pt
 
 On GPUs it uses nccl, on CPU gloo. Rank 0 prints the generated continuation (greedy).
 """

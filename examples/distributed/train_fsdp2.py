@@ -43,8 +43,13 @@ def train(args: argparse.Namespace) -> list[float]:
     model = load_sharded(args.model, world_size)
     rank = dist.get_rank() if world_size > 1 else 0
     if args.global_batch_size % world_size:
-        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be divisible by the number of processes ({world_size}).")
-    data = synthetic_token_ids(args.global_batch_size * args.max_steps, args.seq_len, model.config.vocab_size, args.seed)
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}) must be divisible by the number of processes "
+            f"({world_size})."
+        )
+    data = synthetic_token_ids(
+        args.global_batch_size * args.max_steps, args.seq_len, model.config.vocab_size, args.seed
+    )
     held = local_fraction(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     model.train()

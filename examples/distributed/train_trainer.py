@@ -26,7 +26,11 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 def fsdp_config() -> dict:
     """FSDP2 through accelerate: one shard group per decoder layer (the model's `_no_split_modules`) plus the root."""
-    return {"version": 2, "transformer_layer_cls_to_wrap": ["DiffTransformerDecoderLayer"], "reshard_after_forward": True}
+    return {
+        "version": 2,
+        "transformer_layer_cls_to_wrap": ["DiffTransformerDecoderLayer"],
+        "reshard_after_forward": True,
+    }
 
 
 def training_arguments(args: argparse.Namespace) -> TrainingArguments:
@@ -79,7 +83,9 @@ def train(args: argparse.Namespace) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", required=True, help="where losses.json (and, with --save, the model) is written")
-    p.add_argument("--model", default=None, help="a saved model folder to fine-tune; default: a fresh tiny random model")
+    p.add_argument(
+        "--model", default=None, help="a saved model folder to fine-tune; default: a fresh tiny random model"
+    )
     p.add_argument("--diff-version", type=int, default=1, choices=(1, 2), help="DIFF version of the fresh tiny model")
     p.add_argument("--per-device-batch-size", type=int, default=2, help="sequences per process per step")
     p.add_argument("--max-steps", type=int, default=5, help="optimizer steps")
@@ -87,8 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=64, help="size of the synthetic training set")
     p.add_argument("--seq-len", type=int, default=16, help="tokens per synthetic sequence")
     p.add_argument("--seed", type=int, default=0, help="seed of the model initialisation and of the data")
-    p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state with FSDP2 (GPUs)")
-    p.add_argument("--deepspeed", default=None, metavar="JSON", help="a DeepSpeed config file (needs `pip install deepspeed`)")
+    p.add_argument(
+        "--fsdp", action="store_true", help="shard parameters, gradients and optimizer state with FSDP2 (GPUs)"
+    )
+    p.add_argument(
+        "--deepspeed", default=None, metavar="JSON", help="a DeepSpeed config file (needs `pip install deepspeed`)"
+    )
     p.add_argument("--save", action="store_true", help="save the trained model to OUTPUT_DIR/model")
     return p.parse_args(argv)
 
