@@ -309,7 +309,7 @@ def computed_from_parameters(owner: nn.Module, slot: str, params, compute: Calla
     kept = owner.__dict__.get(slot)
     if kept is not None and kept[0] == key:
         return kept[2]
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor: kept values may meet autograd later
         value = compute()
     owner.__dict__[slot] = (key, [p.untyped_storage() for p in params], value)
     return value

@@ -462,3 +462,53 @@ def test_bfloat16_loading_keeps_lambda_float32_and_casting_does_not(tmp_path):
     assert {p.dtype for p in (attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2)} == {torch.float32}
     assert attn.lambda_full().dtype == torch.float32
     assert loaded.to(torch.bfloat16).model.layers[0].self_attn.lambda_q1.dtype == torch.bfloat16
+
+
+def test_kept_lambda_and_norm_weight_follow_every_parameter_change():
+    """V1's λ and its per-head norm's scaled weight are kept between calls without autograd (a decode step launches
+    nothing for them) and follow every change of their parameters: an optimiser step, load_state_dict, a replaced
+    parameter; after a write through ``param.data`` (which bypasses the version counter), clear_differential_cache. A
+    value kept under inference_mode still trains with frozen λ (a plain tensor, not an inference tensor)."""
+    torch.manual_seed(0)
+    model = DiffTransformerForCausalLM(tiny_config("v1_gqa")).eval()
+    attn = model.model.layers[0].self_attn
+    ids = torch.randint(3, model.config.vocab_size, (1, 6))
+
+    def fresh():
+        with torch.no_grad():
+            expected = attn._lambda_from(attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2)
+            return attn.lambda_full(), expected
+
+    with torch.inference_mode():
+        model(ids)  # keeps λ and the scaled weight
+    kept, expected = fresh()
+    with torch.no_grad():
+        assert kept is attn.lambda_full() and torch.equal(kept, expected)  # the same tensor: nothing recomputed
+    assert attn.lambda_full().requires_grad  # with autograd: computed, for its gradient
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    kept, expected = fresh()
+    assert torch.equal(kept, expected)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.layers.0.self_attn.lambda_q1"] += 0.5
+    model.load_state_dict(state)
+    kept, expected = fresh()
+    assert torch.equal(kept, expected)
+    attn.lambda_k1 = torch.nn.Parameter(attn.lambda_k1.detach() * 2)
+    kept, expected = fresh()
+    assert torch.equal(kept, expected)
+    with torch.no_grad():
+        weight = attn.subln.scaled_weight(0.5, torch.float32)
+        attn.subln.weight.data.mul_(3)  # through .data: the version counter does not move, so clear the cache
+        model.clear_differential_cache()
+        torch.testing.assert_close(attn.subln.scaled_weight(0.5, torch.float32), 3 * weight)
+    # λ frozen, the rest trains (an adapter's case), after values were kept under inference_mode
+    for name, p in model.named_parameters():
+        p.requires_grad_("lambda_" not in name and "subln" not in name)
+    with torch.inference_mode():
+        model.eval()(ids)
+    model.train().zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()  # an inference tensor saved for the backward would raise here
+    assert attn.q_proj.weight.grad is not None and attn.lambda_q1.grad is None
