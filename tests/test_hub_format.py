@@ -132,8 +132,8 @@ REMOTE_LOAD = textwrap.dedent("""
             tokenizer = AutoTokenizer.from_pretrained(folder)
             generator = pipeline("text-generation", model=folder, trust_remote_code=True)
             text = generator("def f(", max_new_tokens=5, min_new_tokens=5, do_sample=False)[0]["generated_text"]
-            assert text.startswith("def f(") and len(tokenizer(text)["input_ids"]) > len(tokenizer("def
-            f(")["input_ids"])
+            prompt_length = len(tokenizer("def f(")["input_ids"])
+            assert text.startswith("def f(") and len(tokenizer(text)["input_ids"]) > prompt_length
     print("ok")
 """)
 

@@ -114,10 +114,12 @@ REMOTE = textwrap.dedent(
         logits = model(torch.tensor(expected["ids"])).logits
     diff = (logits - torch.tensor(expected["logits"])).abs().max().item()
     assert diff <= expected["atol"], diff
-    inputs = tokenizer.apply_chat_template(expected["messages"], add_generation_prompt=True, return_dict=True,
-    return_tensors="pt") out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    print(json.dumps({"diff": diff, "answer": tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
-    skip_special_tokens=True)}))
+    inputs = tokenizer.apply_chat_template(
+        expected["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(json.dumps({"diff": diff, "answer": answer}))
     """
 )
 

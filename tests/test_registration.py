@@ -38,9 +38,10 @@ CLEAN_IMPORT = textwrap.dedent("""
     assert not [m for m in sys.modules if m.split(".")[0] in ("peft", "liger_kernel")], "PEFT or Liger imported"
     # Our own name only: config, the Auto classes, and Trainer's causal-LM name (the modeling file's setdefault).
     assert CONFIG_MAPPING["difftransformer"] is difftransformer.DiffTransformerConfig
-    assert AutoModelForCausalLM._model_mapping[difftransformer.DiffTransformerConfig] is
-    difftransformer.DiffTransformerForCausalLM changed = {k: v for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if
-    names_before.get(k) != v} assert changed == {"difftransformer": "DiffTransformerForCausalLM"}, changed
+    model_class = AutoModelForCausalLM._model_mapping[difftransformer.DiffTransformerConfig]
+    assert model_class is difftransformer.DiffTransformerForCausalLM
+    changed = {k: v for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if names_before.get(k) != v}
+    assert changed == {"difftransformer": "DiffTransformerForCausalLM"}, changed
     # No Motif name: no config, no model, no checkpoint conversion registered with transformers.
     assert "Motif" not in CONFIG_MAPPING
     assert AutoModelForCausalLM._model_mapping.get(difftransformer.MotifConfig, None) is None
@@ -50,8 +51,9 @@ CLEAN_IMPORT = textwrap.dedent("""
     # PEFT: no default targets for our type until register_peft(); PEFT itself says what is missing.
     from peft import LoraConfig, get_peft_model
     from peft.utils import constants
-    tables = {n: t for n, t in vars(constants).items() if n.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(t,
-    dict)} assert not [n for n, t in tables.items() if "difftransformer" in t]
+    tables = {n: t for n, t in vars(constants).items()
+              if n.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(t, dict)}
+    assert not [n for n, t in tables.items() if "difftransformer" in t]
     config = difftransformer.DiffTransformerConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     try:

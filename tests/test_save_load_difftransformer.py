@@ -82,8 +82,8 @@ REMOTE_CODE_CHECK = textwrap.dedent(
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-5)  # other thread count: float
-        rounding
+        # another thread count: float rounding
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-6, rtol=1e-5)
     base = AutoModel.from_pretrained(folder, trust_remote_code=True)
     assert type(base).__name__ == "DiffTransformerModel"
     # Trainer's label smoothing shifts labels only for causal LMs named in this table: the remote code registers itself.
