@@ -44,6 +44,7 @@ Deliberate deviations from Microsoft's reference code: rotate-half RoPE (transfo
 interleaved, group-major query rows (convert_scripts handle both), no attention dropout.
 """
 
+import contextlib
 import math
 import re
 from collections.abc import Callable
@@ -296,20 +297,26 @@ def check_kernel_name(diff_version: int, name: str, noise_ratio: int = 1) -> Non
 
 
 def computed_from_parameters(owner: nn.Module, slot: str, params, compute: Callable[[], torch.Tensor], extra=None):
-    """``compute()``, a tensor derived from ``params`` alone (V1's λ, the per-head norm's scaled weight), computed once
-    and kept on ``owner`` until one of the parameters changes: recomputed when a parameter was written in place (its
-    version counter: optimiser steps, ``load_state_dict``, ``init``) or replaced (another storage, device or dtype; the
-    kept entry holds the old storages, so their addresses cannot be reused meanwhile). Computed every call where
-    autograd records it (training), under ``torch.compile`` (one fused kernel there) and for parameters that are not
-    plain tensors (DTensor, quantized). Writes through ``param.data`` bypass the version counter: call
-    ``model.clear_differential_cache()`` after such a write. The decode step then launches nothing for it."""
-    if needs_grad(*params) or torch.compiler.is_compiling() or any(type(p.data) is not torch.Tensor for p in params):
+    """``compute()``, a tensor derived from ``params`` alone (V1's λ, the per-head norm's scaled weight). Inside
+    :meth:`DiffTransformerPreTrainedModel.fixed_parameters` (every ``generate()`` call), where no parameter may change,
+    it is computed once and kept on ``owner``, so that a decode step launches nothing for it; the kept entry is
+    dropped when the block is left. Elsewhere (training, a plain forward) it is computed at every call: fused
+    optimisers write parameters without moving their version counters, so no cheap test shows that a kept value is
+    stale. Also computed every call where autograd records it, under ``torch.compile`` (one fused kernel there) and
+    for parameters that are not plain tensors (DTensor, quantized). Within the block a kept entry is still checked
+    against its parameters' storages, versions, dtypes and devices."""
+    if (
+        not owner.__dict__.get("_fixed_parameters", 0)
+        or needs_grad(*params)
+        or torch.compiler.is_compiling()
+        or any(type(p.data) is not torch.Tensor for p in params)
+    ):
         return compute()
     key = (extra, *((p.data_ptr(), p._version, p.dtype, p.device) for p in params))
     kept = owner.__dict__.get(slot)
     if kept is not None and kept[0] == key:
         return kept[2]
-    with torch.inference_mode(False), torch.no_grad():  # a plain tensor: kept values may meet autograd later
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, never an inference tensor
         value = compute()
     owner.__dict__[slot] = (key, [p.untyped_storage() for p in params], value)
     return value
@@ -329,7 +336,7 @@ class DiffTransformerHeadRMSNorm(nn.Module):
     def forward(self, heads: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``heads`` ``(..., 2d)``; the result in ``dtype`` (default: the heads' own; a kernel may hand over float32
         heads of a bfloat16 model). Without autograd: one ``rms_norm`` on float32 rows with the weight times ``scale``
-        kept from call to call (:func:`computed_from_parameters`), plus the casts a narrower dtype needs."""
+        kept within ``generate()`` (:func:`computed_from_parameters`), plus the casts a narrower dtype needs."""
         dtype = dtype or heads.dtype
         if needs_grad(heads, self.weight):
             return HeadRMSNorm.apply(heads.to(dtype), self.weight, scale, self.eps)
@@ -337,7 +344,7 @@ class DiffTransformerHeadRMSNorm(nn.Module):
         return F.rms_norm(heads.to(acc), (heads.shape[-1],), self.scaled_weight(scale, acc), self.eps).to(dtype)
 
     def scaled_weight(self, scale: float, dtype: torch.dtype) -> torch.Tensor:
-        """``scale · w`` in ``dtype``, kept from call to call (:func:`computed_from_parameters`)."""
+        """``scale · w`` in ``dtype``, kept within ``generate()`` (:func:`computed_from_parameters`)."""
         return computed_from_parameters(
             self, "_scaled_weight", (self.weight,), lambda: self.weight.to(dtype) * scale, extra=(scale, dtype)
         )
@@ -556,8 +563,8 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
 
     def lambda_full(self) -> torch.Tensor:
         """``λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit``, a float32 scalar for this layer (float64 under ``.double()``).
-        Kept from call to call without autograd until a λ vector changes (:func:`computed_from_parameters`): a decode
-        step launches nothing for it."""
+        Computed once per ``generate()`` call (:func:`computed_from_parameters`): a decode step launches nothing for
+        it."""
         params = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
         return computed_from_parameters(self, "_lambda", params, lambda: self._lambda_from(*params))
 
@@ -913,12 +920,30 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
             return dict.fromkeys(WORKLOADS, attn.kernel)
         return {w: select_kernel(self.config.diff_version, self.device.type, w, self.dtype) for w in WORKLOADS}
 
-    def clear_differential_cache(self) -> None:
-        """Forget the values kept from the parameters between calls (V1's λ, its per-head norm's scaled weight; see
-        ``computed_from_parameters``): needed only after writing parameters through ``param.data``."""
-        for module in self.modules():
-            for slot in ("_lambda", "_scaled_weight"):
-                module.__dict__.pop(slot, None)
+    @contextlib.contextmanager
+    def fixed_parameters(self):
+        """A block in which this model's parameters do not change (``generate()`` runs in one): V1's λ and its per-head
+        norm's scaled weight are computed once and kept for every call inside (:func:`computed_from_parameters`), so a
+        decode step launches nothing for them. For a hand-written decoding loop::
+
+            with model.fixed_parameters(), torch.no_grad():
+                for step in range(n):
+                    out = model(next_ids, cache=cache, use_cache=True)
+
+        Writing a parameter inside the block is not supported (the kept values may then be stale). Blocks nest."""
+        owners = [m for m in self.modules() if isinstance(m, (DiffTransformerAttention, DiffTransformerHeadRMSNorm))]
+        for module in owners:
+            module.__dict__["_fixed_parameters"] = module.__dict__.get("_fixed_parameters", 0) + 1
+        try:
+            yield self
+        finally:
+            for module in owners:
+                depth = module.__dict__.pop("_fixed_parameters", 1) - 1
+                if depth:
+                    module.__dict__["_fixed_parameters"] = depth
+                else:
+                    for slot in ("_lambda", "_scaled_weight"):
+                        module.__dict__.pop(slot, None)
 
     def layer_lambdas(self) -> torch.Tensor:
         """V1: the current λ of every layer, float32 tensor of shape ``(num_hidden_layers,)``.
@@ -1020,6 +1045,12 @@ class DiffTransformerForCausalLM(DiffTransformerPreTrainedModel, GenerationMixin
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def generate(self, *args, **kwargs):
+        """:meth:`transformers.GenerationMixin.generate`, inside :meth:`fixed_parameters`: V1's λ and its per-head
+        norm's weight are computed once per call, not once per step."""
+        with self.fixed_parameters():
+            return super().generate(*args, **kwargs)
 
     @accepts_old_cache_name
     @can_return_tuple

@@ -11,6 +11,7 @@ with λ kept between steps (V1) and the norm's scaled weight too.
 """
 
 import collections
+import contextlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel runs: Triton's CPU interpreter
@@ -131,7 +132,9 @@ def _decode_step_ops(model, layers, dtype, cache_implementation, monkeypatch=Non
             else StaticCache(config=model.config, max_cache_len=8)
         )
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
+        # generate() runs in fixed_parameters(); a Llama has no such block.
+        block = getattr(model, "fixed_parameters", contextlib.nullcontext)
+        with block(), torch.no_grad():
             model(ids[:, :6], attention_mask=mask[:, :6], position_ids=positions[:, :6], cache=cache, use_cache=True)
             with OneCall(counter), counter:
                 model(ids[:, 6:], attention_mask=mask, position_ids=positions[:, 6:], cache=cache, use_cache=True)

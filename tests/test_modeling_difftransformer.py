@@ -9,6 +9,7 @@ from torch._inductor.exc import InductorError
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
+from difftransformer import modeling_difftransformer as mdt
 from difftransformer.modeling_difftransformer import DIFF_ATTENTION_CLASSES, DiffTransformerAttention
 from utils_difftransformer import (
     CONTRACT_CALLS,
@@ -464,51 +465,62 @@ def test_bfloat16_loading_keeps_lambda_float32_and_casting_does_not(tmp_path):
     assert loaded.to(torch.bfloat16).model.layers[0].self_attn.lambda_q1.dtype == torch.bfloat16
 
 
-def test_kept_lambda_and_norm_weight_follow_every_parameter_change():
-    """V1's λ and its per-head norm's scaled weight are kept between calls without autograd (a decode step launches
-    nothing for them) and follow every change of their parameters: an optimiser step, load_state_dict, a replaced
-    parameter; after a write through ``param.data`` (which bypasses the version counter), clear_differential_cache. A
-    value kept under inference_mode still trains with frozen λ (a plain tensor, not an inference tensor)."""
+def test_lambda_and_norm_weight_are_kept_within_generate_and_fresh_after_any_parameter_write():
+    """V1's λ and its per-head norm's scaled weight are computed once per ``generate()`` call (a decode step launches
+    nothing for them) and inside ``fixed_parameters()``; outside, every call sees the parameters as they are, also
+    after a fused AdamW step (which does not move version counters) or a write through ``param.data``. A value kept
+    under inference_mode is a plain tensor: training with frozen λ afterwards works."""
     torch.manual_seed(0)
     model = DiffTransformerForCausalLM(tiny_config("v1_gqa")).eval()
+    model.generation_config.eos_token_id = None
     attn = model.model.layers[0].self_attn
+    layers = len(model.model.layers)
     ids = torch.randint(3, model.config.vocab_size, (1, 6))
+    computed = []
+    compute = mdt.DiffTransformerV1Attention._lambda_from
+
+    def counted(self, *params):
+        computed.append(self)
+        return compute(self, *params)
 
     def fresh():
         with torch.no_grad():
-            expected = attn._lambda_from(attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2)
-            return attn.lambda_full(), expected
+            return torch.stack([compute(m, m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2) for m in attentions])
 
-    with torch.inference_mode():
-        model(ids)  # keeps λ and the scaled weight
-    kept, expected = fresh()
-    with torch.no_grad():
-        assert kept is attn.lambda_full() and torch.equal(kept, expected)  # the same tensor: nothing recomputed
-    assert attn.lambda_full().requires_grad  # with autograd: computed, for its gradient
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    attentions = [m for m in model.modules() if isinstance(m, mdt.DiffTransformerV1Attention)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mdt.DiffTransformerV1Attention, "_lambda_from", counted)
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert len(computed) == layers  # once per layer for 1 prefill + 3 decode steps
+        computed.clear()
+        with torch.no_grad():
+            model(ids), model(ids)
+        assert len(computed) == 2 * layers  # outside a block: every call
+        computed.clear()
+        with model.fixed_parameters(), torch.inference_mode():
+            model(ids)
+            kept = attn.lambda_full()
+            assert kept is attn.lambda_full() and len(computed) == layers
+    assert "_lambda" not in attn.__dict__  # dropped when the block is left
+    # A fused optimiser step writes λ without moving its version counter: the next call sees the new λ anyway.
     model.train()
+    before = model.layer_lambdas()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     model(ids, labels=ids).loss.backward()
     optimizer.step()
-    kept, expected = fresh()
-    assert torch.equal(kept, expected)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    state["model.layers.0.self_attn.lambda_q1"] += 0.5
-    model.load_state_dict(state)
-    kept, expected = fresh()
-    assert torch.equal(kept, expected)
-    attn.lambda_k1 = torch.nn.Parameter(attn.lambda_k1.detach() * 2)
-    kept, expected = fresh()
-    assert torch.equal(kept, expected)
+    after = model.layer_lambdas()
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, fresh(), rtol=0, atol=0)
     with torch.no_grad():
-        weight = attn.subln.scaled_weight(0.5, torch.float32)
-        attn.subln.weight.data.mul_(3)  # through .data: the version counter does not move, so clear the cache
-        model.clear_differential_cache()
-        torch.testing.assert_close(attn.subln.scaled_weight(0.5, torch.float32), 3 * weight)
+        attn.subln.weight.data.mul_(3)  # through .data
+        weight = attn.subln.weight.detach() * 0.5
+        torch.testing.assert_close(attn.subln.scaled_weight(0.5, torch.float32), weight, rtol=0, atol=0)
     # λ frozen, the rest trains (an adapter's case), after values were kept under inference_mode
     for name, p in model.named_parameters():
         p.requires_grad_("lambda_" not in name and "subln" not in name)
-    with torch.inference_mode():
+    with model.fixed_parameters(), torch.inference_mode():
         model.eval()(ids)
-    model.train().zero_grad(set_to_none=True)
-    model(ids, labels=ids).loss.backward()  # an inference tensor saved for the backward would raise here
+        model.train().zero_grad(set_to_none=True)
+    with model.fixed_parameters():
+        model(ids, labels=ids).loss.backward()  # an inference tensor saved for the backward would raise here
     assert attn.q_proj.weight.grad is not None and attn.lambda_q1.grad is None
