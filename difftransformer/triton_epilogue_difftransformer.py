@@ -19,7 +19,7 @@ reads noise row ``j // r``.
 
 import torch
 
-from .triton_difftransformer import is_available
+from .triton_difftransformer import _interpreting, is_available
 from .triton_difftransformer import triton as _triton
 
 if _triton is not None:
@@ -30,11 +30,30 @@ else:  # pragma: no cover - exercised only where triton is absent
 _KERNELS: dict = {}
 
 
+def _row_sum_compiled(x):
+    return tl.sum(x, 0)
+
+
+_row_sum = None  # set by _jitted()
+
+
+def _row_sum_interpreted(x):
+    """``tl.sum(x, 0)`` under Triton's interpreter: ``tl.sum`` is itself a jit function, decorated when triton is
+    imported, and runs under the interpreter only if ``TRITON_INTERPRET`` was set before that import (in a test
+    process torch usually imports triton first); ``tl.reduce`` with Triton's own combine function works either way."""
+    return tl.reduce(x, 0, tl.standard._sum_combine)
+
+
 def _jitted() -> dict:
-    """The kernels, decorated with ``triton.jit`` on first use (so that ``TRITON_INTERPRET=1`` set after import
-    still takes effect, as in triton_difftransformer.py)."""
-    if _KERNELS:
+    """The kernels, decorated with ``triton.jit`` on first use and again when ``TRITON_INTERPRET`` changes (so that
+    setting it after import still takes effect, as in triton_difftransformer.py). The kernels reduce through the
+    module-level ``_row_sum``: ``tl.sum`` compiled, :func:`_row_sum_interpreted` under the interpreter. They use no
+    other jit function of ``triton.language`` (the sigmoid is written out)."""
+    interpret = _interpreting()
+    if _KERNELS.get("interpret") is interpret:
         return _KERNELS
+    _KERNELS.clear()
+    globals()["_row_sum"] = _row_sum_interpreted if interpret else _triton.jit(_row_sum_compiled)
 
     def v1_combine_norm_kernel(
         o1,
@@ -65,7 +84,7 @@ def _jitted() -> dict:
         first = tl.load(o1 + b * s1_b + g * s1_g + j * s1_r + cols, mask=keep, other=0.0).to(tl.float32)
         second = tl.load(o2 + b * s2_b + g * s2_g + (j // R) * s2_r + cols, mask=keep, other=0.0).to(tl.float32)
         diff = first - tl.load(lam).to(tl.float32) * second
-        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / WIDTH + eps)
+        rstd = 1.0 / tl.sqrt(_row_sum(diff * diff) / WIDTH + eps)
         weight = tl.load(w + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out + pid * WIDTH + cols, (diff * rstd * weight).to(out.dtype.element_ty), mask=keep)
 
@@ -85,12 +104,11 @@ def _jitted() -> dict:
         base = a + b * s_b + g * s_g + k * (R + 1) * s_r
         signal = tl.load(base + i * s_r + cols, mask=keep, other=0.0).to(tl.float32)
         noise = tl.load(base + R * s_r + cols, mask=keep, other=0.0).to(tl.float32)
-        gate = tl.sigmoid(tl.load(z + b * sz_b + h).to(tl.float32))
+        gate = 1.0 / (1.0 + tl.exp(-tl.load(z + b * sz_b + h).to(tl.float32)))  # sigmoid
         tl.store(lam + pid, gate.to(lam.dtype.element_ty))
         tl.store(out + pid * WIDTH + cols, (signal - gate * noise).to(out.dtype.element_ty), mask=keep)
 
-    _KERNELS["v1"] = _triton.jit(v1_combine_norm_kernel)
-    _KERNELS["v2"] = _triton.jit(v2_sigmoid_combine_kernel)
+    _KERNELS.update(v1=_triton.jit(v1_combine_norm_kernel), v2=_triton.jit(v2_sigmoid_combine_kernel), interpret=interpret)
     return _KERNELS
 
 

@@ -29,7 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks import bench, gpu_check, harness  # noqa: E402
 from difftransformer import modeling_difftransformer  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "triton_configs_restored")
+
+
+@pytest.fixture(scope="module")
+def triton_configs_restored():
+    """The check pins the tuning sweep's configurations for the rest of its process (gpu_check.run_tuning): here the
+    process goes on with other test modules, which get the kernel's own rules back."""
+    yield
+    triton_difftransformer = sys.modules.get("difftransformer.triton_difftransformer")
+    if triton_difftransformer is not None and hasattr(triton_difftransformer, "set_configs"):
+        triton_difftransformer.set_configs(None)
 
 SMOKE_LAYOUTS = ("v1_gqa", "v2_gqa")
 SMOKE_DTYPES = ("fp32", "bf16")
