@@ -108,7 +108,9 @@ def _jitted() -> dict:
         tl.store(lam + pid, gate.to(lam.dtype.element_ty))
         tl.store(out + pid * WIDTH + cols, (signal - gate * noise).to(out.dtype.element_ty), mask=keep)
 
-    _KERNELS.update(v1=_triton.jit(v1_combine_norm_kernel), v2=_triton.jit(v2_sigmoid_combine_kernel), interpret=interpret)
+    _KERNELS.update(
+        v1=_triton.jit(v1_combine_norm_kernel), v2=_triton.jit(v2_sigmoid_combine_kernel), interpret=interpret
+    )
     return _KERNELS
 
 

@@ -41,6 +41,7 @@ def triton_configs_restored():
     if triton_difftransformer is not None and hasattr(triton_difftransformer, "set_configs"):
         triton_difftransformer.set_configs(None)
 
+
 SMOKE_LAYOUTS = ("v1_gqa", "v2_gqa")
 SMOKE_DTYPES = ("fp32", "bf16")
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
