@@ -152,6 +152,10 @@ class DiffTransformerHeadRMSNormOp(CustomOp):
         self.eps = eps
         self.scale = scale
 
+    # The transformers module's own forward and the scaled weight it reads (computed at every call here: vLLM's
+    # model never runs inside fixed_parameters(); under vLLM's compilation Inductor folds it).
+    scaled_weight = DiffTransformerHeadRMSNorm.scaled_weight
+
     def forward_native(self, heads: torch.Tensor) -> torch.Tensor:
         return DiffTransformerHeadRMSNorm.forward(self, heads, self.scale)
 
