@@ -893,6 +893,38 @@ def test_kernels_compile_for_h100(monkeypatch):
     assert {0, 2, 3} <= wgmma, "the forward, dK/dV and dQ defaults should use wgmma on sm_90"
 
 
+def test_decode_epilogues_compile_for_h100(monkeypatch):
+    """The decode step's epilogues (triton_epilogue_difftransformer.py), which the tests otherwise run on the
+    interpreter, compile for an H100 (sm_90) in the decoration the GPU gets: ``tl.sum`` for the row sum."""
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+    from triton.runtime.jit import JITFunction
+
+    from difftransformer import triton_epilogue_difftransformer as epilogue
+
+    if "nvidia" not in backends or DEVICE.type == "cuda":
+        pytest.skip("no NVIDIA backend to compile for, or a GPU (where the decode tests run them compiled)")
+    if not isinstance(tdt.tl.standard.cdiv, JITFunction):
+        pytest.skip("triton was imported with TRITON_INTERPRET=1 set: nothing compiles for a GPU in this process")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    kernels = epilogue._jitted()
+    assert kernels["interpret"] is False and isinstance(epilogue._row_sum, JITFunction)
+    strides = {name: "i32" for name in ("s1_b", "s1_g", "s1_r", "s2_b", "s2_g", "s2_r", "groups", "rows")}
+    v1 = dict(o1="*bf16", o2="*bf16", w="*fp32", lam="*fp32", out="*bf16", **strides, eps="fp32")
+    strides = {name: "i32" for name in ("s_b", "s_g", "s_r", "sz_b", "groups", "blocks")}
+    v2 = dict(a="*bf16", z="*fp32", out="*bf16", lam="*fp32", **strides)
+    for name, signature, constexprs in (("v1", v1, dict(R=2, WIDTH=128)), ("v2", v2, dict(R=1, WIDTH=64))):
+        constexprs["BLOCK"] = constexprs["WIDTH"]
+        signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+        compiled = triton_compile(
+            ASTSource(kernels[name], signature, constexprs), target=GPUTarget("cuda", 90, 32), options={}
+        )
+        assert compiled.asm.get("cubin"), name
+
+
 def test_double_backward_is_refused():
     """The kernels' backward is not differentiable: a second-order gradient raises instead of coming out silently
     wrong."""
