@@ -46,8 +46,6 @@ print(' | '.join(found))"
 
 # .venv-vllm, .venv-min and .venv-latest (where needed) are set up beside .venv (pip keeps about one core busy each);
 # their logs follow.
-# The core suite and its -k filter (CORE, CORE_K): one list, scripts/test_core.sh's (the quick test command).
-. scripts/test_core.sh
 # The serving run follows .venv-vllm's set-up in the same background job ("$logs/vllm.rc": the set-up's exit status).
 logs=$(mktemp -d)
 (
@@ -101,8 +99,9 @@ wait "$latest_pid" || { cat "$logs/latest"; echo "setting up .venv-latest failed
 cat "$logs/latest"
 if [ "$(cat "$logs/newest.state")" = 4 ]; then
     # Only torch is newer than the pins: the core suite on it.
-    DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
-        --no-loadscope-reorder "${CORE[@]}" -k "$CORE_K"
+    # The quick test command itself (scripts/test_core.sh: the CORE list), on .venv-latest.
+    DIFFTRANSFORMER_VENV=newest PYTHON=.venv-latest/bin/python bash scripts/test_core.sh -n 2 --dist loadfile \
+        --no-loadscope-reorder
     phase newest "$t" "$(versions .venv-latest) (only torch newer than the pins: the core suite)"
 elif [ "$(cat "$logs/newest.state")" = 0 ]; then
     # requirements-dev.txt pins the newest releases: the pinned run above ran the whole suite on them.
@@ -123,8 +122,9 @@ t=$(date +%s)
 wait "$min_pid" || { cat "$logs/min"; echo "setting up .venv-min failed" >&2; exit 1; }
 cat "$logs/min"
 min_venv=$(cat "$logs/min.venv")
-DIFFTRANSFORMER_VENV=lowest "$min_venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile \
-    --no-loadscope-reorder "${CORE[@]}" -k "$CORE_K"
+# The quick test command itself (scripts/test_core.sh: the CORE list), on the lowest releases.
+DIFFTRANSFORMER_VENV=lowest PYTHON="$min_venv/bin/python" bash scripts/test_core.sh -n 2 --dist loadfile \
+    --no-loadscope-reorder
 phase lowest "$t" "$(versions "$min_venv")"
 cat "$logs/vllm" 2>/dev/null || true
 
