@@ -124,11 +124,16 @@ def test_setup_user_installs_what_install_installs():
 
 
 def test_quick_test_command_and_ci_share_one_core_list():
-    """scripts/test_core.sh holds the core list; scripts/test.sh sources it instead of keeping a copy; every file in
-    it exists."""
+    """scripts/test_core.sh holds the core list; CI (scripts/test.sh) runs that command itself on the newest and the
+    lowest releases instead of keeping a copy of the list; every file in it exists."""
     script = (ROOT / "scripts" / "test_core.sh").read_text()
     test_sh = (ROOT / "scripts" / "test.sh").read_text()
-    assert "CORE=(" in script and "CORE=(" not in test_sh and ". scripts/test_core.sh" in test_sh.splitlines()
+    assert "CORE=(" in script and "CORE=(" not in test_sh and "CORE_K" not in test_sh
+    runs = [
+        line for line in test_sh.splitlines() if "bash scripts/test_core.sh" in line and not line.lstrip()[:1] == "#"
+    ]
+    assert len(runs) == 2, runs
+    assert "DIFFTRANSFORMER_VENV=newest" in runs[0] and "DIFFTRANSFORMER_VENV=lowest" in runs[1], runs
     listed = subprocess.run(
         ["bash", "-c", '. scripts/test_core.sh && printf "%s\\n" "${CORE[@]}" && echo "k=$CORE_K"'],
         cwd=ROOT,
