@@ -126,3 +126,49 @@ def test_changelog_has_a_section_for_this_version():
     for name, rest in released:
         if name != "Unreleased":  # a released section has a date, not the word "Unreleased"
             assert re.fullmatch(r" - \d{4}-\d{2}-\d{2}", rest), (name, rest)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module → the package's modules it imports, anywhere in its body (a lazy import inside a function counts:
+    it is still an arrow of the structure)."""
+    import ast
+
+    root = Path(difftransformer.__file__).parent
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(here[: len(here) - node.level + 1] if node.level else [])
+                target = ".".join(p for p in (base, node.module or "") if p) if node.level else node.module or ""
+                deps.update(t for t in (target, *(f"{target}.{a.name}" for a in node.names)) if t in files)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in files)
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_the_package_has_no_import_circles():
+    """No module of the package reaches itself through imports, lazy ones included (the structure drawing has no
+    circles)."""
+    graph = _package_imports()
+    assert len(graph) > 10 and "difftransformer.modeling_difftransformer" in graph["difftransformer"]
+    done, circles = set(), []
+
+    def visit(name, path):
+        for dep in sorted(graph[name]):
+            if dep in path:
+                circles.append(path[path.index(dep) :] + [dep])
+            elif dep not in done:
+                visit(dep, path + [dep])
+        done.add(name)
+
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name])
+    assert not circles, circles
