@@ -574,12 +574,12 @@ def sdpa_two_calls_attention(query, key, value, attention_mask, lam, scaling, pa
     n, r = pair_stride, noise_ratio
     q1, q2 = _map_rows(query, n, r)  # (B, G, n | m, T, d)
     g = q1.shape[1]
-    k1, k2 = key[:, 0::2], key[:, 1::2]  # (B, G, S, d): views
-    packed = pack_value_groups(value)  # (B, G, S, 2d)
-    if t == 1 and not needs_grad(query, key, value, lam):
+    if t == 1 and not needs_grad(query, key, value, lam):  # packs the value itself: one copy of the cache
         o1, o2 = sdpa_decode_maps(query, key, value, attention_mask, scaling, pair_stride, noise_ratio)
         out = torch.empty(b, g, n, 2 * d, dtype=_accumulation_dtype(query.dtype), device=query.device)
         return combine_maps(o1, o2, lam, out=out).view(b, 1, g * n, 2 * d)
+    k1, k2 = key[:, 0::2], key[:, 1::2]  # (B, G, S, d): views
+    packed = pack_value_groups(value)  # (B, G, S, 2d)
     mask = _sdpa_mask(attention_mask, t)
     o1, o2 = (
         F.scaled_dot_product_attention(q.flatten(1, 2), k, packed, scale=scaling, enable_gqa=True, **mask).unflatten(
