@@ -16,6 +16,7 @@ needs; exits 1, naming both, where not even the sequential layout fits. DIFFTRAN
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # MB each venv takes once set up, rounded up from `du -sm` of CI's venvs at the pins of 2026-11-28 (3,310; 5,900;
@@ -52,6 +53,14 @@ def plan(free_mb: int, present: set[str]) -> str:
     )
 
 
+def _temp_disk(root: Path) -> str:
+    """pip and pytest write to the temporary folder: its free space, where it is another disk than the checkout's."""
+    temp = tempfile.gettempdir()
+    if os.stat(temp).st_dev == os.stat(root).st_dev:
+        return ""
+    return f" (the temporary folder {temp}, another disk: {shutil.disk_usage(temp).free / 10**9:.1f} GB free)"
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[1] if len(argv) > 1 else Path(__file__).resolve().parents[1])
     present = {name for name in VENV_MB if os.access(root / name / "bin" / "python", os.X_OK)}
@@ -64,18 +73,21 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-        print(f"ci_disk.py: {free_mb / 1000:.1f} GB free; {chosen} (DIFFTRANSFORMER_CI_LAYOUT)", file=sys.stderr)
+        print(
+            f"ci_disk.py: {free_mb / 1000:.1f} GB free; {chosen} (DIFFTRANSFORMER_CI_LAYOUT){_temp_disk(root)}",
+            file=sys.stderr,
+        )
         print(chosen)
         return 0
     try:
         layout = plan(free_mb, present)
     except ValueError as error:
-        print(f"ci_disk.py: {error}", file=sys.stderr)
+        print(f"ci_disk.py: {error}{_temp_disk(root)}", file=sys.stderr)
         return 1
     parallel, sequential = needs(present)
     print(
         f"ci_disk.py: {free_mb / 1000:.1f} GB free; the venvs need {parallel / 1000:.1f} GB side by side, "
-        f"{sequential / 1000:.1f} GB one at a time: {layout}",
+        f"{sequential / 1000:.1f} GB one at a time: {layout}{_temp_disk(root)}",
         file=sys.stderr,
     )
     print(layout)
