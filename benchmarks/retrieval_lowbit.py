@@ -1679,6 +1679,37 @@ def readme_rows(report: dict) -> list[tuple[str, dict[str, str]]]:
     return rows
 
 
+def readme_rows_lr_grid(datas: list[dict]) -> list[tuple[str, dict[str, str]]]:
+    """The README's rows of the learning-rate grid (the ``lr_grid`` preset's files): at each model's best rate
+    (:func:`grid_cells`), the runs that learned both tasks and their median steps to 90% on both. The tests of the
+    differences are in the report (:func:`doc_table_lr_grid`)."""
+    grid = grid_cells(datas)
+    cells, best = grid["cells"], grid["best"]
+    rates = ", ".join(f"{lr:g}" for lr in sorted({lr for _, lr in cells}))
+    seeds = sorted({len(c["seeds"]) for c in cells.values()})
+    n_text = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+    at_best = {m: cells[(m, lr)] for m, lr in best.items()}
+    return [
+        (
+            f"Retrieval, learning-rate grid ({n_text} new seeds at each of {rates}), each model at its best rate: "
+            "runs that learned both tasks",
+            {m: f"{c['learned']['both']}/{len(c['seeds'])}" for m, c in at_best.items()},
+        ),
+        (
+            "… median steps to 90% validation accuracy on both tasks at that rate",
+            {m: _median_text(c["median"]["both"], c["budget"]) for m, c in at_best.items()},
+        ),
+    ]
+
+
+def readme_rows_files(datas: list[dict]) -> list[tuple[str, dict[str, str]]]:
+    """The README's rows of one entry's files (scripts/doc_tables.py): the learning-rate grid's
+    (:func:`readme_rows_lr_grid`), or one study run in parallel processes (:func:`combined`, :func:`readme_rows`)."""
+    if all(d["meta"].get("preset") == "lr_grid" for d in datas):
+        return readme_rows_lr_grid(datas)
+    return readme_rows(combined(datas) if len(datas) > 1 else datas[0])
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 
 

@@ -403,6 +403,8 @@ def readme_rows(paths: tuple[str, ...], datas: list[dict]) -> list[Row]:
     import importlib
 
     module = importlib.import_module("benchmarks." + script.removesuffix(".py"))
+    if hasattr(module, "readme_rows_files"):  # the script reads its several files itself (a grid, not one run)
+        return module.readme_rows_files(datas)
     joined = module.combined(datas) if len(datas) > 1 else datas[0]
     return (README_ROW_FUNCTIONS.get(script) or module.readme_rows)(joined)
 
