@@ -11,6 +11,8 @@ distribution exactly; each returns a two-sided p-value.
   sum with midranks for ties, its distribution enumerated over every split of the pooled values. Runs that never got
   there within a common budget enter as a value above every observed one (they tie among themselves): with the same
   budget for every run this is their true order, and ties only make the test conservative.
+* :func:`holm`: p-values of several tests adjusted for their number (Holm's step-down method: controls the chance of any
+  false rejection among them, with no assumption on how the tests depend on each other).
 * :func:`spearman`: Spearman's rank correlation with its exact permutation p-value (every permutation of one
   variable's ranks is counted, by dynamic programming over subsets: up to :data:`SPEARMAN_MAX_N` values).
 
@@ -160,6 +162,18 @@ def binomial_noise(accuracy: float, n: int) -> float:
     return math.sqrt(max(0.0, accuracy * (1 - accuracy)) / n)
 
 
+def holm(ps: Sequence[float]) -> list[float]:
+    """Holm's adjustment of ``ps`` (in their order): the i-th smallest is multiplied by (m − i + 1), then made no
+    smaller than the adjusted value before it, and capped at 1."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    adjusted = [0.0] * len(ps)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
+
+
 def format_p(p: float) -> str:
     """A p-value as the reports print it: two significant digits, at most 1."""
     return f"{min(p, 1.0):.2g}" if p >= 0.001 else f"{p:.1e}"
@@ -171,6 +185,7 @@ __all__ = [
     "binomial_two_sided",
     "fisher_exact",
     "format_p",
+    "holm",
     "mcnemar",
     "midranks",
     "rank_sum",

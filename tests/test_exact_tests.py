@@ -106,3 +106,11 @@ def test_binomial_noise_and_p_formatting():
     with pytest.raises(ValueError, match="n must be positive"):
         et.binomial_noise(0.5, 0)
     assert [et.format_p(p) for p in (1.0000000002, 0.4444, 0.0079365, 0.00012)] == ["1", "0.44", "0.0079", "1.2e-04"]
+
+
+def test_holm_multiplies_the_ith_smallest_by_m_minus_i_plus_one_and_keeps_the_order():
+    # Sorted: 0.01 x 3 = 0.03; 0.03 x 2 = 0.06; 0.04 x 1 = 0.04, raised to the 0.06 before it. Returned in input order.
+    assert et.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert et.holm([0.6, 0.7]) == [1.0, 1.0]  # capped at 1
+    assert et.holm([0.02857]) == [0.02857]  # one test: unchanged
+    assert et.holm([]) == []
