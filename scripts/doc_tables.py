@@ -386,6 +386,14 @@ README_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
         "docs/reports/2026-11-27-retrieval-lowbit.md",
     ),
     (
+        tuple(
+            f"benchmarks/results/retrieval_lr_grid/lr{lr}_seed{seed}/results.json"
+            for lr in ("5e-4", "1e-3", "2e-3")
+            for seed in (5, 6, 7, 8)
+        ),
+        "docs/reports/2026-11-28-retrieval-lr-grid-and-pretrained-lowbit.md",
+    ),
+    (
         ("benchmarks/results/lowbit_pretrained_smollm2.json",),
         "docs/reports/2026-11-28-retrieval-lr-grid-and-pretrained-lowbit.md",
     ),

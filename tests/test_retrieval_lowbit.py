@@ -463,10 +463,9 @@ def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(s
     v1 = next(line for line in lines if line.startswith("DIFF V1 at 0.0005"))
     assert "learned both tasks 1/4 against 4/4" in v1  # V1's best rate: one seed learned both
     # The README's rows: each model at its best rate (Llama 1e-3, V1 5e-4, V2 1e-3).
-    (learned_label, learned), (steps_label, steps) = script.readme_rows_files(datas)
-    assert "4 new seeds at each of 0.0005, 0.001" in learned_label
-    assert learned == {"llama": "4/4", "v1": "1/4", "v2": "4/4"}
-    assert steps == {"llama": "550", "v1": "> 1,000", "v2": "250"}
+    ((label, cells),) = script.readme_rows_files(datas)
+    assert "4 new seeds at each of 0.0005, 0.001" in label
+    assert cells == {"llama": "550 (4/4)", "v1": "> 1,000 (1/4)", "v2": "250 (4/4)"}
     never = [_grid_file(lr, 5, {"llama": (None, 500)}) for lr in (1e-3, 5e-4)]  # no rate learns both: the lowest
     assert "| Llama | 0.0005 **(best: none learned)** |" in "\n".join(script.doc_table_lr_grid(never, {}))
     with pytest.raises(ValueError, match="twice"):
