@@ -1627,28 +1627,28 @@ def doc_table_lr_grid(datas: list[dict], opts: dict) -> list[str]:
     tests = []
     if "llama" in best:
         base = cells[("llama", best["llama"])]
-        compared = []
-        for model in ("v1", "v2"):
-            if model not in best:
-                continue
-            c = cells[(model, best[model])]
-            k, n, j, m = c["learned"]["both"], len(c["seeds"]), base["learned"]["both"], len(base["seeds"])
-            fisher = exact_tests.fisher_exact(k, n - k, j, m - j)
-            rank = exact_tests.rank_sum(c["steps"]["both"], base["steps"]["both"])
-            compared.append((model, c, k, n, j, m, fisher, rank))
-        # Holm's adjustment per test, over the DIFF models compared with the same Llama runs.
-        fisher_adj = exact_tests.holm([x[6] for x in compared])
-        rank_adj = exact_tests.holm([x[7] for x in compared])
-        for (model, c, k, n, j, m, fisher, rank), fa, ra in zip(compared, fisher_adj, rank_adj):
-            held = len(compared) > 1
+        j, m = base["learned"]["both"], len(base["seeds"])
+        at_best = {x: cells[(x, best[x])] for x in ("v1", "v2") if x in best}
+        ps = {
+            "fisher": {
+                x: exact_tests.fisher_exact(c["learned"]["both"], len(c["seeds"]) - c["learned"]["both"], j, m - j)
+                for x, c in at_best.items()
+            },
+            "rank": {x: exact_tests.rank_sum(c["steps"]["both"], base["steps"]["both"]) for x, c in at_best.items()},
+        }
+        # Holm's adjustment per test, over the DIFF models compared with the same Llama runs (where there are two).
+        held = {test: dict(zip(p, exact_tests.holm(list(p.values())))) for test, p in ps.items()}
+
+        def p_text(test: str, x: str) -> str:
+            return _p(ps[test][x]) + (f", Holm-adjusted {_p(held[test][x])}" if len(at_best) > 1 else "")
+
+        for x, c in at_best.items():
             tests.append(
-                f"{LABELS[model]} at {best[model]:g} against the Llama at {best['llama']:g}: learned both "
-                f"tasks {k}/{n} against {j}/{m} (Fisher's exact test {_p(fisher)}"
-                + (f", Holm-adjusted {_p(fa)}" if held else "")
-                + f"); steps to 90% on both, median {_median_text(c['median']['both'], c['budget'])} against "
-                f"{_median_text(base['median']['both'], base['budget'])} (exact rank-sum test {_p(rank)}"
-                + (f", Holm-adjusted {_p(ra)}" if held else "")
-                + ")."
+                f"{LABELS[x]} at {best[x]:g} against the Llama at {best['llama']:g}: learned both tasks "
+                f"{c['learned']['both']}/{len(c['seeds'])} against {j}/{m} "
+                f"(Fisher's exact test {p_text('fisher', x)}); "
+                f"steps to 90% on both, median {_median_text(c['median']['both'], c['budget'])} against "
+                f"{_median_text(base['median']['both'], base['budget'])} (exact rank-sum test {p_text('rank', x)})."
             )
     budgets = ", ".join(f"{b:,}" for b in sorted({c["budget"] for c in cells.values()}))
     note = (
