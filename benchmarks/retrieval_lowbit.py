@@ -23,7 +23,8 @@ Outputs in ``--out``: ``results.json`` (every run, the per-seed / mean / paired-
 Resumable: each (seed, model) result is written into ``results.json`` as soon as it is done, and a rerun with the same
 setting skips what is there (``--resume``, the default). Presets: ``default`` (single-threaded CPU, at most two
 CPU-hours for three models x three seeds), ``gpu`` (larger model and data, ten seeds), ``lr_grid`` (the
-learning-rate grid: 20,000 steps, seeds 5 to 8, stopping once both tasks hold 90%; scripts/retrieval_lr_grid.sh) and
+learning-rate grid: 20,000 steps, seeds 5 to 8, stopping once both tasks hold 90%; scripts/retrieval_lr_grid.sh),
+``lowbit_budget`` (low-bit attention at a fixed budget: 10,000 steps, no early stop, seeds 17 to 24, 8/6/5/4 bits) and
 ``smoke`` (seconds; the tests run it). Every flag overrides its preset's value. Run from the repository root:
 ``python -m benchmarks.retrieval_lowbit``.
 
@@ -121,6 +122,10 @@ PRESETS = {
     # default's runs, 0-4), one --lr per call; a run stops once both tasks' validation accuracy has been at 90% or more
     # at three validations in a row (1,000 steps at eval_every 500). scripts/retrieval_lr_grid.sh runs the grid.
     "lr_grid": _DEFAULT | dict(steps=20000, seeds="5,6,7,8", stop_held=3),
+    # Low-bit attention at a fixed budget (docs/reports/2026-12-02-retrieval-bracket-and-fixed-budget.md): the default
+    # recipe on seeds no other run used, every run trained for its whole 10,000 steps (no early stop), the attention
+    # logits also at 5 bits; one --lr per model (its best rate).
+    "lowbit_budget": _DEFAULT | dict(seeds="17,18,19,20,21,22,23,24", lowbit_bits="8,6,5,4"),
     "smoke": dict(
         hidden_size=32,
         num_hidden_layers=2,
