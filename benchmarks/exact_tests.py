@@ -1,7 +1,7 @@
 """Exact tests for the small samples the benchmark reports compare: a handful of seeds, a few hundred items.
 
 At these sample sizes a normal approximation misstates the p-value, so every test here enumerates (or sums) its null
-distribution exactly; each returns a two-sided p-value.
+distribution exactly; each returns a two-sided p-value, except :func:`signed_rank`, which also gives a one-sided one.
 
 * :func:`binomial_two_sided` (and :func:`sign_test`, :func:`mcnemar`): a count of successes against Binomial(n, p);
   two-sided as the sum of the probabilities of every outcome no more likely than the one observed.
@@ -11,14 +11,18 @@ distribution exactly; each returns a two-sided p-value.
   sum with midranks for ties, its distribution enumerated over every split of the pooled values. Runs that never got
   there within a common budget enter as a value above every observed one (they tie among themselves): with the same
   budget for every run this is their true order, and ties only make the test conservative.
+* :func:`signed_rank`: paired differences (e.g. one model's loss minus another's, per seed), the Wilcoxon signed-rank
+  statistic (the sum of the ranks of the positive differences' magnitudes; zero differences dropped, midranks for
+  tied magnitudes), its distribution counted over all 2^n assignments of signs to the ranks; one-sided
+  (``alternative="greater"``: the differences tend to be positive; ``"less"``) or two-sided.
 * :func:`holm`: p-values of several tests adjusted for their number (Holm's step-down method: controls the chance of any
   false rejection among them, with no assumption on how the tests depend on each other).
 * :func:`spearman`: Spearman's rank correlation with its exact permutation p-value (every permutation of one
   variable's ranks is counted, by dynamic programming over subsets: up to :data:`SPEARMAN_MAX_N` values).
 
-The same definitions as scipy's ``binomtest``, ``fisher_exact``, ``mannwhitneyu(method="exact")`` (without ties) and
-``spearmanr``'s statistic (tests/test_exact_tests.py compares them where scipy is installed); written out here because
-scipy is no dependency of the package or its tests.
+The same definitions as scipy's ``binomtest``, ``fisher_exact``, ``mannwhitneyu(method="exact")`` (without ties),
+``wilcoxon(method="exact")`` (without ties or zeros) and ``spearmanr``'s statistic (tests/test_exact_tests.py compares
+them where scipy is installed); written out here because scipy is no dependency of the package or its tests.
 """
 
 from __future__ import annotations
@@ -106,6 +110,41 @@ def rank_sum(x: Sequence[float], y: Sequence[float]) -> float:
     return hits / total
 
 
+SIGNED_RANK_ALTERNATIVES = ("greater", "less", "two-sided")
+
+
+def signed_rank(differences: Sequence[float], alternative: str = "two-sided") -> tuple[float, int, float]:
+    """(W+, n, p) of the exact Wilcoxon signed-rank test of paired ``differences``: zero differences are dropped
+    (they carry no sign), the remaining n magnitudes get midranks, and W+ is the sum of the ranks of the positive
+    differences. Under the null each difference is as likely positive as negative, so every one of the 2^n
+    assignments of signs to the ranks is equally likely; the p-value is the share of them whose W+ is at least the
+    observed one (``alternative="greater"``: the differences tend to be positive), at most it (``"less"``), or, for
+    ``"two-sided"``, twice the smaller of the two shares, capped at 1. No nonzero difference: p = 1."""
+    if alternative not in SIGNED_RANK_ALTERNATIVES:
+        raise ValueError(
+            f"signed_rank: alternative must be one of {', '.join(SIGNED_RANK_ALTERNATIVES)}, got {alternative!r}"
+        )
+    values = [float(d) for d in differences]
+    if any(math.isnan(d) for d in values):
+        raise ValueError("signed_rank: a difference is NaN")
+    nonzero = [d for d in values if d != 0]
+    n = len(nonzero)
+    if n == 0:
+        return 0.0, 0, 1.0
+    # Doubled midranks are integers: the count of sign assignments per doubled W+ is exact in integers.
+    ranks = [round(2 * r) for r in midranks([abs(d) for d in nonzero])]
+    observed = sum(r for r, d in zip(ranks, nonzero) if d > 0)
+    counts = [0] * (sum(ranks) + 1)  # counts[w]: assignments whose doubled W+ is w
+    counts[0] = 1
+    for r in ranks:  # each rank is positive or negative: the assignments without it, and those with it added
+        counts = [c + (counts[w - r] if w >= r else 0) for w, c in enumerate(counts)]
+    total = 2**n
+    upper = sum(counts[observed:]) / total
+    lower = sum(counts[: observed + 1]) / total
+    p = {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}[alternative]
+    return observed / 2, n, p
+
+
 def spearman(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     """(Spearman's ρ, its two-sided exact permutation p-value): ρ is Pearson's correlation of the midranks; the p-value
     counts the permutations of ``y``'s ranks whose |ρ| reaches the observed one."""
@@ -190,5 +229,6 @@ __all__ = [
     "midranks",
     "rank_sum",
     "sign_test",
+    "signed_rank",
     "spearman",
 ]

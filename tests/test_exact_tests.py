@@ -85,6 +85,37 @@ def test_spearman_against_every_permutation():
         et.spearman([1, 1, 1], [1, 2, 3])
 
 
+def test_signed_rank_on_a_hand_worked_case_and_against_every_sign_assignment():
+    # Hand-worked: the zero is dropped; magnitudes 1.5, 0.5, 2, 2, 3 rank 2, 1, 3.5, 3.5, 5 (the tie shares 3 and 4), so
+    # W+ = 2 + 3.5 + 3.5 = 9 of a total 15. W+ >= 9 exactly when the negative ranks sum to 6 or less: the empty set,
+    # the five single ranks and {1, 2}, {1, 3.5} twice, {1, 5}, {2, 3.5} twice: 12 of the 2^5 = 32 assignments.
+    # W+ <= 9 when the negative ranks sum to 6 or more: 32 minus the 11 sets that sum to less (all of the above but
+    # {1, 5}) = 21.
+    differences = [0.0, 1.5, -0.5, 2.0, 2.0, -3.0]
+    assert et.signed_rank(differences, "greater") == (9.0, 5, pytest.approx(12 / 32))
+    assert et.signed_rank(differences, "less") == (9.0, 5, pytest.approx(21 / 32))
+    assert et.signed_rank(differences) == (9.0, 5, pytest.approx(24 / 32))  # two-sided: twice the smaller share
+    assert et.signed_rank([0.1 * (i + 1) for i in range(8)], "greater")[2] == pytest.approx(1 / 256)  # 8 of 8: floor
+    assert et.signed_rank([-1.0, -2.0], "greater")[2] == 1.0
+    assert et.signed_rank([0.0, 0.0], "greater") == (0.0, 0, 1.0)  # nothing left to rank
+    rng = random.Random(3)
+    for _ in range(20):
+        d = [rng.choice((-3, -2, -1, -1, 0, 1, 2, 2, 4)) * 0.5 for _ in range(rng.randint(1, 8))]
+        nonzero = [v for v in d if v != 0]
+        ranks = et.midranks([abs(v) for v in nonzero])
+        observed = sum(r for r, v in zip(ranks, nonzero) if v > 0)
+        sums = [sum(r for r, s in zip(ranks, signs) if s) for signs in itertools.product((0, 1), repeat=len(ranks))]
+        greater = sum(w >= observed - 1e-9 for w in sums) / len(sums)
+        less = sum(w <= observed + 1e-9 for w in sums) / len(sums)
+        assert et.signed_rank(d, "greater") == (pytest.approx(observed), len(nonzero), pytest.approx(greater))
+        assert et.signed_rank(d, "less")[2] == pytest.approx(less)
+        assert et.signed_rank(d)[2] == pytest.approx(min(1.0, 2 * min(greater, less)))
+    with pytest.raises(ValueError, match="alternative must be one of greater, less, two-sided"):
+        et.signed_rank([1.0], "larger")
+    with pytest.raises(ValueError, match="NaN"):
+        et.signed_rank([1.0, float("nan")])
+
+
 def test_the_same_values_as_scipy_where_it_is_installed():
     stats = pytest.importorskip("scipy.stats")
     rng = random.Random(2)
@@ -98,6 +129,11 @@ def test_the_same_values_as_scipy_where_it_is_installed():
         a = [rng.random() for _ in range(9)]
         b = [rng.random() for _ in range(9)]
         assert et.spearman(a, b)[0] == pytest.approx(stats.spearmanr(a, b).statistic, rel=1e-9)
+        # Distinct nonzero magnitudes: scipy's exact signed-rank distribution has neither ties nor zeros.
+        d = [m * rng.choice((-1, 1)) for m in rng.sample(range(1, 30), rng.randint(3, 10))]
+        for alternative in ("greater", "less", "two-sided"):
+            want = stats.wilcoxon(d, alternative=alternative, method="exact").pvalue
+            assert et.signed_rank(d, alternative)[2] == pytest.approx(want, rel=1e-9)
 
 
 def test_binomial_noise_and_p_formatting():
