@@ -7,6 +7,10 @@ distribution exactly; each returns a two-sided p-value, except :func:`signed_ran
   two-sided as the sum of the probabilities of every outcome no more likely than the one observed.
 * :func:`fisher_exact`: a 2 × 2 table (e.g. seeds that learned, per model), two-sided in the same way over the
   hypergeometric distribution of the table with its margins fixed.
+* :func:`stratified_fisher`: several 2 × 2 tables of one comparison (e.g. seeds that learned, per model, at each of
+  several learning rates), the exact conditional test of no association in any of them: the sum over the tables of
+  the first cell, its distribution the convolution of each table's hypergeometric law with that table's margins
+  fixed, two-sided as Fisher's.
 * :func:`rank_sum`: two unpaired samples (e.g. steps to 90% of the runs of two models), the Wilcoxon–Mann–Whitney rank
   sum with midranks for ties, its distribution enumerated over every split of the pooled values. Runs that never got
   there within a common budget enter as a value above every observed one (they tie among themselves): with the same
@@ -17,12 +21,15 @@ distribution exactly; each returns a two-sided p-value, except :func:`signed_ran
   (``alternative="greater"``: the differences tend to be positive; ``"less"``) or two-sided.
 * :func:`holm`: p-values of several tests adjusted for their number (Holm's step-down method: controls the chance of any
   false rejection among them, with no assumption on how the tests depend on each other).
+* :func:`kendall`: Kendall's rank correlation τ of values without ties, its exact p-value from the number of
+  permutations with each count of inversions (any n: no enumeration of the n! permutations needed).
 * :func:`spearman`: Spearman's rank correlation with its exact permutation p-value (every permutation of one
   variable's ranks is counted, by dynamic programming over subsets: up to :data:`SPEARMAN_MAX_N` values).
 
 The same definitions as scipy's ``binomtest``, ``fisher_exact``, ``mannwhitneyu(method="exact")`` (without ties),
-``wilcoxon(method="exact")`` (without ties or zeros) and ``spearmanr``'s statistic (tests/test_exact_tests.py compares
-them where scipy is installed); written out here because scipy is no dependency of the package or its tests.
+``wilcoxon(method="exact")`` (without ties or zeros), ``kendalltau(method="exact")`` and ``spearmanr``'s statistic
+(tests/test_exact_tests.py compares them where scipy is installed); written out here because scipy is no dependency
+of the package or its tests.
 """
 
 from __future__ import annotations
@@ -75,6 +82,33 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> float:
     lo, hi = max(0, col1 - (n - row1)), min(row1, col1)
     probs = {x: math.comb(col1, x) * math.comb(n - col1, row1 - x) / math.comb(n, row1) for x in range(lo, hi + 1)}
     return min(1.0, sum(q for q in probs.values() if q <= probs[a] * _RELATIVE))
+
+
+def stratified_fisher(tables: Sequence[tuple[int, int, int, int]]) -> float:
+    """Two-sided exact p-value of no association in any of several 2 × 2 tables ``[[a, b], [c, d]]`` (rows: groups;
+    columns: outcome yes/no; one table per stratum): the statistic is the sum of the ``a`` cells, whose null law, with
+    every table's margins fixed, is the convolution of the tables' hypergeometric laws; the p-value sums the
+    probabilities of every total no more likely than the observed one. One table: :func:`fisher_exact`."""
+    if not tables:
+        raise ValueError("stratified_fisher: need at least one 2 x 2 table")
+    law = {0: 1.0}
+    observed = 0
+    for table in tables:
+        a, b, c, d = table
+        if min(table) < 0:
+            raise ValueError(f"stratified_fisher: counts must be non-negative, got {tuple(table)}")
+        row1, col1, n = a + b, a + c, a + b + c + d
+        observed += a
+        if n == 0:
+            continue
+        lo, hi = max(0, col1 - (n - row1)), min(row1, col1)
+        one = {x: math.comb(col1, x) * math.comb(n - col1, row1 - x) / math.comb(n, row1) for x in range(lo, hi + 1)}
+        joined: dict[int, float] = {}
+        for total, p in law.items():
+            for x, q in one.items():
+                joined[total + x] = joined.get(total + x, 0.0) + p * q
+        law = joined
+    return min(1.0, sum(q for q in law.values() if q <= law[observed] * _RELATIVE))
 
 
 def midranks(values: Sequence[float]) -> list[float]:
@@ -143,6 +177,31 @@ def signed_rank(differences: Sequence[float], alternative: str = "two-sided") ->
     lower = sum(counts[: observed + 1]) / total
     p = {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}[alternative]
     return observed / 2, n, p
+
+
+def kendall(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """(Kendall's τ, its two-sided exact p-value) of paired samples without ties: τ = (concordant − discordant pairs)
+    / C(n, 2); under independence every ordering of ``y`` against ``x`` is equally likely, and the number of the n!
+    orderings with k discordant pairs (inversions) is counted by the recursion over n (Mahonian numbers, exact
+    integers). The p-value is the share of orderings whose |τ| reaches the observed one."""
+    n = len(x)
+    if n != len(y) or n < 2:
+        raise ValueError(f"kendall: need two samples of the same length >= 2, got {len(x)} and {len(y)}")
+    if len(set(x)) < n or len(set(y)) < n:
+        raise ValueError("kendall: the exact distribution here is for values without ties; a sample has a tie")
+    pairs = n * (n - 1) // 2
+    discordant = sum((x[i] - x[j]) * (y[i] - y[j]) < 0 for i in range(n) for j in range(i + 1, n))
+    tau = (pairs - 2 * discordant) / pairs
+    counts = [1]  # counts[k]: orderings of m values with k inversions, built up from m = 1
+    for m in range(2, n + 1):  # the m-th value adds 0 to m - 1 inversions
+        grown = [0] * (len(counts) + m - 1)
+        for k, c in enumerate(counts):
+            for extra in range(m):
+                grown[k + extra] += c
+        counts = grown
+    far = abs(pairs - 2 * discordant)  # |concordant - discordant|
+    hits = sum(c for k, c in enumerate(counts) if abs(pairs - 2 * k) >= far)
+    return tau, hits / math.factorial(n)
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
@@ -225,10 +284,12 @@ __all__ = [
     "fisher_exact",
     "format_p",
     "holm",
+    "kendall",
     "mcnemar",
     "midranks",
     "rank_sum",
     "sign_test",
     "signed_rank",
     "spearman",
+    "stratified_fisher",
 ]

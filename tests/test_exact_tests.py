@@ -43,6 +43,55 @@ def test_fisher_exact_against_the_hypergeometric_law():
         et.fisher_exact(1, -1, 0, 0)
 
 
+def test_stratified_fisher_against_the_product_of_hypergeometric_laws():
+    # Hand-worked: three strata of 4 runs against 4, the first group learning in all of them, the second in 1, 1 and 2:
+    # the all-learned corner has probability C(5,4)/C(8,4) = 5/70 in each of the first two strata and C(6,4)/C(8,4) =
+    # 15/70 in the third; the opposite corner (a = 1, 1, 2) is as likely, and every other total more likely.
+    corner = (5 / 70) * (5 / 70) * (15 / 70)
+    assert et.stratified_fisher([(4, 0, 1, 3), (4, 0, 1, 3), (4, 0, 2, 2)]) == pytest.approx(2 * corner)
+    for table in ((5, 0, 3, 2), (1, 4, 4, 1), (2, 2, 2, 2)):
+        assert et.stratified_fisher([table]) == pytest.approx(et.fisher_exact(*table))  # one stratum: Fisher's
+    rng = random.Random(4)
+    for _ in range(10):
+        tables = [tuple(rng.randint(0, 4) for _ in range(4)) for _ in range(rng.randint(1, 3))]
+        laws = []
+        for a, b, c, d in tables:
+            row, col, n = a + b, a + c, a + b + c + d
+            lo, hi = max(0, col - (n - row)), min(row, col)
+            laws.append(
+                {x: math.comb(col, x) * math.comb(n - col, row - x) / math.comb(n, row) for x in range(lo, hi + 1)}
+            )
+        total: dict = {}
+        for combo in itertools.product(*(law.items() for law in laws)):
+            key = sum(x for x, _ in combo)
+            total[key] = total.get(key, 0.0) + math.prod(q for _, q in combo)
+        observed = sum(t[0] for t in tables)
+        assert et.stratified_fisher(tables) == pytest.approx(min(1.0, _two_sided(total, observed)))
+    with pytest.raises(ValueError, match="non-negative"):
+        et.stratified_fisher([(1, -1, 0, 0)])
+    with pytest.raises(ValueError, match="at least one"):
+        et.stratified_fisher([])
+
+
+def test_kendall_against_every_permutation():
+    rng = random.Random(5)
+    for n in (2, 4, 6):
+        x = rng.sample(range(50), n)
+        y = rng.sample(range(50), n)
+        tau, p = et.kendall(x, y)
+
+        def t(b):
+            s = sum((x[i] - x[j]) * (b[i] - b[j]) > 0 for i in range(n) for j in range(i + 1, n))
+            return (2 * s - n * (n - 1) / 2) / (n * (n - 1) / 2)
+
+        assert tau == pytest.approx(t(y))
+        taus = [t(list(perm)) for perm in itertools.permutations(y)]
+        assert p == pytest.approx(sum(abs(v) >= abs(tau) - 1e-9 for v in taus) / len(taus))
+    assert et.kendall([1, 2, 3, 4], [10, 20, 30, 40]) == (1.0, pytest.approx(2 / 24))  # one of 24 orderings each way
+    with pytest.raises(ValueError, match="tie"):
+        et.kendall([1, 1, 2], [1, 2, 3])
+
+
 def test_rank_sum_against_its_enumeration_with_ties():
     assert et.rank_sum([1, 2, 3], [4, 5, 6]) == pytest.approx(2 / 20)  # the smallest p three against three
     assert et.rank_sum([1, 2, 3, 4, 5], [6, 7, 8, 9, 9]) == pytest.approx(2 / 252)
@@ -129,6 +178,8 @@ def test_the_same_values_as_scipy_where_it_is_installed():
         a = [rng.random() for _ in range(9)]
         b = [rng.random() for _ in range(9)]
         assert et.spearman(a, b)[0] == pytest.approx(stats.spearmanr(a, b).statistic, rel=1e-9)
+        u, v = rng.sample(range(100), 20), rng.sample(range(100), 20)  # no ties: scipy's exact Kendall has none
+        assert et.kendall(u, v)[1] == pytest.approx(stats.kendalltau(u, v, method="exact").pvalue, rel=1e-9)
         # Distinct nonzero magnitudes: scipy's exact signed-rank distribution has neither ties nor zeros.
         d = [m * rng.choice((-1, 1)) for m in rng.sample(range(1, 30), rng.randint(3, 10))]
         for alternative in ("greater", "less", "two-sided"):
