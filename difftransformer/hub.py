@@ -40,6 +40,11 @@ SOURCE_FILES = tuple(
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
+# The usage snippet's placeholder for the folder or Hub repository id the reader loads from.
+USAGE_PLACEHOLDER = "<this folder or repo id>"
+# How the package is installed (the line of the repository README's Install): it is served by no package index.
+INSTALL_LINE = 'pip install -e ".[train,gguf]"'
+
 _VERSION_TEXT = {
     1: (
         "DIFF V1 (the paper's differential attention): every head computes two softmax maps and subtracts them, "
@@ -113,14 +118,17 @@ The repository carries its modeling code, so it loads without the `difftransform
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("<this folder or repo id>", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("<this folder or repo id>")
+repo = "{USAGE_PLACEHOLDER}"
+model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
+# The tokenizer reads the same config.json, which names the custom code: trust_remote_code again, or transformers asks.
+tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
 out = model.generate(**tokenizer("def main(", return_tensors="pt"), max_new_tokens=32)
 print(tokenizer.decode(out[0], skip_special_tokens=True))
 ```
 
-With `pip install difftransformer`, `import difftransformer` registers the classes and `trust_remote_code` is not
-needed.
+With the `difftransformer` package installed, `import difftransformer` registers the classes and
+`trust_remote_code` is not needed. It is not on PyPI: install it from a clone of its repository, with its README's
+Install line `{INSTALL_LINE}`.
 
 ## Citation
 
@@ -288,6 +296,8 @@ def main_update_code(argv=None) -> int:
 
 __all__ = [
     "CITATION",
+    "INSTALL_LINE",
+    "USAGE_PLACEHOLDER",
     "check_hub_folder",
     "model_card",
     "push_to_hub",

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,15 @@ from huggingface_hub.errors import EntryNotFoundError
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer.data import get_tokenizer
-from difftransformer.hub import SOURCE_FILES, check_hub_folder, model_card, push_to_hub, save_for_hub
+from difftransformer.hub import (
+    INSTALL_LINE,
+    SOURCE_FILES,
+    USAGE_PLACEHOLDER,
+    check_hub_folder,
+    model_card,
+    push_to_hub,
+    save_for_hub,
+)
 
 IDS = [[1, 40, 41, 42, 43, 44, 45, 46]]
 
@@ -129,7 +138,7 @@ REMOTE_LOAD = textwrap.dedent("""
         assert type(base).__name__ == "DiffTransformerModel"
         assert GenerationConfig.from_pretrained(folder).eos_token_id == expected["eos"]
         if expected["tokenizer"]:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
             generator = pipeline("text-generation", model=folder, trust_remote_code=True)
             text = generator("def f(", max_new_tokens=5, min_new_tokens=5, do_sample=False)[0]["generated_text"]
             prompt_length = len(tokenizer("def f(")["input_ids"])
@@ -192,15 +201,22 @@ def test_pushed_folders_load_elsewhere_without_the_package(tokenizer, fake_hub, 
     _expected(v1, folders[0], True)
     _expected(v2, folders[1], True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
+    # Then the model card's usage snippet, as a reader pastes it, with stdin closed: it loads and generates without
+    # transformers' "[y/N]" remote-code prompt and without its warning about a model of type "".
     out = subprocess.run(
-        [sys.executable, "-c", REMOTE_LOAD, *map(str, folders)],
+        [sys.executable, "-c", REMOTE_LOAD + _card_snippet(folders[0]), *map(str, folders)],
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
         cwd=tmp_path,
     )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+    printed = out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.returncode == 0, printed
+    assert "ok\n" in out.stdout and out.stdout.split("ok\n", 1)[1].startswith("def main("), printed
+    assert "[y/N]" not in out.stdout + out.stderr and "trust_remote_code" not in out.stdout + out.stderr, printed
+    assert "to instantiate a model of type" not in out.stderr, printed
 
 
 def test_save_for_hub_refuses_a_model_that_would_lose_its_source_files(tokenizer, tmp_path, monkeypatch):
@@ -208,3 +224,20 @@ def test_save_for_hub_refuses_a_model_that_would_lose_its_source_files(tokenizer
     monkeypatch.setattr(model, "_auto_class", None)
     with pytest.raises(ValueError, match="remote code"):
         save_for_hub(model, tmp_path / "m")
+
+
+def _card_snippet(folder) -> str:
+    """The Python block of a saved folder's model card, with the folder's path for its placeholder."""
+    snippet = (folder / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    assert USAGE_PLACEHOLDER in snippet
+    return snippet.replace(USAGE_PLACEHOLDER, str(folder))
+
+
+def test_model_card_install_line_is_the_readme_install():
+    """The card tells a reader to install the package the way the repository README's Install does (no package index
+    serves it)."""
+    card = model_card(DiffTransformerConfig(diff_version=2, num_key_value_heads=8)).text
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert any(line.split("#")[0].strip() == INSTALL_LINE for line in install.splitlines()), INSTALL_LINE
+    assert f"`{INSTALL_LINE}`" in card and "pip install difftransformer" not in card
