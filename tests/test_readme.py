@@ -8,6 +8,7 @@ results table are checked against their result JSONs by tests/test_doc_numbers.p
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -280,3 +281,57 @@ def test_docs_document_every_config_field():
     ):
         value = getattr(defaults, name)
         assert f"| {value} |" in documented[name] or f"| `{value}` |" in documented[name], name
+
+
+def test_readme_clones_into_a_folder_not_named_like_the_package():
+    """A clone folder named like the package shadows it: a script started from the folder above imports the clone as a
+    namespace package ("cannot import name 'DiffTransformerConfig' from 'difftransformer' (unknown location)"). The
+    clone line names one folder, cd's into it, and no doc cd's into a folder named like a package."""
+    clone = re.search(r"git clone <[^>]+> ([\w.-]+) && cd ([\w.-]+)", README)
+    assert clone and clone[1] == clone[2], clone
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert "difftransformer" in packages and clone[1] not in packages, (clone[1], packages)
+    for doc in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for folder in re.findall(r"\bcd ([\w.-]+)", doc.read_text()):
+            assert folder not in packages, (doc.name, folder)
+
+
+def test_folders_readme_commands_write_are_ignored_by_git():
+    """What README's own commands create inside the checkout (saved models, converted folders, venvs, the demo's
+    output folder) does not show up in `git status`."""
+    code = "\n".join(_blocks(README, "bash") + _blocks(README, "python"))
+    folders = set(re.findall(r"save_pretrained\(\"([\w./-]+)\"\)", code))
+    folders |= set(re.findall(r"--output(?:-dir)? \"?([\w./-]+)", code))
+    folders |= set(re.findall(r"-m venv ([\w./-]+)", code))
+    assert {"my-diff-model", "smollm2-diff-v2", ".venv"} <= folders, folders  # the patterns found the commands
+    from difftransformer.upcycle import UpcycleSettings
+
+    folders.add(UpcycleSettings().output_dir)  # scripts/demo.sh's output
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *(f"{folder}/" for folder in sorted(folders))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert sorted(ignored) == sorted(f"{folder}/" for folder in folders), (folders, ignored)
+
+
+def test_quick_test_command_says_what_to_install_and_readme_says_it_too(tmp_path):
+    """README's quick test command needs pytest, which Install does not install: README says to install the test extra
+    first, the extra holds pytest, and scripts/test_core.sh, run where pytest is missing, names that same line."""
+    line = 'pip install -e ".[test]"'
+    sentence = README.split("bash scripts/test_core.sh", 1)[1].split("\n\n", 1)[0]
+    assert f"`{line}`" in sentence, sentence
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.match(r"pytest\b", dep) for dep in extras["test"]), extras["test"]
+    no_site = tmp_path / "python-without-site-packages"  # an interpreter that cannot import pytest
+    no_site.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    no_site.chmod(0o755)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test_core.sh")],
+        env={**os.environ, "PYTHON": str(no_site)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "pytest is not installed" in out.stderr and line in out.stderr, out.stderr
