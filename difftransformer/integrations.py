@@ -30,19 +30,19 @@ The differential λ parameters can be trained next to an adapter:
   ``modules_to_save=["lambda_proj"]`` trains it and stores it in the adapter (see :func:`lambda_modules_to_save`).
 * V1: ``lambda_q1/k1/q2/k2`` are bare ``nn.Parameter`` vectors of the attention module, which PEFT cannot wrap
   (``modules_to_save`` wraps modules, and wrapping ``self_attn`` would fully fine-tune q/k/v/o and forbid LoRA inside
-  it; ``target_parameters`` adds a low-rank update to 2-D weights, it does not train a vector).
-  :func:`enable_lambda_training` marks them trainable (in place in the base model; nothing else about the PeftModel
-  changes), and two explicit steps store them where PEFT's own loader finds them, inside
-  ``adapter_model.safetensors`` under the PeftModel's parameter names:
-
-  - :class:`LambdaCheckpointCallback`, a ``TrainerCallback``: after each checkpoint the Trainer writes, it adds the
-    λ to that checkpoint's adapter file;
-  - :func:`save_adapter` (``PeftModel.save_pretrained`` plus the λ) for a final folder, in place of
-    ``trainer.save_model()``, which runs no callback.
+  it; ``target_parameters`` adds a low-rank update to 2-D weights, it does not train a vector), and PEFT's
+  ``get_peft_model_state_dict`` keeps only the keys of its tuner layers and wrappers, so its ``save_pretrained``
+  drops them. :func:`enable_lambda_training` marks them trainable (in place in the base model) and gives that
+  PeftModel instance a ``save_pretrained`` that runs PEFT's own and then adds the λ to each saved active adapter's
+  weights file (``adapter_model.safetensors``, or ``adapter_model.bin`` with ``safe_serialization=False``) under the
+  PeftModel's parameter names (the class is untouched). Every save route goes through it: the user's own
+  ``save_pretrained`` and ``push_to_hub``, ``trainer.save_model()`` and every Trainer checkpoint (transformers'
+  ``Trainer._save`` calls ``PeftModel.save_pretrained``).
 
   Loading needs nothing: ``Trainer.train(resume_from_checkpoint=...)`` (``PeftModel.load_adapter``) and
-  ``PeftModel.from_pretrained`` pass the λ keys to ``load_state_dict(strict=False)`` unchanged, so the λ of the
-  checkpoint's step come back.
+  ``PeftModel.from_pretrained`` pass the λ keys to ``load_state_dict(strict=False)`` unchanged, so the saved λ come
+  back. ``merge_and_unload()`` returns the base model, which holds the trained λ itself. :func:`save_adapter` and
+  :class:`LambdaCheckpointCallback` (the explicit steps of earlier versions) still work and add nothing new.
 
 :func:`apply_liger_kernel_to_difftransformer` replaces the Llama blocks our model shares with Llama by Liger's
 (RMSNorm, SwiGLU MLP, cross-entropy or the fused linear cross-entropy that never materialises the logits), returns
@@ -52,6 +52,7 @@ its own packed heads; SwiGLU on Motif's PolyNorm MLP), and when it applies nothi
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -258,7 +259,7 @@ def lambda_modules_to_save(config) -> list[str]:
     """``modules_to_save`` entries that train λ with PEFT's own mechanism: ``["lambda_proj"]`` for V2.
 
     V1 has no λ *module* (λ is four vectors on the attention module): the list is empty; use
-    :func:`enable_lambda_training` with :class:`LambdaCheckpointCallback` / :func:`save_adapter` instead.
+    :func:`enable_lambda_training` instead.
     """
     return ["lambda_proj"] if config.diff_version == 2 else []
 
@@ -271,9 +272,11 @@ def enable_lambda_training(peft_model) -> list[str]:
     ``lambda_proj`` untouched, so ``disable_adapter()`` still gives the base model).
 
     V1 λ are trained *in place* in the base model (PEFT has no copy-on-train mechanism for bare parameters):
-    ``disable_adapter()`` disables the LoRA update but not a λ change. PEFT's ``save_pretrained`` does not store
-    them: a ``Trainer`` keeps them in its checkpoints with :class:`LambdaCheckpointCallback`, and
-    :func:`save_adapter` writes a final adapter folder with them (module docstring).
+    ``disable_adapter()`` disables the LoRA update but not a λ change. For a ``PeftModel``, this instance's
+    ``save_pretrained`` becomes PEFT's own followed by the λ written into each saved active adapter's weights file,
+    so that ``save_pretrained``, ``push_to_hub``, ``trainer.save_model()`` and Trainer checkpoints all keep them and
+    ``PeftModel.from_pretrained`` / ``resume_from_checkpoint`` restore them (module docstring). Calling it again
+    changes nothing more. A plain model saves its λ with its other weights.
     """
     config = _config_of(peft_model)
     if config.diff_version != 1:
@@ -286,7 +289,88 @@ def enable_lambda_training(peft_model) -> list[str]:
         if _V1_LAMBDA_RE.search(name):
             param.requires_grad_(True)
             names.append(name)
+    if names and _is_peft_model(peft_model):
+        current = vars(peft_model).get("save_pretrained")
+        if isinstance(current, _SavePretrainedWithLambdas) and current.model is peft_model:
+            current.names = tuple(dict.fromkeys((*current.names, *names)))
+        else:
+            peft_model.save_pretrained = _SavePretrainedWithLambdas(peft_model, names)
     return names
+
+
+class _SavePretrainedWithLambdas:
+    """The ``save_pretrained`` that :func:`enable_lambda_training` gives one PeftModel: PEFT's own
+    (``type(model).save_pretrained``, every argument passed on), then the V1 λ named in ``names`` added to the weights
+    file of each saved adapter that is active. A callable object rather than a bound method, so that the model still
+    deep-copies (the copy's points at the copy) and pickles."""
+
+    def __init__(self, model, names):
+        self.model = model
+        self.names = tuple(names)
+
+    def __call__(self, save_directory, *args, **kwargs):
+        model = self.model
+        save = type(model).save_pretrained
+        save(model, save_directory, *args, **kwargs)
+        bound = inspect.signature(save).bind(model, save_directory, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        if not arguments.get("is_main_process", True):  # distributed: only the main process writes (as PEFT does)
+            return
+        extra = arguments.get("kwargs", {})
+        selected = arguments.get("selected_adapters") or list(model.peft_config)
+        active = list(getattr(model, "active_adapters", None) or [model.active_adapter])
+        adapters = [name for name in selected if name in active]
+        if not adapters:
+            logger.warning(
+                f"The trained V1 λ ({len(self.names)} vectors) were not saved: they are stored with the active "
+                f"adapter {active}, which is not among selected_adapters={list(selected)}."
+            )
+            return
+        lambdas = _lambda_tensors(model, self.names, extra.get("state_dict"))
+        safe = arguments.get("safe_serialization", True)
+        for adapter in adapters:
+            folder = Path(save_directory) if adapter == "default" else Path(save_directory) / adapter
+            _write_into_adapter_file(folder, lambdas, safe)
+
+
+def _lambda_tensors(model, names, state_dict=None) -> dict:
+    """CPU copies of the named λ: from ``state_dict`` where it holds them (the gathered state dict a Trainer passes
+    under DeepSpeed or FSDP), else from the parameters."""
+    params = dict(model.named_parameters())
+    lambdas = {}
+    for name in names:
+        tensor = state_dict[name] if state_dict is not None and name in state_dict else params.get(name)
+        if tensor is None:
+            continue
+        if tensor.numel() == 0:
+            raise ValueError(
+                f"{name} has no local elements (sharded, e.g. by DeepSpeed ZeRO-3): pass the gathered "
+                "state_dict=... to save_pretrained, as transformers' Trainer does."
+            )
+        lambdas[name] = tensor.detach().to("cpu").contiguous()
+    return lambdas
+
+
+def _write_into_adapter_file(folder: str | os.PathLike, tensors: dict, safe_serialization: bool = True) -> Path:
+    """Add ``tensors`` to the adapter weights file PEFT wrote in ``folder`` (``adapter_model.safetensors``, or
+    ``adapter_model.bin`` when saved with ``safe_serialization=False``); returns the file."""
+    path = Path(folder) / ("adapter_model.safetensors" if safe_serialization else "adapter_model.bin")
+    if not path.is_file():
+        raise ValueError(f"{path} not found: the V1 λ are stored inside the adapter weights file PEFT writes there.")
+    if safe_serialization:
+        from safetensors.torch import load_file, save_file
+
+        contents = load_file(path)
+        contents.update(tensors)
+        save_file(contents, path, metadata={"format": "pt"})
+    else:
+        import torch
+
+        contents = torch.load(path, map_location="cpu", weights_only=True)
+        contents.update(tensors)
+        torch.save(contents, path)
+    return path
 
 
 def trainable_lambdas(peft_model) -> dict:
@@ -301,44 +385,39 @@ def trainable_lambdas(peft_model) -> dict:
 
 def add_lambdas_to_adapter(peft_model, folder: str | os.PathLike) -> Path | None:
     """Add the trainable V1 λ (:func:`trainable_lambdas`) to ``folder``'s ``adapter_model.safetensors`` (the folder
-    of the active adapter as PEFT saved it). Returns the file, or None when no λ trains."""
-    from safetensors.torch import load_file, save_file
-
+    of the active adapter as PEFT saved it). Returns the file, or None when no λ trains. After
+    :func:`enable_lambda_training` the PeftModel's ``save_pretrained`` has already done this."""
     lambdas = trainable_lambdas(peft_model)
     if not lambdas:
         return None
-    path = Path(folder) / "adapter_model.safetensors"
-    if not path.is_file():
-        raise ValueError(
-            f"{path} not found: V1 λ are stored inside the safetensors adapter file; "
-            "do not pass safe_serialization=False."
-        )
-    tensors = load_file(path)
-    tensors.update(lambdas)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return path
+    return _write_into_adapter_file(folder, lambdas)
 
 
 def save_adapter(peft_model, save_directory: str | os.PathLike, **kwargs) -> Path:
     """``peft_model.save_pretrained(save_directory, **kwargs)``, plus the trainable V1 λ inside the adapter file, so
     that ``PeftModel.from_pretrained(base, folder)`` restores them with no extra step. Returns the folder of the
-    active adapter's file (``save_directory``, or its subfolder named after a non-default adapter)."""
+    active adapter's file (``save_directory``, or its subfolder named after a non-default adapter). After
+    :func:`enable_lambda_training`, ``peft_model.save_pretrained`` alone does the same; this also covers λ made
+    trainable another way."""
     _config_of(peft_model)
     peft_model.save_pretrained(save_directory, **kwargs)
     adapter_name = getattr(peft_model, "active_adapter", "default")
     folder = Path(save_directory) if adapter_name == "default" else Path(save_directory) / adapter_name
     if kwargs.get("is_main_process", True):  # distributed: only the main process writes (as PEFT does)
-        add_lambdas_to_adapter(peft_model, folder)
+        lambdas = trainable_lambdas(peft_model)
+        if lambdas:
+            _write_into_adapter_file(folder, lambdas, kwargs.get("safe_serialization", True))
     return folder
 
 
 class LambdaCheckpointCallback(TrainerCallback):
-    """Keeps V1's trainable λ in a Trainer's checkpoints of a PeftModel (after :func:`enable_lambda_training`).
+    """Adds V1's trainable λ to each checkpoint a Trainer writes of a PeftModel.
 
-    ``on_save`` runs after the Trainer has written ``OUTPUT_DIR/checkpoint-STEP`` and adds the λ to its
-    ``adapter_model.safetensors``; resuming (``trainer.train(resume_from_checkpoint=...)``) and
-    ``PeftModel.from_pretrained(base, checkpoint)`` then restore them through PEFT's own loader. Only the main process
-    writes. Checkpoints of a hyperparameter search (``run-N`` subfolders) are not handled.
+    Not needed after :func:`enable_lambda_training`, whose PeftModel already writes them into every checkpoint
+    (the Trainer saves through ``save_pretrained``); it still works, rewriting the same values, and covers λ made
+    trainable another way. ``on_save`` runs after the Trainer has written ``OUTPUT_DIR/checkpoint-STEP`` and adds the
+    λ to its ``adapter_model.safetensors``. Only the main process writes. Checkpoints of a hyperparameter search
+    (``run-N`` subfolders) are not handled.
     """
 
     def on_save(self, args, state, control, model=None, **kwargs):

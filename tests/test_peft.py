@@ -116,6 +116,9 @@ def test_explicit_and_all_linear_targets(version):
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_lambda_trains_with_the_adapter_and_save_load_reproduces_logits(version, tmp_path):
+    """PEFT's own save_pretrained (no extra step) keeps the trained λ: V2's lambda_proj through modules_to_save, V1's
+    vectors because enable_lambda_training made that PeftModel's save_pretrained write them; PeftModel.from_pretrained
+    into a fresh base model restores LoRA and λ (float32 stored as is: the same logits)."""
     config = LoraConfig(task_type="CAUSAL_LM", modules_to_save=lambda_modules_to_save(base_model(version).config))
     model = get_peft_model(base_model(version), config)
     if version == 1:
@@ -124,12 +127,13 @@ def test_lambda_trains_with_the_adapter_and_save_load_reproduces_logits(version,
     lam_before = base_model(version).layer_lambdas() if version == 1 else None
     train_a_little(model)
     expected = logits(model)
-    save_adapter(model, tmp_path / "adapter")
+    model.save_pretrained(tmp_path / "adapter")
 
     with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
         keys = list(f.keys())
     lam_key = "self_attn.lambda_q1" if version == 1 else "self_attn.lambda_proj.weight"
     assert any(k.endswith(lam_key) for k in keys), keys
+    assert any("lora_A" in k for k in keys)  # PEFT's own adapter is still there
 
     # Plain PEFT loading into a fresh base model restores LoRA *and* λ.
     loaded = PeftModel.from_pretrained(base_model(version), tmp_path / "adapter").eval()
@@ -137,10 +141,60 @@ def test_lambda_trains_with_the_adapter_and_save_load_reproduces_logits(version,
     if version == 1:
         lam_loaded = loaded.get_base_model().layer_lambdas()
         assert not torch.allclose(lam_loaded, lam_before)  # λ really moved and came back from the adapter file
+        assert torch.equal(lam_loaded, model.get_base_model().layer_lambdas())
     else:
         wrapped = loaded.get_base_model().model.layers[0].self_attn.lambda_proj
         trained = wrapped.modules_to_save["default"].weight
         assert not torch.equal(trained, wrapped.original_module.weight)
+
+
+def _trained_v1(adapter_name="default"):
+    model = get_peft_model(base_model(1), LoraConfig(task_type="CAUSAL_LM"), adapter_name=adapter_name)
+    enable_lambda_training(model)
+    train_a_little(model)
+    return model
+
+
+@pytest.mark.parametrize("route", ["bin", "named_adapter", "deepcopy", "save_adapter", "enabled_twice"])
+def test_every_v1_save_route_keeps_the_trained_lambdas(route, tmp_path):
+    """The other ways a PEFT user saves: the legacy .bin file (safe_serialization=False), an adapter with a name
+    (PEFT's subfolder), a deep copy of the model (its own λ, not the original's), save_adapter (the explicit helper),
+    and enable_lambda_training called twice. Each reloads into a fresh base model with the trained λ and logits."""
+    import copy
+
+    model = _trained_v1("extra" if route == "named_adapter" else "default")
+    if route == "enabled_twice":
+        enable_lambda_training(model)
+    if route == "deepcopy":
+        model = copy.deepcopy(model)
+        with torch.no_grad():
+            model.get_base_model().model.layers[1].self_attn.lambda_k2.add_(0.25)  # only the copy's λ
+    lambdas, expected = model.get_base_model().layer_lambdas(), logits(model)
+    folder = tmp_path / "adapter"
+    if route == "bin":
+        model.save_pretrained(folder, safe_serialization=False)
+        assert (folder / "adapter_model.bin").is_file() and not (folder / "adapter_model.safetensors").exists()
+    elif route == "save_adapter":
+        assert save_adapter(model, folder) == folder
+    else:
+        model.save_pretrained(folder)
+    if route == "named_adapter":
+        folder = folder / "extra"
+    loaded = PeftModel.from_pretrained(base_model(1), folder).eval()
+    assert not torch.equal(lambdas, base_model(1).layer_lambdas())  # trained: the check below can fail
+    assert torch.equal(loaded.get_base_model().layer_lambdas(), lambdas)
+    torch.testing.assert_close(logits(loaded), expected)
+
+
+def test_saving_without_the_active_adapter_warns_that_the_lambdas_are_not_saved(tmp_path, caplog):
+    """λ are stored with the active adapter; selected_adapters without it saves no λ, and says so."""
+    model = _trained_v1()
+    model.add_adapter("other", LoraConfig(task_type="CAUSAL_LM"))
+    with caplog.at_level("WARNING", logger="difftransformer.integrations"):
+        model.save_pretrained(tmp_path / "a", selected_adapters=["other"])
+    assert "were not saved" in caplog.text and "'default'" in caplog.text, caplog.text
+    with safe_open(str(tmp_path / "a" / "other" / "adapter_model.safetensors"), "pt") as f:
+        assert not any("lambda_" in k for k in f.keys())
 
 
 def test_enable_lambda_training_points_v2_users_to_modules_to_save():

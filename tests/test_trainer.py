@@ -264,3 +264,108 @@ def test_num_items_in_batch_makes_gradient_accumulation_exact(tokenizer, dataset
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     naive, exact = (grads[0] + grads[1]) / 2, grads[2]
     assert (naive - exact).norm() > 0.05 * exact.norm()
+
+
+def _lora_v1(tokenizer):
+    """A LoRA PeftModel of the seed-0 V1 model with its λ switched on (enable_lambda_training)."""
+    peft = pytest.importorskip("peft", reason="PEFT is not installed (pip install peft, or the [train] extra)")
+    from difftransformer.integrations import enable_lambda_training
+
+    model = peft.get_peft_model(make_model(tokenizer), peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
+    assert enable_lambda_training(model)
+    return model
+
+
+def test_v1_lambdas_survive_trainer_save_model_checkpoints_and_resume(tokenizer, datasets, tmp_path):
+    """LoRA + V1 λ saved the ordinary Trainer ways, with no callback: trainer.save_model's folder and the last
+    checkpoint load (PeftModel.from_pretrained into a fresh base model) with the trained λ and logits;
+    resume_from_checkpoint from the middle checkpoint continues with that checkpoint's λ and ends where the
+    uninterrupted run ended; merge_and_unload's model holds the trained λ."""
+    from peft import PeftModel
+
+    train, _ = datasets
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    model = _lora_v1(tokenizer)
+    initial = model.get_base_model().layer_lambdas()
+    trainer = Trainer(model=model, args=args(tmp_path / "run", **common), train_dataset=train)
+    trainer.train()
+    trained = model.get_base_model().layer_lambdas()
+    assert not torch.allclose(trained, initial, rtol=0, atol=1e-4)  # λ trained: the checks below can fail
+    ids = train.blocks[:2]
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+    trainer.save_model(str(tmp_path / "final"))
+    for folder in (tmp_path / "final", tmp_path / "run" / "checkpoint-4"):
+        loaded = PeftModel.from_pretrained(make_model(tokenizer), folder).eval()
+        assert torch.equal(loaded.get_base_model().layer_lambdas(), trained), folder.name  # float32, stored as is
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, expected, msg=folder.name)
+
+    resumed = _lora_v1(tokenizer)  # the same base weights; LoRA and λ come from the checkpoint
+    Trainer(model=resumed, args=args(tmp_path / "resumed", **common), train_dataset=train).train(
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2")
+    )
+    assert_same_params(params(resumed), params(model), rtol=1e-5, atol=1e-6)
+
+    merged = model.merge_and_unload()
+    assert type(merged) is DiffTransformerForCausalLM and torch.equal(merged.layer_lambdas(), trained)
+
+
+def _docs_example(heading):
+    """The first Python block of docs/ecosystem.md's section ``## heading``, as written."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ecosystem.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def run_docs_example(heading, folder_model, tokenizer, cwd, allowed=()):
+    """Run the docs example of ``heading`` in ``cwd``, where ``runs/difftransformer-stdlib/model`` holds
+    ``folder_model`` and ``tokenizer`` (what the training example writes there), recording every warning; fails on
+    any DeprecationWarning or FutureWarning whose message does not start with one of ``allowed``."""
+    import os
+    import warnings
+
+    folder = cwd / "runs" / "difftransformer-stdlib" / "model"
+    folder_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    code = compile(_docs_example(heading), f"docs/ecosystem.md[{heading}]", "exec")
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(code, {"__name__": "__main__"})
+    finally:
+        os.chdir(before)
+    deprecated = [
+        f"{w.category.__name__} at {w.filename}:{w.lineno}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (DeprecationWarning, FutureWarning)) and not str(w.message).startswith(tuple(allowed))
+    ]
+    assert not deprecated, "\n".join(deprecated)
+
+
+def test_docs_trainer_example_runs_without_deprecation_warnings(tokenizer, tmp_path):
+    """docs/ecosystem.md's Trainer example on the current TrainingArguments names (activation_checkpointing, not the
+    deprecated gradient_checkpointing), run as written on a small model."""
+    if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
+        pytest.skip("transformers before 5.23 has no TrainingArguments(activation_checkpointing=...), the docs' name")
+    run_docs_example("Trainer", make_model(tokenizer), tokenizer, tmp_path)
+    assert (tmp_path / "runs" / "finetune" / "final" / "model.safetensors").is_file()
+
+
+def test_docs_peft_example_runs_and_keeps_the_lambdas(tokenizer, tmp_path):
+    """docs/ecosystem.md's PEFT example, run as written on a small V1 model: no deprecation warning but the one the
+    docs name (PEFT itself reads transformers' deprecated is_gradient_checkpointing in get_peft_model), and the
+    adapter folder trainer.save_model wrote holds the trained λ."""
+    pytest.importorskip("peft", reason="PEFT is not installed (pip install peft, or the [train] extra)")
+    from safetensors.torch import load_file
+
+    model = make_model(tokenizer)
+    run_docs_example("PEFT LoRA", model, tokenizer, tmp_path, allowed=["`is_gradient_checkpointing` is deprecated"])
+    saved = load_file(tmp_path / "runs" / "lora" / "adapter" / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.lambda_q1"
+    assert not torch.equal(saved[key], model.model.layers[0].self_attn.lambda_q1.detach())  # trained, then saved
+    assert (tmp_path / "runs" / "lora" / "merged" / "model.safetensors").is_file()
