@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,17 +30,23 @@ from .engine import (
     ConversionError,
     Plan,
     Step,
+    Terminated,
     check_source,
+    cleanup_on_termination,
     copy_side_files,
+    deferred_signals,
     expand_heads,
     install_folder,
     one_line,
     prepare_output,
     read_json_file,
+    remove_folder,
+    remove_stale_work_folders,
     resolve_dtype,
     shard_layout,
     target_dtypes,
     verify_prompt,
+    work_folder_prefix,
     write_config,
     write_plan,
 )
@@ -516,8 +521,16 @@ def write_conversion(
     Refused before anything is written when ``output`` is an input, holds one or lies inside one, or is a non-empty
     folder without ``overwrite``. The result is written into a temporary folder beside ``output``, one safetensors
     shard of at most ``max_shard_size`` at a time, and renamed into place only once complete (with ``overwrite``, the
-    previous folder is replaced only then): a failure or an interruption at any point leaves no output folder, or the
-    previous one untouched, and no temporary folder. A plan can be written more than once."""
+    previous folder is replaced only then): a failure at any point, or an interruption before the result is complete,
+    leaves no output folder, or the previous one untouched, and no temporary folder. A plan can be written more than
+    once.
+
+    Interruptions (in the main thread): Ctrl-C's KeyboardInterrupt, and SIGTERM while it has its default action (it is
+    then raised again once the temporary folder is removed, so the process still ends by it), clean up before they
+    take effect; from the swap on (the result complete), they take effect once the swap and the removal of the
+    previous folder have finished, so ``output`` then holds the result and nothing is left beside it. The hidden
+    folders beside ``output`` carry the host and process id: folders left by a process killed outright (SIGKILL) are
+    removed here, with a warning naming each."""
     output = Path(output)
     if plan.closed:
         raise ConversionError(
@@ -525,16 +538,31 @@ def write_conversion(
         )
     prepare_output(output, list(plan.inputs), overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.converting-", dir=output.parent))
-    try:
-        write_plan(plan.tensors, plan.checkpoint, tmp, plan.dtype, max_shard_size, progress)
-        write_config(plan.config, tmp, plan.dtype)
-        folders = [plan.side_folder] if plan.side_folder is not None else []
-        copied = copy_side_files(folders, tmp, plan.generation_config, plan.tokenizer)
-        install_folder(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    remove_stale_work_folders(output)
+    with cleanup_on_termination():
+        tmp, installed = None, False
+        try:
+            with deferred_signals():  # no folder made without its name being known to the cleanup below
+                tmp = Path(tempfile.mkdtemp(prefix=work_folder_prefix(output, "converting"), dir=output.parent))
+            write_plan(plan.tensors, plan.checkpoint, tmp, plan.dtype, max_shard_size, progress)
+            write_config(plan.config, tmp, plan.dtype)
+            folders = [plan.side_folder] if plan.side_folder is not None else []
+            copied = copy_side_files(folders, tmp, plan.generation_config, plan.tokenizer)
+            with deferred_signals():
+                install_folder(tmp, output)
+                installed = True
+        except BaseException as err:
+            if tmp is not None and not installed:
+                remove_folder(tmp)
+            if isinstance(err, (KeyboardInterrupt, Terminated)):
+                logger.warning(
+                    "Conversion %s: %s.",
+                    "interrupted" if isinstance(err, KeyboardInterrupt) else str(err),
+                    f"{output} was complete and in place before it stopped"
+                    if installed
+                    else f"the unfinished result was removed, {output} is as it was before",
+                )
+            raise
     return ConversionResult(output, plan.config, plan.exact, list(plan.notes), copied, info=dict(plan.info))
 
 

@@ -197,6 +197,9 @@ def main(argv=None) -> int:
         message = " ".join(str(err).split())  # one line, whatever the message
         print(f"difftransformer-convert: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C; what it left is logged (a complete output, or the previous one untouched)
+        print("difftransformer-convert: interrupted", file=sys.stderr)
+        return 130
     # result.notes were logged (as warnings, to stderr) while converting.
     print(f"wrote {result.output} ({'exact' if result.exact else 'approximate'} conversion)")
     return 0

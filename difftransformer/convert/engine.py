@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import pickle
 import re
 import shutil
+import signal
+import socket
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +57,9 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # Old Llama checkpoints store the (deterministic, recomputed) rotary buffer; transformers ignores it on load.
 DROPPABLE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+logger = logging.getLogger("difftransformer.convert")
 
 
 class ConversionError(ValueError):
@@ -463,22 +471,161 @@ def _default_permissions(folder: Path) -> None:
             os.chmod(path, 0o666 & ~umask)
 
 
-def install_folder(tmp: Path, output: Path) -> None:
-    """Move the finished temporary folder into place; an existing output is replaced only now."""
-    _default_permissions(tmp)
-    backup = None
-    if output.exists():
-        backup = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-        backup.rmdir()
-        os.replace(output, backup)
+# ----------------------------------------------------------------------------------------------------------------
+# Interruptions: the folders a write makes beside --output, and the signals that may stop it
+# ----------------------------------------------------------------------------------------------------------------
+
+_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
+# What tempfile.mkdtemp appends to a prefix: 8 characters of this alphabet.
+_WORK_FOLDER = r"\.{name}\.(?:converting|old)-(?P<host>[A-Za-z0-9._]+)-(?P<pid>[0-9]+)-[a-z0-9_]{{8}}"
+
+
+def work_folder_prefix(output: Path, kind: str) -> str:
+    """The name prefix of the hidden folders a write makes beside ``output`` (``kind``: ``converting``, the result
+    being written, or ``old``, the previous output set aside while the result is swapped in). The host and process id
+    in the name tell a later run which folders are left from a run that no longer exists
+    (:func:`remove_stale_work_folders`)."""
+    return f".{output.name}.{kind}-{_HOST}-{os.getpid()}-"
+
+
+def _process_exists(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # this process: perhaps another thread's write
     try:
-        os.replace(tmp, output)
-    except BaseException:
-        if backup is not None:
-            os.replace(backup, output)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, under another user
+        return True
+    return True
+
+
+def remove_stale_work_folders(output: Path) -> list[Path]:
+    """Remove the hidden folders beside ``output`` that a write on this machine left when its process was killed
+    outright (SIGKILL, an out-of-memory kill, a power loss), logging each; those of a process still running, or of
+    another machine, are kept. Returns the folders removed."""
+    if os.name != "posix" or not output.parent.is_dir():  # os.kill(pid, 0) tests for a process only on POSIX
+        return []
+    pattern = re.compile(_WORK_FOLDER.format(name=re.escape(output.name)))
+    removed = []
+    for entry in sorted(output.parent.iterdir()):
+        match = pattern.fullmatch(entry.name)
+        if match is None or match["host"] != _HOST or not entry.is_dir() or entry.is_symlink():
+            continue
+        if _process_exists(int(match["pid"])):
+            continue
+        try:
+            shutil.rmtree(entry)
+        except OSError as err:
+            logger.warning("Could not remove %s, left by an earlier conversion: %s.", entry, one_line(err))
+            continue
+        logger.warning(
+            "Removed %s, left by an earlier conversion to %s whose process (%s) no longer runs.",
+            entry,
+            output,
+            match["pid"],
+        )
+        removed.append(entry)
+    return removed
+
+
+class Terminated(BaseException):
+    """Raised in the main thread, while a conversion writes, by a signal whose default action ends the process
+    without any cleanup (:func:`cleanup_on_termination`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def cleanup_on_termination():
+    """While the body runs in the main thread, SIGTERM (when left at its default action, which ends the process at
+    once) raises :class:`Terminated` instead, so that the body's cleanup runs as it does for Ctrl-C's
+    KeyboardInterrupt; then the previous disposition is restored and the signal raised again, so that the process
+    still ends by it. A handler the program installed itself, or an ignored SIGTERM, is left as it is; so is
+    everything outside the main thread, where Python cannot handle signals."""
+    installed = _in_main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if installed:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except Terminated as err:
+        if not installed:
+            raise
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        installed = False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.raise_signal(err.signum)  # the default action: the process ends here
         raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """SIGINT and SIGTERM received while the body runs (in the main thread) take effect once it has finished: each is
+    then raised again under the handler that was in place before. For the steps that must not stop halfway: swapping
+    the result in, removing a folder."""
+    if not _in_main_thread():
+        yield
+        return
+    pending, previous = [], {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if handler in (signal.SIG_IGN, None):  # ignored, or a handler not installed from Python: left alone
+            continue
+        previous[signum] = handler
+        signal.signal(signum, lambda received, frame: pending.append(received))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
+
+
+def remove_folder(folder: Path) -> None:
+    """Remove ``folder`` (if it exists) whole: a signal received meanwhile takes effect after it is gone; a folder
+    that cannot be removed is named in a warning."""
+    with deferred_signals():
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            logger.warning("Could not remove the temporary folder %s: %s; remove it by hand.", folder, one_line(err))
+
+
+def install_folder(tmp: Path, output: Path) -> None:
+    """Move the finished temporary folder into place; an existing output is replaced only now. The swap and the
+    removal of the previous output run to their end: a signal received meanwhile takes effect after them."""
+    _default_permissions(tmp)
+    with deferred_signals():
+        backup = None
+        if output.exists():
+            backup = Path(tempfile.mkdtemp(prefix=work_folder_prefix(output, "old"), dir=output.parent))
+            backup.rmdir()
+            os.replace(output, backup)
+        try:
+            os.replace(tmp, output)
+        except BaseException:
+            if backup is not None:
+                os.replace(backup, output)
+            raise
+        if backup is not None:
+            remove_folder(backup)
 
 
 def target_dtypes(plan: Plan, dtype: torch.dtype) -> dict[str, torch.dtype]:
