@@ -30,6 +30,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 from transformers.utils.generic import TransformersKwargs
 
+try:  # transformers' pipeline parallelism (DistributedConfig(pp_size=...)) puts these where a stage owns no layer
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+except ImportError:  # releases without it have no pipeline stages
+    PipelineIdentityLayer = None
+
 logger = logging.get_logger(__name__)
 
 TRANSFORMERS_VERSION = transformers.__version__
@@ -122,15 +127,31 @@ def check_forward_arguments(model, kwargs: dict, cache, position_ids, default_at
       warns once per name (saved folders carry this code frozen: the next harmless keyword transformers adds must not
       break them);
     * a decoding step without its past raises: positions that start after 0 while no cache holds the earlier tokens
-      (the signature of a cache lost on the way). Skipped under ``torch.compile`` and for compileable (static) caches,
-      whose length lives on the device; and for continuous batching's paged cache and vLLM's Transformers backend,
-      whose attention functions keep the cache.
+      (the signature of a cache lost on the way). The cache counts as empty only when every layer is (under pipeline
+      parallelism a stage fills only the layers it owns). The check reads the positions' values only where that is
+      free: for positions on the CPU. For positions on an accelerator it is skipped, since reading them would make the
+      host wait for the device in every forward (each training step that passes positions); the first check, on the
+      cache's name, runs everywhere. Also skipped under ``torch.compile`` and for compileable (static) caches, whose
+      length lives on the device; and for continuous batching's paged cache and vLLM's Transformers backend, whose
+      attention functions keep the cache.
     """
     attn = model.config._attn_implementation
     recordable = {f"output_{key}" for key in getattr(model, "_can_record_outputs", None) or {}}
     known = PASSED_ON_KWARGS | recordable | attention_function_kwargs(attn, default_attention)
     for name, value in kwargs.items():
         if name in known:
+            continue
+        if name == "kwargs" and isinstance(value, dict):
+            # transformers' pipeline-parallel forward binds the caller's `**kwargs` as one argument named `kwargs`
+            # (inspect.BoundArguments) and passes that dict on: its contents reach no layer. `return_dict` is moot
+            # there (that forward builds its own output); anything else is lost and is warned about by name.
+            lost = sorted(set(value) - {"return_dict"})
+            if lost and "kwargs" not in _WARNED_UNKNOWN and not torch.compiler.is_compiling():
+                _WARNED_UNKNOWN.add("kwargs")
+                logger.warning(
+                    f"{type(model).__name__}.forward got the keyword arguments {lost} wrapped in one argument named "
+                    "'kwargs' (transformers' pipeline-parallel forward does this): they are ignored. (Warned once.)"
+                )
             continue
         if isinstance(value, Cache):
             raise TypeError(
@@ -148,9 +169,9 @@ def check_forward_arguments(model, kwargs: dict, cache, position_ids, default_at
             )
     if position_ids is None or isinstance(cache, PagedAttentionCache) or str(attn).startswith("vllm"):
         return  # continuous batching and vLLM hand the attention function their own cache
-    if torch.compiler.is_compiling():
-        return
-    if cache is None or (not getattr(cache, "is_compileable", False) and cache.get_seq_length() == 0):
+    if torch.compiler.is_compiling() or position_ids.device.type != "cpu":
+        return  # reading an accelerator tensor's value would make the host wait for the device in every forward
+    if cache is None or (not getattr(cache, "is_compileable", False) and cache_is_empty(cache)):
         start = int(position_ids.min())
         if start > 0:
             raise ValueError(
@@ -159,6 +180,26 @@ def check_forward_arguments(model, kwargs: dict, cache, position_ids, default_at
                 f"{TRANSFORMERS_VERSION}): a decoding step needs the cache that holds the {start} earlier tokens, or "
                 "the whole sequence from position 0. Was the cache passed under another name?"
             )
+
+
+def cache_is_empty(cache: Cache) -> bool:
+    """Whether no layer of ``cache`` holds a token yet. Not ``cache.get_seq_length()``, which reads layer 0 only: a
+    pipeline-parallel stage fills only the layers it owns, and the last stage never owns layer 0. Reads shapes only
+    (no device synchronisation)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # a cache class of its own, without per-layer storage
+        return cache.get_seq_length() == 0
+    return all(layer.get_seq_length() == 0 for layer in layers if hasattr(layer, "get_seq_length"))
+
+
+def mask_layer_index(layers) -> int:
+    """The index of the first decoder layer this process runs: the layer whose cache sizes the attention mask
+    (``create_causal_mask(..., layer_idx=...)``). 0 except on a pipeline-parallel stage, where the layers other stages
+    own are ``PipelineIdentityLayer`` placeholders whose cache stays empty; sizing the mask from one of them gives a
+    decoding step a mask as long as its query, which drops the padding of a batch of prompts."""
+    if PipelineIdentityLayer is None:
+        return 0
+    return next((i for i, layer in enumerate(layers) if not isinstance(layer, PipelineIdentityLayer)), 0)
 
 
 class PackedGroupsPagedCache(PagedAttentionCache):
@@ -198,5 +239,7 @@ __all__ = [
     "PackedGroupsPagedCache",
     "accepts_old_cache_name",
     "attention_function_kwargs",
+    "cache_is_empty",
     "check_forward_arguments",
+    "mask_layer_index",
 ]
