@@ -476,7 +476,7 @@ def _default_permissions(folder: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 _HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
-# What tempfile.mkdtemp appends to a prefix: 8 characters of this alphabet.
+# A work folder's name: work_folder_prefix's prefix, then the 8 random characters tempfile.mkdtemp appends.
 _WORK_FOLDER = r"\.{name}\.(?:converting|old)-(?P<host>[A-Za-z0-9._]+)-(?P<pid>[0-9]+)-[a-z0-9_]{{8}}"
 
 
