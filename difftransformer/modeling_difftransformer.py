@@ -76,7 +76,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     repeat_kv,
 )
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -111,6 +111,8 @@ from .triton_difftransformer import is_available as triton_runs_on
 from .triton_difftransformer import triton as _triton_module
 from .triton_epilogue_difftransformer import runs as epilogue_runs
 from .triton_epilogue_difftransformer import v1_combine_norm
+
+logger = logging.get_logger(__name__)
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -245,6 +247,13 @@ KERNELS = {1: V1_KERNELS, 2: V2_KERNELS}
 FALLBACK_KERNEL = {1: "padded", 2: "standard"}
 # Kernels that serve only some calls; the others take the default choice.
 _DECODE_ONLY = ("decode_kernel", "rows_decode")
+# Warned once where `output_attentions=True` meets a kernel of its own under "sdpa" (none returns attention maps), as
+# transformers' sdpa function warns for its own call.
+NO_MAPS_UNDER_SDPA = (
+    "`output_attentions=True` under attn_implementation='sdpa': the differential attention kernels do not return "
+    "attention maps, so `attentions` is empty. For the differential maps A1 - lambda*A2 (those the output is computed "
+    'from), load the model with `attn_implementation="eager"` or call `model.set_attn_implementation("eager")`.'
+)
 WORKLOADS = ("prefill", "train", "decode")
 
 # The default choice, by version and device type ("other": any device not listed), set by measurement:
@@ -502,6 +511,9 @@ class DiffTransformerAttention(nn.Module):
                 f"differential kernel 'triton' cannot run on {query.device} (it needs CUDA and the triton package, or "
                 "TRITON_INTERPRET=1): call model.set_differential_kernel('auto') or another kernel."
             )
+        if kwargs.get("output_attentions") and name != FALLBACK_KERNEL[version]:
+            # transformers' sdpa function warns where it is called (the fallback); the own kernels do not call it
+            logger.warning_once(NO_MAPS_UNDER_SDPA)
         return self._ran(name)
 
     def _serves(self, name, workload, query, key, attention_mask, kwargs) -> bool:

@@ -1,7 +1,10 @@
 """DiffTransformerConfig: derived sizes, strict validation with field-naming errors, serialisation, Auto
 registration."""
 
+import ast
 import logging
+import re
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig
@@ -96,6 +99,21 @@ def test_v1_only_fields_warn_once_on_v2(field, value, caplog):
     with caplog.at_level(logging.WARNING):
         DiffTransformerConfig(**{**BASE, "num_key_value_heads": 4, "diff_version": 1, field: value})  # read by V1
     assert not [r for r in caplog.records if f"`{field}`" in r.getMessage()]
+
+
+def test_docs_diff_version_row_matches_the_config():
+    """docs/model.md's `diff_version` row: every value it gives before the word "refused" builds a config, and every
+    value after it is refused naming the field."""
+    doc = Path(__file__).resolve().parents[1] / "docs" / "model.md"
+    row = next(line for line in doc.read_text().splitlines() if line.startswith("| `diff_version` |"))
+    accepted, said, refused = row.split("|")[3].partition("refused")
+    accepted, refused = ([ast.literal_eval(v) for v in re.findall(r"`([^`]+)`", part)] for part in (accepted, refused))
+    assert accepted and said and refused, row
+    for value in accepted:
+        assert DiffTransformerConfig(**{**BASE, "diff_version": value}).diff_version == value
+    for value in refused:
+        with pytest.raises(Exception, match="diff_version"):
+            DiffTransformerConfig(**{**BASE, "diff_version": value})
 
 
 def test_validation_also_applies_when_loading(tmp_path):
