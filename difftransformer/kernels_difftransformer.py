@@ -1,11 +1,12 @@
-"""CPU kernels of differential attention, used under ``attn_implementation="sdpa"``.
+"""The package's own kernels of differential attention, run under ``attn_implementation="sdpa"``: the CPU kernels,
+and the stock-SDPA kernels that CUDA runs by default.
 
 Keys and values arrive in the standard layout ``(B, Hkv, S, d)``, as the KV cache holds them for every version: V1's
 group ``g`` owns key heads ``2g`` (``K1``) and ``2g + 1`` (``K2``) and value heads ``2g``, ``2g + 1`` (``V_g,0``,
 ``V_g,1``; docs/model.md). One zero-padded SDPA call (what every other backend receives, see
 modeling_difftransformer.py) computes V1's 2H maps over 2d-wide dot products, half of them zeros, and 2H outputs 2d
 wide: twice a Llama's attention arithmetic, because SDPA cannot combine two maps before multiplying by the value.
-Under "sdpa" V1 instead runs :func:`differential_sdpa_attention`:
+Under "sdpa" on a CPU, V1 instead runs :func:`differential_sdpa_attention`:
 
 * one query token without autograd (decode): :func:`differential_decode_attention` multiplies each map's query rows
   with its key head, combines the two softmax maps (one row of ``S`` numbers per map and head) and multiplies the
@@ -19,12 +20,16 @@ noise rows are fewer than its signal rows (``m = n / r``), each noise map is com
 signal maps (in the blocked kernel's backward, the r signal gradients of a noise map are summed before its softmax
 backward).
 
-V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` (one
-SDPA call reads the cache once for the 2n query heads of a KV head, then the pair combine), and a float32 prompt of at
-least ``CAUSAL_BLOCK_MIN_LENGTH`` tokens (prefill, training) takes :func:`causal_block_attention`, which lets torch's
-CPU flash kernel skip hidden causal scores that one call computes (all of them up to 512 keys).
+V2 is standard attention over 2H query heads; under "sdpa" its decode step takes :func:`pair_decode_attention` on
+every device (one SDPA call reads the cache once for the 2n query heads of a KV head, then the pair combine), and on a
+CPU a float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH`` tokens (prefill, training) takes
+:func:`causal_block_attention`, which lets torch's CPU flash kernel skip hidden causal scores that one call computes
+(all of them up to 512 keys).
 
-On CUDA, V1 runs the one-pass Triton kernel of triton_difftransformer.py where Triton is installed. This file is
+On CUDA, V1 runs :func:`sdpa_two_calls_attention` by default: two stock SDPA calls, one per softmax map, with the
+``2d``-wide value (section "V1 through stock SDPA" below, beside the one-call :func:`sdpa_repeated_value_attention`).
+The one-pass Triton kernel (triton_difftransformer.py) runs only where a user chooses it. Which kernel runs for which
+device and workload: ``DEFAULT_KERNELS`` in modeling_difftransformer.py (docs/model.md, "Kernels"). This file is
 imported relatively by the modeling file, so ``save_pretrained`` copies it into every saved folder (Hub remote code).
 """
 

@@ -16,9 +16,11 @@ groups (n = 2)::
 With that order the standard GQA rule (query head i reads KV head i // n) already pairs every map with its
 own key head, and the cache holds a Llama's tensors: ``(B, Hkv, S, d)``, exactly what transformers' caches (dynamic,
 static, quantized, paged, and those built from the config) allocate. Under ``attn_implementation="sdpa"`` V1 runs
-its own kernels on those tensors: on CUDA the one-pass Triton kernel (triton_difftransformer.py: both softmax maps
-of a head in one pass over each K/V block; PyTorch custom ops, so eager and under ``torch.compile`` alike), on CPU
-``differential_sdpa_attention`` (kernels_difftransformer.py).
+its own kernels on those tensors (kernels_difftransformer.py), chosen per device and workload (``DEFAULT_KERNELS``;
+docs/model.md, "Kernels"): on CUDA two stock SDPA calls, one per softmax map, with the ``2d``-wide value
+(``sdpa_two_calls_attention``); on CPU ``differential_sdpa_attention`` (``A1 − λ·A2`` per block of queries, and a
+decode kernel for one token). The one-pass Triton kernel (triton_difftransformer.py) runs only where a user chooses it
+(``model.set_differential_kernel("triton")``).
 Every other backend (eager, flex, flash, a user's AttentionInterface function) receives one standard call per layer
 with equal q/k/v head sizes: K and V viewed per group as one ``2d``-wide head, ``[K1 | K2]`` and ``[V_g,0 | V_g,1]``
 (a free view of the projections; a copy of a cache), and each query zero-padded to ``2d`` on the side of its own key
@@ -551,8 +553,8 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
     layer, then ``(1 − λinit)·RMSNorm_2d(O_h) ⊙ w``. Reference: microsoft/unilm
     ``Diff-Transformer/multihead_flashdiff_2.py``.
 
-    Under ``"sdpa"`` V1 runs its own kernels (:meth:`own_kernel`); every other backend receives one call with
-    zero-padded queries ``[Q1 | 0]``, ``[0 | Q2]`` over the packed ``2d``-wide groups.
+    Under ``"sdpa"`` V1 runs its own kernels (``V1_KERNELS``, chosen by :meth:`kernel_for`); every other backend
+    receives one call with zero-padded queries ``[Q1 | 0]``, ``[0 | Q2]`` over the packed ``2d``-wide groups.
     """
 
     diff_version = 1
