@@ -36,11 +36,12 @@ The callback logs through the Trainer, which callbacks are not given: attach it 
 (TensorBoard, W&B, ...) and ``log_history``; its progress bar (or, with ``disable_tqdm``, its printer) would print
 each record whole, about 10 values per layer: ``attach`` replaces the Trainer's printing callback by one that prints a
 probe record as one line of layer summaries (:func:`summary_line`) and leaves the per-layer keys to the integrations.
-:func:`plot_telemetry` draws a ``log_history`` as one PNG.
+:func:`plot_telemetry` draws a ``log_history`` as one PNG, a grid of panels (:func:`telemetry_panels`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from pathlib import Path
@@ -340,6 +341,37 @@ def telemetry_records(log_history: list[dict], prefix: str = PREFIX) -> list[dic
     ]
 
 
+# What plot_telemetry can draw, one panel each, in order (the gradient norm's panel comes last).
+PANELS = (
+    ("lambda", "λ per layer (V1)"),
+    ("lambda_mean", "mean λ = sigmoid(x W_λ) over the probe (V2)"),
+    ("map_separation", "map separation ½Σ|A1 − A2|"),
+    ("negative_share", "share of negative A1 − λA2 entries"),
+    ("first_token_mass", "weight of A1 − λA2 on the first token"),
+    ("max_logit_map1", "max attention logit q·k/√d: map 1 (—), map 2 (--)"),
+)
+
+
+def telemetry_panels(log_history: list[dict], prefix: str = PREFIX) -> tuple[list[tuple[str, str]], list[str]]:
+    """The metric panels :func:`plot_telemetry` draws for ``log_history`` (``[(metric, title)]``, in
+    :data:`PANELS`' order) and the titles of those it leaves out because the metric is 0 at every probe and layer.
+
+    A metric the model's version does not log is not drawn (V1 logs ``lambda``, V2 ``lambda_mean``); one that is 0
+    throughout is named in the figure instead of drawn: the negative share stays 0 while ``λ·A2 ≤ A1`` everywhere, as
+    it does through a short fine-tuning after the exact V2 or the ``duplicate`` V1 conversion, where both maps of a
+    head start equal."""
+    records = [r for r in telemetry_records(log_history, prefix) if r["metrics"]]
+    drawn, zero = [], []
+    for name, title in PANELS:
+        values = [v for r in records for v in r["metrics"].get(name, [])]
+        if name == "max_logit_map1":
+            values += [v for r in records for v in r["metrics"].get("max_logit_map2", [])]
+        if not values:
+            continue
+        (drawn if any(v != 0 for v in values) else zero).append((name, title))
+    return drawn, [title for _, title in zero]
+
+
 def plot_telemetry(
     log_history: list[dict],
     path: str | os.PathLike,
@@ -349,56 +381,64 @@ def plot_telemetry(
     spike_window: int = 20,
     spike_min_history: int = 5,
 ) -> Path:
-    """One PNG: per-layer λ, map separation, negative share and first-token mass over the probed steps (one line per
-    layer, coloured by depth), and the logged gradient norm with its spikes marked."""
+    """One PNG, a grid of panels two wide (about 1000 pixels wide, readable at that size): the per-layer metrics of
+    :func:`telemetry_panels` over the probed steps (one line per layer, coloured by depth) and the logged gradient
+    norm with its spikes marked. Metrics that are 0 throughout are named under the title instead of drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records = [r for r in telemetry_records(log_history, prefix) if r["metrics"]]
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(1, 6, figsize=(26, 4.2), dpi=100)
-    v1 = bool(records) and "lambda" in records[0]["metrics"]
-    panels = (
-        ("lambda", "λ per layer (V1)") if v1 else ("lambda_mean", "mean λ = sigmoid(x W_λ) over the probe (V2)"),
-        ("map_separation", "map separation ½Σ|A1 − A2|"),
-        ("negative_share", "share of negative A1 − λA2 entries"),
-        ("first_token_mass", "weight of A1 − λA2 on the first token"),
-        ("max_logit_map1", "max attention logit q·k/√d: map 1 (—), map 2 (--)"),
-    )
+    panels, zero = telemetry_panels(log_history, prefix)
+    count = len(panels) + 1  # and the gradient norm's
+    ncols = 1 if count == 1 else 2
+    nrows = math.ceil(count / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.1 * nrows + 0.9), dpi=100, layout="constrained")
+    axes = list(getattr(axes, "flat", [axes]))
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    layers = len(records[0]["metrics"].get(panels[0][0], [])) if panels else 0
+    colour = [plt.cm.viridis(layer / max(1, layers - 1)) for layer in range(layers)]
     for ax, (name, label) in zip(axes, panels):
-        per_step = [r["metrics"].get(name, []) for r in records]
-        layers = len(per_step[0]) if per_step else 0
         for layer in range(layers):
-            ax.plot(
-                steps,
-                [values[layer] for values in per_step],
-                color=plt.cm.viridis(layer / max(1, layers - 1)),
-                linewidth=1,
-            )
+            ax.plot(steps, [r["metrics"][name][layer] for r in records], color=colour[layer], linewidth=1)
             if name == "max_logit_map1":
-                second = [r["metrics"].get("max_logit_map2", [])[layer] for r in records]
-                ax.plot(steps, second, "--", color=plt.cm.viridis(layer / max(1, layers - 1)), linewidth=1)
-        ax.set_title(label, fontsize=9)
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-    _grad_norm_panel(axes[-1], log_history, spike_factor, spike_window, spike_min_history)
-    if records:
-        layers = len(records[0]["metrics"].get("map_separation", [0]))
-        fig.colorbar(
-            plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, max(1, layers - 1))),
-            ax=axes.tolist(),
-            label="layer (one line each)",
-            fraction=0.015,
-            pad=0.01,
-        )
-    fig.suptitle(title, fontsize=10)
+                second = [r["metrics"]["max_logit_map2"][layer] for r in records]
+                ax.plot(steps, second, "--", color=colour[layer], linewidth=1)
+        _style(ax, label)
+    _grad_norm_panel(axes[count - 1], log_history, spike_factor, spike_window, spike_min_history)
+    if layers:
+        scale = plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, max(1, layers - 1)))
+        if count < len(axes):  # the grid's free cell holds the layer scale
+            axes[count].set_visible(True)
+            axes[count].axis("off")
+            bar = fig.colorbar(scale, cax=axes[count].inset_axes((0.1, 0.45, 0.8, 0.1)), orientation="horizontal")
+        else:
+            bar = fig.colorbar(scale, ax=axes[:count], location="bottom", shrink=0.5, aspect=40)
+        bar.set_label("layer (one line each)", fontsize=9)
+        bar.ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    heading = (
+        title + ("\n" if title and zero else "") + ("0 at every probe (not drawn): " + "; ".join(zero) if zero else "")
+    )
+    fig.suptitle(heading, fontsize=11)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", bbox_inches="tight")
+    fig.savefig(path, format="png")
     plt.close(fig)
     return path
+
+
+def _style(ax, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("optimizer step", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
 
 
 def _grad_norm_panel(ax, log_history, factor, window, min_history) -> None:
@@ -414,11 +454,9 @@ def _grad_norm_panel(ax, log_history, factor, window, min_history) -> None:
             color="tab:red",
             label=f"spike: > {factor:g}× median of the previous {window}",
         )
-    ax.set_title(f"gradient norm: {len(spikes)} spike(s)", fontsize=9)
-    ax.set_xlabel("optimizer step")
-    ax.grid(alpha=0.3)
+    _style(ax, f"gradient norm: {len(spikes)} spike(s)")
     if norms:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)
 
 
 __all__ = [
@@ -427,6 +465,7 @@ __all__ = [
     "MAX_METRICS",
     "PREFIX",
     "TelemetryPrinterCallback",
+    "PANELS",
     "TelemetryProgressCallback",
     "attention_logits",
     "flatten",
@@ -434,6 +473,7 @@ __all__ = [
     "plot_telemetry",
     "probe_metrics",
     "summary_line",
+    "telemetry_panels",
     "telemetry_records",
     "unflatten",
     "unwrap_model",

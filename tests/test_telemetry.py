@@ -321,3 +321,46 @@ def test_plot_telemetry(tmp_path):
         "max_logit_map1": [4.0, 5.0],
         "max_logit_map2": [3.0, 4.0],
     }
+
+
+def test_plot_telemetry_is_a_readable_grid_without_panels_that_stay_zero(tmp_path):
+    """The plot is a grid two panels wide that reads at its own size (about 1000 pixels wide, not a strip several times
+    wider than high), one panel per metric the model's version logs; a metric that is 0 at every probe (V2's negative
+    share while λ·A2 ≤ A1 everywhere, as after its exact conversion) is named in the figure, not drawn flat."""
+    from PIL import Image
+
+    def history(version, negative):
+        records = []
+        for step in (0, 5, 10):
+            lam = {"lambda": [0.2, 0.3, 0.4]} if version == 1 else {"lambda_mean": [0.5, 0.5, 0.51]}
+            metrics = {
+                **lam,
+                "map_separation": [0.0, step / 100, step / 50],
+                "negative_share": [negative * step] * 3,
+                "first_token_mass": [0.3, 0.2, 0.1],
+                "max_logit_map1": [4.0, 5.0, 6.0],
+                "max_logit_map2": [3.0, 4.0, 5.0],
+            }
+            records += [{"step": step, **telemetry.flatten(metrics), "diffattn/grad_norm_spikes": 0}]
+            records += [{"step": step + 1, "loss": 1.0, "grad_norm": 1.0}]
+        return records
+
+    v2 = history(2, negative=0.0)
+    drawn, zero = telemetry.telemetry_panels(v2)
+    names = [name for name, _ in drawn]
+    assert names == ["lambda_mean", "map_separation", "first_token_mass", "max_logit_map1"], names
+    assert zero == ["share of negative A1 − λA2 entries"]
+    v1 = history(1, negative=0.01)
+    drawn, zero = telemetry.telemetry_panels(v1)
+    assert [name for name, _ in drawn] == [
+        "lambda",
+        "map_separation",
+        "negative_share",
+        "first_token_mass",
+        "max_logit_map1",
+    ]
+    assert zero == []
+    for version, records in ((1, v1), (2, v2)):
+        with Image.open(telemetry.plot_telemetry(records, tmp_path / f"v{version}.png", title="tiny")) as image:
+            width, height = image.size
+        assert 800 <= width <= 1200 and width / height <= 1.5, (version, image.size)  # 3 rows of 2 panels
