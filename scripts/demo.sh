@@ -7,10 +7,24 @@
 #
 # It runs in the environment README's Install makes, and only there: the active virtual environment if one is active,
 # else .venv. Whatever of Install is missing there is installed first, the Install way (`scripts/setup.sh --user`:
-# torch's CPU build on a machine without an NVIDIA GPU, the package with its train and gguf extras, the model); no
-# test tools, no second venv.
+# torch's CPU build on a machine without an NVIDIA GPU, the package with its train and gguf extras, the model); what
+# is installed already is kept (seconds); no test tools, no second venv. `--help` installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for arg in "$@"; do
+    if [ "$arg" = -h ] || [ "$arg" = --help ]; then
+        python=${VIRTUAL_ENV:-.venv}/bin/python
+        script=examples/upcycle.py
+        [ "${1:-}" != --from-scratch ] || script=examples/train.py
+        found="import importlib.util, sys; sys.exit(not importlib.util.find_spec('difftransformer'))"
+        if [ -x "$python" ] && "$python" -c "$found"; then
+            exec "$python" "$script" --help
+        fi
+        sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+        echo "Its flags (${script#examples/} --help) are listed once README's Install (or a first demo run) has run."
+        exit 0
+    fi
+done
 bash scripts/setup.sh --user
 [ -n "${VIRTUAL_ENV:-}" ] || . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -41,7 +41,10 @@ def pack_documents(
     ids: list[int] = []
     needed = None if max_blocks is None else max_blocks * block_size
     for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        # verbose=False: a whole document may be longer than the tokenizer's model_max_length; it is cut into blocks
+        # here, never fed whole, so transformers' "Token indices sequence length is longer than the specified
+        # maximum" warning would only mislead.
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         ids.append(sep)
         if needed is not None and len(ids) >= needed:
             break
@@ -68,7 +71,7 @@ def heldout_blocks(tokenizer, blocks: int, length: int) -> dict[str, torch.Tenso
     """The first ``blocks × length`` tokens of each held-out text, as ``(blocks, length)`` tensors."""
     out = {}
     for name, text in heldout_texts().items():
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # only its first blocks are kept
         if len(ids) < blocks * length:
             raise ValueError(
                 f"held-out text {name!r} has {len(ids)} tokens, fewer than {blocks}×{length}; lower --eval-blocks."

