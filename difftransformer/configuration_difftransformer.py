@@ -100,6 +100,11 @@ class DiffTransformerConfig(PreTrainedConfig):
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.lambda_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
+        # V1's λ vectors (the attention module's own parameters) and per-head norm are replicated but each rank's use
+        # covers only its heads: "replicated_grad_sum" (modeling_difftransformer.py) sums their gradients over the
+        # tensor-parallel group in every backward pass.
+        "layers.*.self_attn": "replicated_grad_sum",
+        "layers.*.self_attn.subln": "replicated_grad_sum",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",

@@ -47,6 +47,7 @@ interleaved, group-major query rows (convert_scripts handle both), no attention 
 """
 
 import contextlib
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -115,6 +116,67 @@ from .triton_epilogue_difftransformer import runs as epilogue_runs
 from .triton_epilogue_difftransformer import v1_combine_norm
 
 logger = logging.get_logger(__name__)
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # a torch built without distributed support: nothing is ever sharded
+    DTensor = Shard = None
+
+try:  # transformers' registry of tensor-parallel plan styles (the `base_model_tp_plan` values)
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+except ImportError:  # a transformers without the `transformers.distributed` package
+    ALL_PARALLEL_STYLES = TensorParallelLayer = None
+
+# The plan style of V1's replicated parameters that see only this rank's heads (configuration_difftransformer.py).
+REPLICATED_GRAD_SUM_STYLE = "replicated_grad_sum"
+
+
+class _SumGradientOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the incoming gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+if TensorParallelLayer is not None:
+
+    class ReplicatedGradSumParallel(TensorParallelLayer):
+        """Tensor-parallel style ``"replicated_grad_sum"``: a module's own parameters are replicated on every rank, but
+        each rank's use of them covers only its heads (V1's λ vectors and per-head norm sit between a column-wise and a
+        row-wise layer), so their gradient is summed over the tensor-parallel group.
+
+        The sum happens in autograd, once per backward pass, on the gradient of this forward's use: while the forward
+        runs with gradients enabled, the module sees each parameter through an identity whose backward all-reduces.
+        (transformers' ``"replicated_with_grad_allreduce"`` all-reduces ``param.grad`` after accumulation instead, which
+        sums the earlier micro-batches' already-summed gradients again under gradient accumulation.)"""
+
+        def install_forward(self, module, mesh):
+            original_forward = module.forward
+            group = mesh.get_group()
+
+            def tp_forward(*args, **kwargs):
+                if not torch.is_grad_enabled():
+                    return original_forward(*args, **kwargs)
+                own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+                module._parameters.update({n: _SumGradientOverGroup.apply(p, group) for n, p in own.items()})
+                try:
+                    return original_forward(*args, **kwargs)
+                finally:
+                    module._parameters.update(own)
+
+            module.forward = tp_forward
+            return module
+
+    ALL_PARALLEL_STYLES.register(REPLICATED_GRAD_SUM_STYLE, ReplicatedGradSumParallel())
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -829,6 +891,14 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffTransformerDecoderLayer"]
+    # V1's λ vectors stay float32 in a float16/bfloat16 load (λ is computed in float32); transformers' FSDP2 gives the
+    # module holding them (each attention module) a shard group of its own, since a group holds one dtype.
+    _keep_in_fp32_modules_strict = [
+        "self_attn.lambda_q1",
+        "self_attn.lambda_k1",
+        "self_attn.lambda_q2",
+        "self_attn.lambda_k2",
+    ]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -972,6 +1042,31 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
             return torch.stack([m.lambda_full() for m in self.modules() if isinstance(m, DiffTransformerAttention)])
 
 
+def gathers_sharded_lambdas(forward):
+    """``forward`` of the base model, whose ``lambdas`` (``output_lambdas=True``) hold every differential head under
+    tensor parallelism too: V2's ``λ = sigmoid(lambda_proj(x))`` comes from a column-sharded ``lambda_proj``, so each
+    rank computes its own heads' ``(B, T, H / tp_size)``; they are gathered (differentiably) into ``(B, T, H)``. V1's
+    λ, a scalar per layer, is the same on every rank."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
+        outputs = forward(self, *args, return_dict=True, **kwargs)
+        lambdas = outputs.get("lambdas")
+        if lambdas and self.config.diff_version == 2 and lambdas[0].shape[-1] != self.config.num_diff_heads:
+            weight = self.layers[0].self_attn.lambda_proj.weight  # a DTensor sharded over the tensor-parallel mesh
+            mesh = weight.device_mesh
+            if mesh.ndim > 1:  # tensor parallelism within FSDP2: the ("fsdp", "tp") mesh
+                mesh = mesh["tp"]
+            outputs["lambdas"] = tuple(
+                DTensor.from_local(lam, mesh, [Shard(-1)], run_check=False).full_tensor() for lam in lambdas
+            )
+        return outputs if return_dict else outputs.to_tuple()
+
+    return wrapper
+
+
 class DiffTransformerModel(DiffTransformerPreTrainedModel):
     def __init__(self, config: DiffTransformerConfig):
         super().__init__(config)
@@ -987,7 +1082,22 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
         self.post_init()
         if config.diff_version == 1:  # V1 has no lambda_proj (its λ vectors and subln are replicated under TP)
             self._tp_plan.pop("layers.*.self_attn.lambda_proj", None)
+            # FSDP2 shards one dtype per group: the attention's projections and per-head norm get groups of their own,
+            # so that in a bfloat16 model the float32 λ vectors (_keep_in_fp32_modules_strict) are alone in the group
+            # transformers gives the attention module (every module holding float32-kept parameters gets one).
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "subln"):
+                self._fsdp_plan[f"layers.*.self_attn.{name}"] = "free_full_weight"
+        else:  # V2 has no λ vectors and no per-head norm (its lambda_proj is sharded with its heads)
+            self._tp_plan.pop("layers.*.self_attn", None)
+            self._tp_plan.pop("layers.*.self_attn.subln", None)
+        if config.hidden_act == "poly_norm":
+            # Motif's PolyNorm normalises over all intermediate features: a column shard of gate_proj would normalise
+            # over its own slice only. Tensor parallelism keeps such an MLP whole on every rank (same input, same
+            # output, same gradients everywhere) and shards the attention only.
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                self._tp_plan.pop(f"layers.*.mlp.{name}", None)
 
+    @gathers_sharded_lambdas
     @accepts_old_cache_name
     @merge_with_config_defaults
     @capture_outputs

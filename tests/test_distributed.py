@@ -8,12 +8,18 @@ it with the same script's function run in this single process:
   holds half the parameters, the loss trajectory and the saved (gathered) weights equal the single-process run, and
   the saved folder is the folder a single process writes;
 * tensor parallelism with the model's `base_model_tp_plan` (`DistributedConfig(tp_plan="auto")`): the shards hold
-  whole KV groups, logits and greedy tokens equal the unsharded model's, for V1 and V2; a `tp_size` that would
-  split a KV group is refused with a clear error.
+  whole KV groups, logits, every head's λ and greedy tokens equal the unsharded model's, for V1 and V2; a `tp_size`
+  that would split a KV group is refused with a clear error;
+* training (examples/distributed/train_parallel.py, AdamW with gradient accumulation) under tensor parallelism (2
+  processes; V1, V2, grouped noise heads, a Motif-2 layout), FSDP2 in bfloat16 (V1, V2) and tensor parallelism within
+  FSDP2 (4 processes, V1, V2): losses and every gathered parameter as close to a float64 run as the same training in
+  one process is (`utils_distributed.assert_as_close_as_one_process`), and the processes of a tensor-parallel group
+  holding identical replicated parameters.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +29,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import train_fsdp2
+import train_parallel
 import train_trainer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import difftransformer  # noqa: F401
-from utils_distributed import word_tokenizer
+from utils_distributed import assert_as_close_as_one_process, word_tokenizer
 
 # Its modules (dist_common, train_fsdp2, train_trainer) are on sys.path through pyproject.toml's pytest `pythonpath`.
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "distributed"
@@ -167,6 +174,8 @@ def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_ve
         "6",
         "--save-logits",
         str(tmp_path / "logits.pt"),
+        "--save-lambdas",
+        str(tmp_path / "lambdas.pt"),
         cwd=tmp_path,
     )
     result = last_json_line(proc.stdout)
@@ -174,8 +183,13 @@ def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_ve
 
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        expected_logits = model(ids).logits
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected_logits, rtol=1e-5, atol=1e-5)
+        expected = model(ids, output_lambdas=True)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected.logits, rtol=1e-5, atol=1e-5)
+    # λ of every differential head (V2: (1, T, H) per layer, gathered from the ranks' heads; V1: one scalar per layer)
+    lambdas = torch.load(tmp_path / "lambdas.pt")
+    assert [lam.shape for lam in lambdas] == [lam.shape for lam in expected.lambdas]
+    for lam, expected_lam in zip(lambdas, expected.lambdas):
+        torch.testing.assert_close(lam, expected_lam, rtol=1e-5, atol=1e-6)
     expected_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
     assert result["generated_ids"] == expected_tokens
     if diff_version == 2:
@@ -215,3 +229,93 @@ def test_tensor_parallel_refuses_to_split_a_kv_group(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "KV groups" in proc.stderr and "tp_size" in proc.stderr, proc.stderr[-3000:]
+
+
+# Head layouts trained under tensor parallelism: the tiny model's (dist_common.tiny_config) with these overrides.
+TRAINING_LAYOUTS = {
+    "v1": dict(diff_version=1),
+    "v2": dict(diff_version=2),
+    # grouped differential attention: 2 noise maps for 6 signal maps (r = 3), over 2 KV groups
+    "v2-grouped-noise-heads": dict(diff_version=2, num_noise_heads=2),
+    # Motif-2-12.7B's layout at tiny size: V1 with grouped noise heads (r = 4), PolyNorm MLP, λinit one layer off
+    "motif-2": dict(
+        diff_version=1,
+        hidden_act="poly_norm",
+        num_attention_heads=10,
+        num_noise_heads=2,
+        head_dim=8,
+        lambda_init_layer_offset=-1,
+    ),
+}
+
+
+RUNS = ("parallel", "single", "float64")
+
+
+def train_in_parallel_and_alone(tmp, layout: str, nproc: int, dtype: str, *options: str) -> dict:
+    """The same AdamW training (gradient accumulation over 2 micro-batches) launched on `nproc` processes with
+    train_parallel.py's `options`, in this process in `dtype`, and in this process in float64; the saved (gathered)
+    weights and the losses of all three."""
+    dist_common.tiny_model(seed=0, **TRAINING_LAYOUTS[layout]).save_pretrained(tmp / "init")
+    common = [
+        "--model",
+        str(tmp / "init"),
+        "--max-steps",
+        "3",
+        "--global-batch-size",
+        "4",
+        "--grad-accum-steps",
+        "2",
+        "--learning-rate",
+        "3e-3",
+        "--save",
+    ]
+    out = ["--output-dir", str(tmp / "parallel"), "--dtype", dtype]
+    torchrun("train_parallel.py", *out, *options, *common, cwd=tmp, nproc=nproc)
+    runs = {"parallel": json.loads((tmp / "parallel" / "losses.json").read_text())}
+    assert runs["parallel"]["world_size"] == nproc
+    for run, run_dtype in (("single", dtype), ("float64", "float64")):
+        args = train_parallel.parse_args(["--output-dir", str(tmp / run), "--dtype", run_dtype, *common])
+        runs[run] = {"losses": train_parallel.train(args)}
+    for run in runs:
+        runs[run]["weights"] = load_file(tmp / run / "model" / "model.safetensors")
+    runs["initial"] = load_file(tmp / "init" / "model.safetensors")
+    return runs
+
+
+def assert_training_equals_one_process(runs: dict, dtype: torch.dtype):
+    losses = {run: {"loss": torch.tensor(runs[run]["losses"], dtype=torch.float64)} for run in RUNS}
+    assert_as_close_as_one_process(losses["parallel"], losses["single"], losses["float64"], dtype, "losses")
+    assert runs["float64"]["losses"][-1] < runs["float64"]["losses"][0]  # it trains
+    weights = {run: runs[run]["weights"] for run in RUNS}
+    assert_as_close_as_one_process(
+        weights["parallel"], weights["single"], weights["float64"], dtype, "weights", initial=runs["initial"]
+    )
+    # The processes of a tensor-parallel group hold the same replicated parameters (V1's λ and per-head norm too).
+    assert runs["parallel"]["replicated_gap"] == 0.0
+
+
+@pytest.mark.parametrize("layout", sorted(TRAINING_LAYOUTS))
+def test_tensor_parallel_training_equals_one_process(tmp_path, layout):
+    runs = train_in_parallel_and_alone(tmp_path, layout, 2, "float32")
+    assert_training_equals_one_process(runs, torch.float32)
+
+
+@pytest.mark.parametrize("diff_version", [1, 2])
+def test_fsdp2_trains_in_bfloat16(tmp_path, diff_version):
+    # from_pretrained(dtype=torch.bfloat16) keeps V1's λ vectors float32 (_keep_in_fp32_modules_strict); FSDP2 needs
+    # one dtype per shard group, which transformers then gives them.
+    runs = train_in_parallel_and_alone(tmp_path, f"v{diff_version}", 2, "bfloat16", "--fsdp-size", "2")
+    assert_training_equals_one_process(runs, torch.bfloat16)
+    saved = runs["parallel"]["weights"]
+    assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    kept = [name for name in saved if re.search(r"self_attn\.lambda_[qk][12]$", name)]
+    assert len(kept) == (4 * 2 if diff_version == 1 else 0)  # 2 layers
+    assert all(saved[name].dtype == torch.float32 for name in kept)
+
+
+@pytest.mark.parametrize("diff_version", [1, 2])
+def test_tensor_parallel_within_fsdp2_equals_one_process(tmp_path, diff_version):
+    # 4 processes: 2 FSDP2 groups (each a different half of every batch) of 2 tensor-parallel processes.
+    runs = train_in_parallel_and_alone(tmp_path, f"v{diff_version}", 4, "float32", "--fsdp-size", "2")
+    assert_training_equals_one_process(runs, torch.float32)

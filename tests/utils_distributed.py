@@ -60,3 +60,37 @@ def save_tiny_lm(
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
+
+
+# Unit roundoff of the dtypes a training run is compared in.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+def assert_as_close_as_one_process(
+    parallel: dict, single: dict, reference: dict, dtype: torch.dtype, what: str, initial: dict | None = None
+):
+    """Every tensor of a parallel run within the rounding error of the same run in one process.
+
+    The error model is the one-process run's own: both compute the same float64-defined training in `dtype` and differ
+    only in how float sums are ordered and split, so against the float64 run (`reference`) the parallel run's error on
+    a tensor must be of the one-process run's size: at most 4 times the sum of
+    * the one-process run's largest error on that tensor,
+    * its largest error relative to a tensor's training update (`reference - initial`), over all tensors, times this
+      tensor's update: how far rounding moves an optimizer step depends on the cancellation in each gradient, which is
+      the model's, not the engine's (a tensor of one entry gives a single sample of it),
+    * a rounding of the tensor's largest entry (for a tensor the one-process run happens to hit exactly).
+    A gradient summed over the wrong ranks (rank-local λ, a norm over a shard) is off by orders of magnitude more."""
+    assert parallel.keys() == single.keys() == reference.keys(), what
+    unit = UNIT_ROUNDOFF[dtype]
+    errors, updates = {}, {}
+    for name, ref in reference.items():
+        errors[name] = (single[name].double() - ref.double()).abs().max().item()
+        updates[name] = 0.0 if initial is None else (ref.double() - initial[name].double()).abs().max().item()
+    relative = max((errors[n] / updates[n] for n in reference if updates[n] > 0), default=0.0)
+    for name, ref in reference.items():
+        ref = ref.double()
+        bound = 4 * (errors[name] + relative * updates[name] + unit * ref.abs().max().item())
+        error = (parallel[name].double() - ref).abs().max().item()
+        assert error <= bound, (
+            f"{what}: {name} is {error:.3g} from the float64 run, one process {errors[name]:.3g} (bound {bound:.3g})"
+        )

@@ -54,7 +54,8 @@ def main(argv=None) -> dict:
         input_ids = torch.tensor([args.input_ids])
     input_ids = input_ids.to(model.device)
     with torch.no_grad():
-        logits = model(input_ids).logits  # full vocabulary on every rank (lm_head: colwise_gather_output)
+        # full vocabulary on every rank (lm_head: colwise_gather_output), λ of every differential head
+        outputs = model(input_ids, output_lambdas=True)
     generated = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
     new_tokens = generated[0, input_ids.shape[1] :].tolist()
     result = {"world_size": dist.get_world_size(), "generated_ids": new_tokens, "shards": shard_report(model)}
@@ -62,7 +63,9 @@ def main(argv=None) -> dict:
         result["text"] = tokenizer.decode(new_tokens)
     if dist.get_rank() == 0:
         if args.save_logits:
-            torch.save(logits.cpu(), args.save_logits)
+            torch.save(outputs.logits.cpu(), args.save_logits)
+        if args.save_lambdas:
+            torch.save([lam.cpu() for lam in outputs.lambdas], args.save_lambdas)
         print(json.dumps(result))
     return result
 
@@ -75,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     prompt.add_argument("--input-ids", type=int, nargs="+", help="prompt as token ids")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens to generate")
     p.add_argument("--save-logits", default=None, help="rank 0 saves the prompt's logits here (torch.save)")
+    p.add_argument(
+        "--save-lambdas", default=None, help="rank 0 saves the prompt's λ of every layer here (output_lambdas)"
+    )
     return p.parse_args(argv)
 
 
