@@ -14,9 +14,14 @@ tensor-parallel plans) sees standard shapes:
 Every invariant is checked at construction; a bad combination raises ``ValueError`` naming the fields.
 """
 
+import dataclasses
+import difflib
+import functools
+
 from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.generation.configuration_utils import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import logging
 
@@ -43,6 +48,47 @@ AUTO_MAP = {
     "AutoModelForQuestionAnswering": "DiffTransformerForQuestionAnswering",
 }
 _CONFIG_ENTRY = "configuration_difftransformer.DiffTransformerConfig"
+# Keyword arguments that are not fields of this config yet are no misspelling (DiffTransformerConfig warns for the
+# others): what a saved config.json carries beside the fields, what transformers' `PreTrainedConfig.__post_init__` reads
+# itself (the rope keys before `rope_parameters`, the implementation choices), and what configs written by older
+# transformers releases hold. Beside these: `PreTrainedConfig`'s own attributes and properties (`model_type`,
+# `num_labels`, `torch_dtype`, ...), generation parameters (configs saved them before generation_config.json;
+# transformers drops them), and names with a leading underscore (transformers' internal keys, e.g. `_name_or_path`).
+TRANSFORMERS_CONFIG_KEYS = frozenset(
+    {
+        "auto_map",
+        "quantization_config",
+        "custom_pipelines",
+        "attn_implementation",
+        "experts_implementation",
+        "rope_theta",
+        "partial_rotary_factor",
+        "is_decoder",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "torchscript",
+        "use_bfloat16",
+        "tf_legacy_loss",
+        "pruned_heads",
+        "finetuning_task",
+        "tokenizer_class",
+        "prefix",
+        "sep_token_id",
+        "task_specific_params",
+    }
+)
+_WARNED_UNKNOWN: set[str] = set()
+
+
+@functools.cache
+def _known_keywords(config_class) -> frozenset:
+    """The keyword arguments ``config_class`` takes without a warning: its fields and those of
+    :data:`TRANSFORMERS_CONFIG_KEYS`' kinds."""
+    fields = (f.name for f in dataclasses.fields(config_class))
+    return frozenset({*fields, *TRANSFORMERS_CONFIG_KEYS, *dir(PreTrainedConfig), *GenerationConfig().to_dict()})
+
+
 POSITIVE_INT_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -158,7 +204,25 @@ class DiffTransformerConfig(PreTrainedConfig):
         # Checked here, not only in `validate_architecture`, so that users get a plain ValueError
         # (``@strict`` wraps validator errors in its own exception type).
         self.validate_architecture()
+        self._warn_unknown_fields(kwargs)
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def _warn_unknown_fields(cls, kwargs: dict) -> None:
+        """Warn once per name for a keyword argument that is neither a field of this config nor a key transformers
+        passes (:data:`TRANSFORMERS_CONFIG_KEYS`): transformers keeps it as an attribute (and saves it), but no model
+        reads it, which is what a misspelt field looks like. Names the nearest field."""
+        known = _known_keywords(cls)
+        for name in kwargs:
+            if name.startswith("_") or name in known or name in _WARNED_UNKNOWN:
+                continue
+            _WARNED_UNKNOWN.add(name)
+            nearest = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(cls)], n=1)
+            hint = f"did you mean `{nearest[0]}`?" if nearest else 'the fields: docs/model.md, "Configuration"'
+            logger.warning(
+                f"{cls.__name__} got the keyword argument {name!r}, which is not one of its fields ({hint}): it is "
+                "kept as an attribute and saved, but no model reads it. (Warned once per name.)"
+            )
 
     def validate_architecture(self):
         """Every invariant of the head counts (docs/model.md, "Configuration"); runs at construction and from

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from difftransformer import DiffTransformerConfig
@@ -143,3 +144,66 @@ def test_defaults_are_the_paper_v1():
     cfg = DiffTransformerConfig()
     assert cfg.diff_version == 1 and cfg.lambda_init is None and cfg.lambda_std == 0.1 and cfg.subln_eps == 1e-5
     assert cfg.num_key_value_heads == cfg.num_attention_heads and cfg.attention_dropout == 0.0
+
+
+UNKNOWN_FIELD = "is not one of its fields"
+
+
+def unknown_field_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if UNKNOWN_FIELD in r.getMessage()]
+
+
+def test_misspelt_fields_warn_once_naming_the_nearest_field(caplog):
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            cfg = DiffTransformerConfig(**BASE, hiden_sise=64, num_atention_heads=4, zzqx_frobnicate=1)
+    warned = unknown_field_warnings(caplog)
+    assert len(warned) == 3, warned  # once per name, not per construction
+    by_name = {name: [w for w in warned if f"{name!r}" in w] for name in ("hiden_sise", "num_atention_heads")}
+    assert "`hidden_size`" in by_name["hiden_sise"][0] and "`num_attention_heads`" in by_name["num_atention_heads"][0]
+    assert "docs/model.md" in next(w for w in warned if "'zzqx_frobnicate'" in w)  # nothing near: where fields are
+    assert cfg.hidden_size == BASE["hidden_size"] and cfg.hiden_sise == 64  # kept as given, as transformers does
+
+
+def test_keys_transformers_passes_do_not_warn(tmp_path, caplog):
+    """Saving and loading (config and model, through the Auto classes and from_dict), transformers' own keyword
+    arguments, generation parameters and fields older releases saved: no unknown-field warning."""
+    from transformers import AutoModelForCausalLM
+
+    from difftransformer import DiffTransformerForCausalLM
+
+    with caplog.at_level(logging.WARNING):
+        cfg = DiffTransformerConfig(
+            **BASE,
+            vocab_size=64,
+            torch_dtype="float32",
+            attn_implementation="eager",
+            output_attentions=False,
+            num_labels=3,
+            max_length=20,
+            do_sample=False,
+            is_decoder=True,
+            tokenizer_class="LlamaTokenizer",
+            rope_theta=5e5,
+            _name_or_path="somewhere",
+        )
+        DiffTransformerConfig.from_dict(cfg.to_dict())
+        DiffTransformerConfig(**cfg.to_dict())
+        cfg.save_pretrained(tmp_path / "config")
+        AutoConfig.from_pretrained(tmp_path / "config")
+        DiffTransformerConfig.from_pretrained(tmp_path / "config", dtype="bfloat16", attn_implementation="eager")
+        DiffTransformerForCausalLM(DiffTransformerConfig(**BASE, vocab_size=64)).save_pretrained(tmp_path / "model")
+        AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.bfloat16)
+        AutoConfig.from_pretrained(tmp_path / "model", trust_remote_code=True)  # the folder's copy of this code
+    assert not unknown_field_warnings(caplog)
+
+
+def test_motif_config_does_not_warn(caplog):
+    from difftransformer.motif import MotifConfig
+    from motif_reference import motif_config
+
+    with caplog.at_level(logging.WARNING):
+        for kind in ("tiny", "tiny-gda", "12.7b"):
+            MotifConfig(**{k: v for k, v in motif_config(kind).items() if k != "model_type"})
+            MotifConfig(**motif_config(kind))
+    assert not unknown_field_warnings(caplog)
