@@ -40,12 +40,19 @@ def _single_process_env(monkeypatch):
 def test_pipeline_parallel_generate_equals_one_process(tmp_path, diff_version):
     model = dist_common.tiny_model(diff_version=diff_version, seed=0).eval()
     model.save_pretrained(tmp_path / "model")
-    prompt = [5, 17, 3, 99, 42, 7, 64, 1, 2]
+    if diff_version == 1:  # prompt as token ids
+        prompt = [5, 17, 3, 99, 42, 7, 64, 1, 2]
+        prompt_args = ["--input-ids", *map(str, prompt)]
+    else:  # prompt as text, through the tokenizer saved with the model (the doc's form)
+        text = "def main ( argv ) : return"
+        tokenizer = word_tokenizer([text])
+        tokenizer.save_pretrained(tmp_path / "model")
+        prompt, prompt_args = tokenizer(text).input_ids, ["--prompt", text]
     result = last_json_line(
         check(
             launch(
                 EXAMPLES / "pp_generate.py",
-                *("--model", str(tmp_path / "model"), "--input-ids", *map(str, prompt)),
+                *("--model", str(tmp_path / "model"), *prompt_args),
                 *("--max-new-tokens", "6", "--save-logits", str(tmp_path / "logits.pt")),
                 cwd=tmp_path,
             )
@@ -62,6 +69,8 @@ def test_pipeline_parallel_generate_equals_one_process(tmp_path, diff_version):
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected_logits, rtol=1e-5, atol=1e-5)
     expected = model.generate(ids, max_new_tokens=6, do_sample=False)[:, len(prompt) :].tolist()
     assert result["generated_ids"] == expected
+    if diff_version == 2:
+        assert result["text"] == tokenizer.batch_decode(expected)
 
 
 @pytest.mark.xfail(
