@@ -372,15 +372,19 @@ def test_trainer_checkpoints_of_a_v1_peft_model_keep_and_restore_lambda(tmp_path
     torch.testing.assert_close(resumed.get_base_model().layer_lambdas(), final, rtol=1e-5, atol=1e-6)
 
 
-def test_lambda_training_patches_nothing_and_needs_the_callback_for_checkpoints(tmp_path):
-    """enable_lambda_training only switches λ on: the PeftModel keeps PEFT's own save_pretrained (adapter only), and
-    without LambdaCheckpointCallback a checkpoint has no λ (so resuming would silently restart λ)."""
+def test_lambda_training_keeps_the_lambdas_without_the_callback(tmp_path):
+    """After enable_lambda_training, the PeftModel's own save_pretrained and a Trainer checkpoint written without
+    LambdaCheckpointCallback both hold the trained λ (the class's save_pretrained is left as PEFT's)."""
     model = _lora_v1()
-    assert "save_pretrained" not in vars(model) and type(model).save_pretrained is PeftModel.save_pretrained
+    assert type(model).save_pretrained is PeftModel.save_pretrained
     model.save_pretrained(tmp_path / "plain")
-    assert not any("lambda_" in k for k in load_file(tmp_path / "plain" / "adapter_model.safetensors"))
+    assert any("lambda_" in k for k in load_file(tmp_path / "plain" / "adapter_model.safetensors"))
     Trainer(model=model, args=_lambda_args(tmp_path / "out", max_steps=2), train_dataset=_Rows()).train()
-    assert not any("lambda_" in k for k in load_file(tmp_path / "out" / "checkpoint-2" / "adapter_model.safetensors"))
+    saved = load_file(tmp_path / "out" / "checkpoint-2" / "adapter_model.safetensors")
+    trained = {k: v for k, v in model.named_parameters() if "lambda_" in k}
+    assert trained and set(trained) <= set(saved)
+    for name, value in trained.items():
+        assert torch.equal(saved[name], value.detach().cpu()), name
 
 
 # ----------------------------------------------------------------------------------------------- the whole job

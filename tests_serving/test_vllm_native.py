@@ -63,6 +63,7 @@ MODELS = {
     "v1_duplicate_3q1kv": dict(duplicate=(3, 1), seed=3),
     "v1_gda_r4": dict(diff_version=1, num_attention_heads=10, num_key_value_heads=4, num_noise_heads=2, seed=0),
     "v2_gda_r2": dict(diff_version=2, num_attention_heads=6, num_key_value_heads=2, num_noise_heads=2, seed=0),
+    "v2_gqa_n2": dict(diff_version=2, num_attention_heads=8, num_key_value_heads=2, seed=0),
     "motif_mha": dict(motif="tiny-mha", overrides={"head_dim": 16}, seed=2),  # its own head_dim 8: 2·8 too small
     "motif_gqa": dict(motif="tiny-gqa", overrides={}, seed=0),
     "motif_gda": dict(motif="tiny-gda", overrides={}, seed=1),
@@ -75,6 +76,7 @@ LAYOUTS = {
     "v1_duplicate_3q1kv": (6, 2, 3, 1),
     "v1_gda_r4": (10, 4, 2, 4),
     "v2_gda_r2": (6, 2, 2, 2),
+    "v2_gqa_n2": (8, 2, 4, 1),
     "motif_mha": (8, 8, 4, 1),
     "motif_gqa": (8, 4, 4, 1),
     "motif_gda": (10, 4, 2, 4),
@@ -82,9 +84,10 @@ LAYOUTS = {
 COMPILED = (
     "v1_gqa_n3"  # vLLM's default (torch.compile); the others run enforce_eager (compilation costs ~30 s of CPU each)
 )
-# 2 groups of 4 signal + 1 noise heads: one whole group per rank, and PolyNorm's all-reduce. Several groups per rank
-# (v1_gqa_n2) are left to the shard arithmetic below: each two-rank engine costs CI about a minute of both cores.
-TENSOR_PARALLEL = ("motif_gda",)
+# Plain V1 with several groups per rank (4 groups, 2 each), plain V2 (2 groups, one each), and Motif-2's grouped noise
+# heads (2 groups of 4 signal + 1 noise heads: one whole group per rank, and PolyNorm's all-reduce). Each two-rank
+# engine costs CI about a minute of both cores.
+TENSOR_PARALLEL = ("v1_gqa_n2", "v2_gqa_n2", "motif_gda")
 
 
 def random_prompts(seed: int, count: int, prefix: list[int]) -> list[list[int]]:
@@ -224,9 +227,11 @@ def test_transformers_backend_refuses_v1_and_points_to_the_native_model(engine_r
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two CPU cores (one bound each)")
 def test_two_tensor_parallel_ranks_equal_generate(models, tmp_path_factory):
-    """``tensor_parallel_size=2`` (vLLM's multiprocess executor, one worker per rank, each bound to its own core):
-    every rank holds a whole KV group with its query half-heads, λ and o_proj columns (motif_gda: one group of 4 signal
-    + 1 noise heads per rank), and PolyNorm's means of squares are summed over the ranks."""
+    """``tensor_parallel_size=2`` (vLLM's multiprocess executor, one worker per rank, each bound to its own core) on a
+    plain V1 folder, a plain V2 folder and Motif-2's grouped noise heads: every rank holds whole KV groups with their
+    query heads and o_proj columns (v1_gqa_n2: two groups per rank, with λ and subln replicated; v2_gqa_n2: one group,
+    with its lambda_proj rows; motif_gda: one group of 4 signal + 1 noise heads), and PolyNorm's means of squares are
+    summed over the ranks."""
     jobs = [
         dict(
             name=name,
