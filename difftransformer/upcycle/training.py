@@ -147,9 +147,8 @@ def prepare_student(
     ``"full"``: every parameter (but the tied input/output embedding with ``freeze_embeddings``). ``"lora"``: LoRA
     on ``lora_targets`` (``"all-linear"``, or comma-separated module names), with λ trainable in a difftransformer
     model: V2's ``lambda_proj`` through ``modules_to_save``; V1's λ vectors through ``enable_lambda_training`` and its
-    per-head norm ``subln`` through ``modules_to_save`` (a Trainer keeps V1's λ in its checkpoints with
-    :class:`difftransformer.integrations.LambdaCheckpointCallback`). Any other causal LM (the source Llama of the fair
-    comparison) gets the same treatment without λ.
+    per-head norm ``subln`` through ``modules_to_save`` (the PeftModel's saves and the Trainer's checkpoints then keep
+    V1's λ). Any other causal LM (the source Llama of the fair comparison) gets the same treatment without λ.
     """
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
