@@ -11,19 +11,22 @@ tensor-parallel plans) sees standard shapes:
 * Grouped differential attention (GDA, arXiv 2510.06949): ``num_noise_heads`` (``N``) of the ``Hq`` query heads are
   noise maps, each shared by ``r = H / N`` signal maps; ``H = Hq − N``. ``N = Hq / 2`` (the default) is ``r = 1``.
 
-Every invariant is checked at construction; a bad combination raises ``ValueError`` naming the fields.
+A field's own type and range are checked whenever it is set, by huggingface_hub's ``@strict`` with transformers'
+field validators (its exception names the field); every invariant between fields is checked at construction, a bad
+combination raising ``ValueError`` naming the fields.
 """
 
 import dataclasses
 import difflib
 import functools
 
-from huggingface_hub.dataclasses import strict
+from huggingface_hub.dataclasses import as_validated_field, strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation.configuration_utils import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import logging
+from transformers.utils.type_validators import interval, positive_int_field
 
 logger = logging.get_logger(__name__)
 
@@ -100,6 +103,31 @@ POSITIVE_INT_FIELDS = (
     "max_position_embeddings",
 )
 
+# Per-field checks, run by huggingface_hub's @strict whenever a field is set (at construction, and on assignment): its
+# error names the field, wrapping the message below. Cross-field checks are `validate_architecture`'s.
+positive_number = interval(min=0.0, exclude_min=True)  # a norm's epsilon
+non_negative = interval(min=0.0)  # a standard deviation
+
+
+@as_validated_field
+def supported_diff_version(value: int):
+    if value not in SUPPORTED_DIFF_VERSIONS:
+        raise ValueError(
+            f"Value must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {value!r}."
+        )
+
+
+@as_validated_field
+def no_attention_dropout(value):
+    if value not in (None, 0, 0.0):
+        raise ValueError(f"Value must be 0: the Differential Transformer defines no attention dropout; got {value!r}.")
+
+
+@as_validated_field
+def lambda_init_value(value: float | None):
+    if value is not None and not 0.0 <= value < 1.0:
+        raise ValueError(f"Value must be None (depth schedule) or in [0, 1); got {value!r}.")
+
 
 @strict
 class DiffTransformerConfig(PreTrainedConfig):
@@ -161,17 +189,17 @@ class DiffTransformerConfig(PreTrainedConfig):
         "norm": (["hidden_states"], ["hidden_states"]),
     }
 
-    vocab_size: int = 32000
-    hidden_size: int = 2048
-    intermediate_size: int = 5632
-    num_hidden_layers: int = 16
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    vocab_size: int = positive_int_field(default=32000)
+    hidden_size: int = positive_int_field(default=2048)
+    intermediate_size: int = positive_int_field(default=5632)
+    num_hidden_layers: int = positive_int_field(default=16)
+    num_attention_heads: int = positive_int_field(default=32)
+    num_key_value_heads: int | None = positive_int_field(default=None)
+    head_dim: int | None = positive_int_field(default=None)
     hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = positive_int_field(default=2048)
+    initializer_range: float = non_negative(default=0.02)
+    rms_norm_eps: float = positive_number(default=1e-5)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -179,13 +207,13 @@ class DiffTransformerConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
-    attention_dropout: float | int | None = 0.0
+    attention_dropout: float | int | None = no_attention_dropout(default=0.0)
     mlp_bias: bool = False
-    diff_version: int = 1
-    lambda_init: float | None = None
-    lambda_std: float = 0.1
-    subln_eps: float = 1e-5
-    num_noise_heads: int | None = None
+    diff_version: int = supported_diff_version(default=1)
+    lambda_init: float | None = lambda_init_value(default=None)
+    lambda_std: float = non_negative(default=0.1)
+    subln_eps: float = positive_number(default=1e-5)
+    num_noise_heads: int | None = positive_int_field(default=None)
     lambda_init_layer_offset: int = 0
 
     def __post_init__(self, **kwargs):
@@ -194,13 +222,12 @@ class DiffTransformerConfig(PreTrainedConfig):
         if self.head_dim is None:
             # An explicit head_dim may differ from hidden_size // Hq (as in Llama); a derived one must divide exactly.
             hq = self.num_attention_heads
-            if not (isinstance(hq, int) and hq <= 0):  # a count <= 0: validate_architecture names it
-                if self.hidden_size % hq:
-                    raise ValueError(
-                        f"`hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
-                        f"({hq}); set `head_dim` explicitly or choose sizes that divide."
-                    )
-                self.head_dim = self.hidden_size // hq
+            if self.hidden_size % hq:
+                raise ValueError(
+                    f"`hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
+                    f"({hq}); set `head_dim` explicitly or choose sizes that divide."
+                )
+            self.head_dim = self.hidden_size // hq
         # Checked here, not only in `validate_architecture`, so that users get a plain ValueError
         # (``@strict`` wraps validator errors in its own exception type).
         self.validate_architecture()
@@ -225,24 +252,12 @@ class DiffTransformerConfig(PreTrainedConfig):
             )
 
     def validate_architecture(self):
-        """Every invariant of the head counts (docs/model.md, "Configuration"); runs at construction and from
-        ``config.validate()``."""
+        """Every invariant between fields (docs/model.md, "Configuration"); runs at construction and from
+        ``config.validate()``. Each field's own type and range are checked by its validator when it is set.
+
+        ``hidden_act`` is checked here rather than by a field validator: a subclass that redefines the field with its
+        own default (``MotifConfig``: ``"poly_norm"``) would drop that validator."""
         v, hq, hkv, d = self.diff_version, self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        if isinstance(v, bool) or v not in SUPPORTED_DIFF_VERSIONS:
-            raise ValueError(
-                f"`diff_version` must be one of {SUPPORTED_DIFF_VERSIONS} (1 = DIFF V1 paper, 2 = DIFF V2), got {v!r}."
-            )
-        for name in POSITIVE_INT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        for name in ("rms_norm_eps", "subln_eps"):
-            if isinstance(getattr(self, name), bool) or not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be a positive number (a norm's epsilon), got {getattr(self, name)!r}.")
-        if not self.initializer_range >= 0:
-            raise ValueError(
-                f"`initializer_range` must be >= 0 (a standard deviation), got {self.initializer_range!r}."
-            )
         if self.hidden_act not in ACT2FN and self.hidden_act not in PARAMETRIZED_ACTIVATIONS:
             raise ValueError(
                 f"`hidden_act` must be one of transformers' activations ({', '.join(sorted(ACT2FN))}) or "
@@ -283,16 +298,6 @@ class DiffTransformerConfig(PreTrainedConfig):
                 f"into the {groups} KV groups (num_key_value_heads{' / 2' if v == 1 else ''}) so that both maps of a "
                 f"pair read the same group; num_key_value_heads must be one of {allowed}, got {hkv}."
             )
-        if self.attention_dropout not in (None, 0, 0.0):
-            raise ValueError(
-                "`attention_dropout` must be 0: the Differential Transformer defines no attention dropout; got "
-                f"{self.attention_dropout}."
-            )
-        offset = self.lambda_init_layer_offset
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise ValueError(
-                f"`lambda_init_layer_offset` must be an integer (added to the layer index), got {offset!r}."
-            )
         for version, fields in VERSION_ONLY_FIELDS.items():
             for name, unused in fields.items():
                 if version != v and getattr(self, name) != unused:
@@ -300,20 +305,12 @@ class DiffTransformerConfig(PreTrainedConfig):
                         f"`{name}` = {getattr(self, name)!r} is not read by a diff_version={v} model (it applies to "
                         f"diff_version={version} only); it has no effect."
                     )
-        if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
-            raise ValueError(f"`lambda_init` must be None (depth schedule) or in [0, 1); got {self.lambda_init}.")
-        if not self.lambda_std >= 0:
-            raise ValueError(f"`lambda_std` must be >= 0 (a standard deviation), got {self.lambda_std!r}.")
 
     @staticmethod
     def _validate_noise_heads(v: int, hq: int, hkv: int, groups: int, noise) -> None:
         """Grouped differential attention: ``N = num_noise_heads`` noise maps, ``H = Hq − N`` signal maps, ``r = H / N``
         an integer, and the KV groups ``G`` dividing ``N`` (so each noise head and its ``r`` signal heads read one
         group)."""
-        if isinstance(noise, bool) or not isinstance(noise, int) or noise <= 0:
-            raise ValueError(
-                f"`num_noise_heads` must be None (num_attention_heads / 2) or a positive integer, got {noise!r}."
-            )
         kv = f"num_key_value_heads{' / 2' if v == 1 else ''}"
         fitting = [k for k in range(1, hq) if hq % k == 0 and k % groups == 0]
         if noise >= hq or hq % noise:
