@@ -5,14 +5,21 @@ wraps the model accordingly.
 
     python examples/distributed/train_trainer.py --output-dir out                         # one process
     torchrun --nproc_per_node 2 examples/distributed/train_trainer.py --output-dir out    # DDP (gloo on CPU)
-    accelerate launch --num_processes 2 examples/distributed/train_trainer.py --output-dir out   # same, via accelerate
+    accelerate launch --multi_gpu --num_processes 2 examples/distributed/train_trainer.py --output-dir out  # same
     torchrun --nproc_per_node 8 examples/distributed/train_trainer.py --fsdp --output-dir out     # FSDP2 (GPUs)
-    torchrun --nproc_per_node 8 examples/distributed/train_trainer.py --deepspeed ds.json --output-dir out  # DeepSpeed
+    torchrun --nproc_per_node 2 examples/distributed/train_trainer.py --deepspeed ds_zero3.json --output-dir out
+
+The accelerate line needs `--multi_gpu` even on a machine without GPUs: there it starts a 2-process gloo job, while
+`--num_processes 2` alone (or with `--cpu`, or a MULTI_CPU config file) starts one process. DeepSpeed (ZeRO-2 or
+ZeRO-3, `pip install deepspeed`) runs on GPUs and on CPU processes alike. The `TrainingArguments` are created before
+the model is loaded: with a ZeRO-3 config they make `from_pretrained`/`from_config` build the model already
+partitioned over the processes (`deepspeed.zero.Init`), so no process ever holds all of its parameters.
 
 Each process draws `--per-device-batch-size` sequences per step, so the global batch is that times the number of
-processes; tests/test_distributed.py checks that 2 processes x 2 sequences follow the same loss trajectory as
-1 process x 4. The data is a deterministic synthetic corpus (`dist_common.synthetic_dataset`) so that the script
-runs anywhere without downloads; `--model` starts from a saved model folder instead of a fresh tiny model.
+processes; the tests check that 2 processes x 2 sequences follow the same loss trajectory as 1 process x 4, under
+DDP (tests/test_distributed.py) and ZeRO-2/ZeRO-3 (tests/test_deepspeed.py). The data is a deterministic synthetic
+corpus (`dist_common.synthetic_dataset`) so that the script runs anywhere without downloads; `--model` starts from a
+saved model folder instead of a fresh tiny model.
 """
 
 import argparse
@@ -20,7 +27,7 @@ import json
 import os
 
 import torch
-from dist_common import synthetic_dataset, tiny_model  # examples/distributed/dist_common.py, beside this file
+from dist_common import synthetic_dataset, tiny_config  # examples/distributed/dist_common.py, beside this file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 
@@ -51,7 +58,8 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         # Same sample order whatever the number of processes: process i takes the i-th slice of every global batch.
         train_sampling_strategy="sequential",
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to="none",
         disable_tqdm=True,
         seed=args.seed,
@@ -64,19 +72,49 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
     )
 
 
+def load_model(args: argparse.Namespace):
+    """The model to train: `--model`'s folder, or a fresh tiny model seeded with `--seed`.
+
+    Call it after creating the `TrainingArguments`: with a ZeRO-3 DeepSpeed config they register it with
+    transformers, and `from_pretrained`/`from_config` then build the model inside `deepspeed.zero.Init`, every process
+    holding only its partition of each parameter."""
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model)
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(tiny_config(args.diff_version))
+
+
+def parameter_footprint(model) -> dict:
+    """Parameters this process holds (its ZeRO-3 partitions, else whole tensors) against the model's total."""
+    params = list(model.parameters())
+    local = [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in params]
+    return {
+        "local_numel": sum(t.numel() for t in local),
+        "local_bytes": sum(t.numel() * t.element_size() for t in local),
+        "total_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+    }
+
+
 def train(args: argparse.Namespace) -> list[float]:
-    """Train with `Trainer`; returns the loss logged at every step (the mean over all processes' tokens)."""
-    model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny_model(args.diff_version, args.seed)
+    """Train with `Trainer`; returns the loss logged at every step (the mean over all processes' tokens), the steps
+    before `--resume-from-checkpoint`'s checkpoint included."""
+    training_args = training_arguments(args)  # before the model: see load_model
+    model = load_model(args)
+    footprint = parameter_footprint(model)  # at initialisation, before the Trainer wraps the model
     data = synthetic_dataset(args.num_samples, args.seq_len, model.config.vocab_size, args.seed)
-    trainer = Trainer(model=model, args=training_arguments(args), train_dataset=data)
-    trainer.train()
+    trainer = Trainer(model=model, args=training_args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if args.save:
         trainer.save_model(os.path.join(args.output_dir, "model"))
+    footprints = [footprint]
+    if torch.distributed.is_initialized():
+        footprints = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(footprints, footprint)
     if trainer.is_world_process_zero():
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "losses.json"), "w") as f:
-            json.dump({"world_size": trainer.args.world_size, "losses": losses}, f)
+            json.dump({"world_size": trainer.args.world_size, "losses": losses, "parameters": footprints}, f)
     return losses
 
 
@@ -100,6 +138,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--deepspeed", default=None, metavar="JSON", help="a DeepSpeed config file (needs `pip install deepspeed`)"
     )
     p.add_argument("--save", action="store_true", help="save the trained model to OUTPUT_DIR/model")
+    p.add_argument(
+        "--save-steps", type=int, default=None, help="write a checkpoint (OUTPUT_DIR/checkpoint-N) every N steps"
+    )
+    p.add_argument(
+        "--resume-from-checkpoint",
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue the training saved in this checkpoint folder (written with --save-steps)",
+    )
     return p.parse_args(argv)
 
 
