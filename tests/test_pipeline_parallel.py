@@ -126,3 +126,22 @@ def test_a_hanging_job_is_killed_at_the_timeout(tmp_path):
     assert proc.returncode is None  # killed at the timeout
     with pytest.raises(AssertionError, match="timed out"):
         check(proc)
+
+
+def test_the_pipeline_forwards_wrapped_kwargs_are_named_when_something_is_lost():
+    """transformers' pipeline-parallel forward binds the caller's `**kwargs` as one argument named `kwargs`: with
+    only `return_dict` inside (what generate() passes; moot there) nothing is lost, anything else is named."""
+    from transformers.testing_utils import CaptureLogger
+
+    from difftransformer.compat_difftransformer import _WARNED_UNKNOWN, check_forward_arguments, logger
+    from difftransformer.modeling_difftransformer import eager_attention_forward
+
+    model = dist_common.tiny_model(diff_version=1).model
+    _WARNED_UNKNOWN.discard("kwargs")
+    with CaptureLogger(logger) as captured:
+        check_forward_arguments(model, {"kwargs": {"return_dict": True}}, None, None, eager_attention_forward)
+    assert captured.out == ""
+    with CaptureLogger(logger) as captured:
+        check_forward_arguments(model, {"kwargs": {"output_lambdas": True}}, None, None, eager_attention_forward)
+    assert "['output_lambdas']" in captured.out and "ignored" in captured.out
+    _WARNED_UNKNOWN.discard("kwargs")
