@@ -95,11 +95,11 @@ def train(args: argparse.Namespace) -> list[float]:
     for step in range(args.max_steps):
         batch = data[step * args.global_batch_size : (step + 1) * args.global_batch_size]
         local = batch.chunk(dp_size)[dp_rank]  # equal token counts per group: mean of local means = global mean
-        loss = torch.zeros(())
+        loss = torch.zeros((), dtype=torch.float64)  # the float64 reference's loss stays float64
         for micro in local.chunk(args.grad_accum_steps):  # gradient accumulation: equal micro-batches
             micro_loss = model(input_ids=micro, labels=micro).loss / args.grad_accum_steps
             micro_loss.backward()
-            loss += micro_loss.detach().float()
+            loss += micro_loss.detach().double()
         optimizer.step()
         optimizer.zero_grad()
         if world_size > 1:
