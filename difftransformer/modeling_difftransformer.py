@@ -940,6 +940,13 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
                 f"num_key_value_heads{' / 2' if model.config.diff_version == 1 else ''}): a tensor-parallel shard "
                 "holds whole groups, since both maps of a differential head read the same group."
             )
+        if mesh_manager is not None and tp_size > 1 and model.config.diff_version == 1 and ALL_PARALLEL_STYLES is None:
+            logger.warning_once(
+                "This transformers has no `transformers.distributed` package, where difftransformer registers the "
+                f"'{REPLICATED_GRAD_SUM_STYLE}' tensor-parallel style: V1's λ vectors and per-head norm stay "
+                "replicated without a summed gradient, so tensor-parallel training would update them from this rank's "
+                "heads only. Inference is unaffected; for training use transformers >= 5.24."
+            )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
@@ -1082,6 +1089,9 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
         self.post_init()
         if config.diff_version == 1:  # V1 has no lambda_proj (its λ vectors and subln are replicated under TP)
             self._tp_plan.pop("layers.*.self_attn.lambda_proj", None)
+            if ALL_PARALLEL_STYLES is None:  # no registry for the gradient-summing style (maybe_distribute_model warns)
+                self._tp_plan.pop("layers.*.self_attn", None)
+                self._tp_plan.pop("layers.*.self_attn.subln", None)
             # FSDP2 shards one dtype per group: the attention's projections and per-head norm get groups of their own,
             # so that in a bfloat16 model the float32 λ vectors (_keep_in_fp32_modules_strict) are alone in the group
             # transformers gives the attention module (every module holding float32-kept parameters gets one).
