@@ -116,6 +116,8 @@ GUARDED_CLAIMS = {
     "tests/test_distributed.py::test_ddp_": "DDP training on 2 processes",
     "tests/test_distributed.py::test_fsdp2_": "FSDP2 training on 2 processes",
     "tests/test_distributed.py::test_tensor_parallel_": "tensor-parallel inference on 2 processes",
+    "tests/test_deepspeed.py": "DeepSpeed ZeRO-2/3 training on 2 processes",
+    "tests/test_pipeline_parallel.py": "pipeline-parallel generate() on 2 processes",
 }
 SKIPS = SkipRecorder(GUARDED_CLAIMS, Path(__file__).parent)
 
@@ -139,6 +141,8 @@ SLOWEST_FIRST = [
     "test_transformers_common.py",
     "test_generation_difftransformer.py",
     "test_distributed.py",
+    "test_deepspeed.py",
+    "test_pipeline_parallel.py",
     "test_upcycle.py",
     "test_remote_code_folders.py",
     "test_export.py",
@@ -151,6 +155,8 @@ SLOWEST_FIRST = [
     "test_triton_dispatch.py",
     "test_trl.py",
     "test_convert_io.py",
+    "test_convert_interrupt.py",
+    "test_distributed_train_bench.py",
     "test_kernels_difftransformer.py",
     "test_motif.py",
 ]
