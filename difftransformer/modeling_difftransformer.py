@@ -881,6 +881,11 @@ class DiffTransformerCausalLMOutputWithPast(CausalLMOutputWithPast):
     lambdas: tuple[torch.Tensor, ...] | None = None
 
 
+# V1's λ vectors: float32 in a float16/bfloat16 load (λ is computed in float32), declared as transformers'
+# `_keep_in_fp32_modules_strict` by a V1 base model; transformers' FSDP2 then gives the module holding them (each
+# attention module) a shard group of its own, since a group holds one dtype.
+V1_FLOAT32_PARAMETERS = ("self_attn.lambda_q1", "self_attn.lambda_k1", "self_attn.lambda_q2", "self_attn.lambda_k2")
+
 # V1's λ vectors and per-head norm, V2's λ projection: what only a differential checkpoint holds.
 _DIFFERENTIAL_PARAM = re.compile(r"self_attn\.(lambda_[qk][12]|subln\.weight|lambda_proj\.weight)$")
 
@@ -891,14 +896,6 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffTransformerDecoderLayer"]
-    # V1's λ vectors stay float32 in a float16/bfloat16 load (λ is computed in float32); transformers' FSDP2 gives the
-    # module holding them (each attention module) a shard group of its own, since a group holds one dtype.
-    _keep_in_fp32_modules_strict = [
-        "self_attn.lambda_q1",
-        "self_attn.lambda_k1",
-        "self_attn.lambda_q2",
-        "self_attn.lambda_k2",
-    ]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -1086,6 +1083,8 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        if config.diff_version == 1:  # only V1 has λ vectors (the heads' post_init collects this from here)
+            self._keep_in_fp32_modules_strict = list(V1_FLOAT32_PARAMETERS)
         self.post_init()
         if config.diff_version == 1:  # V1 has no lambda_proj (its λ vectors and subln are replicated under TP)
             self._tp_plan.pop("layers.*.self_attn.lambda_proj", None)
