@@ -90,6 +90,7 @@ from .compat_difftransformer import (
     PackedGroupsPagedCache,
     accepts_old_cache_name,
     check_forward_arguments,
+    mask_layer_index,
 )
 from .configuration_difftransformer import AUTO_MAP, DiffTransformerConfig  # noqa: F401 (AUTO_MAP: re-exported)
 from .kernels_difftransformer import (
@@ -1143,12 +1144,16 @@ class DiffTransformerModel(DiffTransformerPreTrainedModel):
 
         # Up to 5.23 a paged cache is the attention functions' business, not the mask's (as in Llama there).
         paged_legacy = ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache)
+        # On a pipeline-parallel stage the mask is sized from the cache of the first layer the stage runs (the others'
+        # stay empty); elsewhere transformers picks the layer.
+        first_layer = mask_layer_index(self.layers)
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{MASK_CACHE_ARGUMENT: None if paged_legacy else cache},
+            **({"layer_idx": first_layer} if first_layer else {}),
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import difftransformer  # noqa: F401
+import utils_launch
 from utils_distributed import assert_as_close_as_one_process, word_tokenizer
 
 # Its modules (dist_common, train_fsdp2, train_trainer) are on sys.path through pyproject.toml's pytest `pythonpath`.
@@ -47,22 +48,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run examples/distributed/<script> on `nproc` CPU processes; fail with the processes' output if it fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(EXAMPLES / script),
-        *args,
-    ]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
+    """Run examples/distributed/<script> on `nproc` CPU processes; fail with the processes' output if it fails or
+    runs past `timeout` (then every rank is killed: utils_launch)."""
+    return utils_launch.check(utils_launch.launch(EXAMPLES / script, *args, cwd=cwd, nproc=nproc, timeout=timeout))
 
 
 def last_json_line(text: str) -> dict:
