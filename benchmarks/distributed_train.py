@@ -319,5 +319,57 @@ def summarize(ranks: list[dict]) -> dict:
     return out
 
 
+def _kib(value: int | None) -> str:
+    return "—" if value is None else f"{value / 1024:,.0f}"
+
+
+def doc_table(datas: list[dict], opts: dict) -> list[str]:
+    """scripts/doc_tables.py's renderer: per engine and model, the largest rank's parameter, gradient and optimizer
+    KiB, the same as a share of one process's, and the step time's ratio to the Llama's under the same engine
+    (median of the per-round ratios, with their quartiles)."""
+    (data,) = datas
+    meta, engines = data["meta"], data["engines"]
+    single = engines.get("single", {}).get("summary")
+    lines = [
+        "| engine | model | parameters KiB | gradients KiB | optimizer KiB | all three × one process's | step time × "
+        "Llama's (quartiles) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for engine in ENGINES:
+        if engine not in engines:
+            continue
+        for name, entry in engines[engine]["summary"].items():
+            mem = entry["memory"]
+            total = sum(v for v in mem.values() if v is not None)
+            share = "—"
+            if single and name in single:
+                base = single[name]["memory"]
+                # like with like: leave out what this engine does not hold between steps (ZeRO-3's gradients)
+                base_total = sum(v for k, v in base.items() if mem.get(k) is not None)
+                share = f"{total / base_total:.2f}"
+            ratio = entry.get("ratio_to_llama")
+            time_text = (
+                "1 (the reference)"
+                if ratio is None
+                else (f"{ratio['median']:.2f} ({ratio['quartiles'][0]:.2f}-{ratio['quartiles'][1]:.2f})")
+            )
+            lines.append(
+                f"| {ENGINE_LABELS[engine]} | {LABELS[name]} | {_kib(mem['parameters'])} | {_kib(mem['gradients'])} "
+                f"| {_kib(mem['optimizer'])} | {share} | {time_text} |"
+            )
+    shape = meta["shape"]
+    note = (
+        f"{meta['nproc']} ranks (one process for the first rows), one thread each; shape: {shape['num_hidden_layers']} "
+        f"layers, width {shape['hidden_size']}, {shape['num_attention_heads']} query heads of "
+        f"{shape['head_dim']}, {shape['num_key_value_heads']} KV heads, vocabulary {shape['vocab_size']:,}, "
+        f"{shape['batch']} sequences of {shape['seq_len']} tokens per step (global), float32, AdamW; "
+        f"{meta['rounds']} rounds of {meta['steps']} timed steps after {meta['warmup']} warm-up steps. Memory: the "
+        "largest rank's, counted from the tensors it holds between steps (— : none held; ZeRO-3 frees its gradient "
+        "partitions in its step); its optimizer column includes ZeRO-3's float32 master partition. Load average "
+        f"{meta['load_avg_start'][0]:.1f} at the start and {meta['load_avg_end'][0]:.1f} at the end (2 cores)."
+    )
+    return lines + ["", note]
+
+
 if __name__ == "__main__":
     main()

@@ -111,14 +111,14 @@ def _launch_commands() -> list[list[str]]:
     ]
 
 
-def test_every_two_process_command_is_run_by_a_test_and_the_others_are_for_8_gpus():
-    """A 2-process command's script is launched by a test with every option the command uses; the rest are the
+def test_every_two_or_four_process_command_is_run_by_a_test_and_the_others_are_for_8_gpus():
+    """A 2- or 4-process command's script is launched by a test with every option the command uses; the rest are the
     8-GPU commands that the doc says are not run."""
     tests = {path.name: path.read_text() for path in (REPO / "tests").glob("test_*.py")}
     for argv in _launch_commands():
         script = next(arg for arg in argv if arg.startswith("examples/distributed/")).rsplit("/", 1)[-1]
         processes = argv[argv.index("--nproc_per_node") + 1] if "--nproc_per_node" in argv else None
-        if processes != "2":
+        if processes not in ("2", "4"):
             assert processes == "8" or argv[argv.index("--num_processes") + 1] == "8", argv
             continue
         launching = [
