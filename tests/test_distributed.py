@@ -53,10 +53,6 @@ def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: int = 
     return utils_launch.check(utils_launch.launch(EXAMPLES / script, *args, cwd=cwd, nproc=nproc, timeout=timeout))
 
 
-def last_json_line(text: str) -> dict:
-    return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
-
-
 @pytest.fixture(autouse=True)
 def _single_process_env(monkeypatch):
     # The in-process reference runs must not believe they are part of a distributed job.
@@ -166,7 +162,7 @@ def test_tensor_parallel_plan_gives_the_same_logits_and_tokens(tmp_path, diff_ve
         str(tmp_path / "lambdas.pt"),
         cwd=tmp_path,
     )
-    result = last_json_line(proc.stdout)
+    result = utils_launch.last_json_line(proc.stdout)
     assert result["world_size"] == 2
 
     ids = torch.tensor([prompt])

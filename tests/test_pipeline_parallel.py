@@ -6,7 +6,6 @@ runs in its own process group under a timeout: a stage that fails ends the job w
 failure message, and a job that hangs (a rank waiting for a stage that gave up) is killed, never left waiting.
 """
 
-import json
 from pathlib import Path
 
 import dist_common
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 import difftransformer  # noqa: F401
 from utils_distributed import word_tokenizer
-from utils_launch import check, launch
+from utils_launch import check, last_json_line, launch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "distributed"
 
@@ -24,10 +23,6 @@ pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="torch.distributed with the gloo backend is unavailable",
 )
-
-
-def last_json_line(text: str) -> dict:
-    return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
 
 
 @pytest.fixture(autouse=True)

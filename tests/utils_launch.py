@@ -6,6 +6,7 @@ whole process tree instead, and `check` fails with the ranks' output.
 """
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -41,3 +42,8 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     what = "timed out (killed)" if proc.returncode is None else f"failed with status {proc.returncode}"
     assert proc.returncode == 0, f"{' '.join(proc.args)} {what}:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     return proc
+
+
+def last_json_line(text: str) -> dict:
+    """The last line of a job's output that is a JSON object (what the example scripts print on rank 0)."""
+    return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
