@@ -225,11 +225,21 @@ def build_models(source, workdir: Path, log=print):
 
 
 def run(args) -> dict:
+    """The measurement, with transformers' log quiet while it runs (its level is restored after: a caller in the same
+    process, such as a test session, keeps its own)."""
     from transformers.utils import logging as hf_logging
 
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return _run(args)
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def _run(args) -> dict:
     from difftransformer import upcycle as up
 
-    hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     started = time.time()
     with harness.trace_code():
