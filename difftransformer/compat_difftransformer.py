@@ -199,7 +199,10 @@ def mask_layer_index(layers) -> int:
     decoding step a mask as long as its query, which drops the padding of a batch of prompts."""
     if PipelineIdentityLayer is None:
         return 0
-    return next((i for i, layer in enumerate(layers) if not isinstance(layer, PipelineIdentityLayer)), 0)
+    for i, layer in enumerate(layers):  # a plain loop: torch.compile of older torch cannot trace next() with a default
+        if not isinstance(layer, PipelineIdentityLayer):
+            return i
+    return 0
 
 
 class PackedGroupsPagedCache(PagedAttentionCache):
