@@ -67,10 +67,35 @@ def load(path: str, root: str = _ROOT) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _definitions(text: str) -> dict:
+    """``harness.definitions`` of a file's text, cached by the text itself (a file that changes is parsed again): a
+    check compares a hundred results' code records with the same few files (a minute of parsing uncached)."""
+    return harness.definitions(text)
+
+
+def code_changes(record: dict | None, root: str = _ROOT) -> list[str] | None:
+    """``harness.code_changes`` (the recorded entries whose code differs in the checkout at ``root``; ``None`` where
+    the record holds no digests), each file read afresh at every call and its definitions cached by its text."""
+    if not record or not record.get("digests"):
+        return None
+    texts: dict[str, dict] = {}
+    changed = []
+    for key, digest in record["digests"].items():
+        path, name = key.rsplit(":", 1)
+        if path not in texts:
+            text = harness._read(path, root)
+            texts[path] = _definitions(text) if text is not None else {}
+        now = texts[path].get(name)
+        if digest is None or now is None or now[2] != digest:
+            changed.append(key)
+    return changed
+
+
 def code_status(prov: dict, root: str = _ROOT) -> tuple[str, list[str]]:
     """(``"current"``, ``"changed"`` or ``"unknown"``, the recorded entries whose code differs now) of one result's
     provenance: its ``code`` record (``harness.code_record``) against the checkout at ``root``."""
-    changes = harness.code_changes(prov.get("code"), root)
+    changes = code_changes(prov.get("code"), root)
     if changes is None:
         return "unknown", []
     return ("changed" if changes else "current"), changes
