@@ -3,8 +3,8 @@
 The Differential Transformer paper (Ye et al., arXiv 2410.05258) trains 3B-parameter models on 1T tokens and
 reports lower language-modelling loss, better key-information retrieval and less "attention noise" for
 differential attention. This script runs the same comparison at toy scale on the embedded corpus
-(:mod:`difftransformer.data`, Python standard-library sources, byte-level BPE) mixed with the synthetic retrieval
-tasks of :mod:`difftransformer.probes`, so that the claims can be checked end to end on one CPU:
+(:mod:`difftransformer.research.data`, Python standard-library sources, byte-level BPE) mixed with the synthetic
+retrieval tasks of :mod:`difftransformer.research.probes`, so that the claims can be checked end to end on one CPU:
 
 1. three models with the same width, depth, query/key-value heads and head width (``--hidden-size`` ...):
    ``v1`` (DIFF V1: H = heads/2 differential heads of width 2d; parameter-matched with the Llama by construction,
@@ -14,8 +14,8 @@ tasks of :mod:`difftransformer.probes`, so that the claims can be checked end to
 3. validation loss curves on the held-out corpus split and answer-only loss on held-out retrieval examples;
 4. after training: probe accuracy (needle-in-a-haystack, multi-query associative recall, in-context learning with
    shuffled demonstrations; multiple choice by candidate log-likelihood), and attention-to-answer / attention-noise
-   shares of the needle prompts (:func:`difftransformer.analysis.lens_on_examples`; differential maps for V1/V2,
-   softmax maps for the Llama; positive-mass shares, see :mod:`difftransformer.analysis`).
+   shares of the needle prompts (:func:`difftransformer.research.analysis.lens_on_examples`; differential maps for
+   V1/V2, softmax maps for the Llama; positive-mass shares, see :mod:`difftransformer.research.analysis`).
 
 Writes ``results.json``, ``results.md`` (tables, the exact command), ``loss_curves.png``, ``shares.png`` and one
 accuracy heatmap per model and probe into ``--out`` (runs: docs/reports/2026-11-23-small-comparison.md). Presets
@@ -42,7 +42,8 @@ if __name__ == "__main__" and not __package__:
     os.execv(sys.executable, [sys.executable, "-m", "benchmarks.compare_small", *sys.argv[1:]])
 
 from benchmarks import harness  # noqa: E402
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis, data, probes  # noqa: E402
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
+from difftransformer.research import analysis, data, probes
 
 MODELS = ("v1", "v2", "llama")
 
@@ -175,8 +176,8 @@ def retrieval_examples(tokenizer, seq_len: int, count: int, seed: int, split: st
     """About ``count`` synthetic retrieval sequences that fit in ``seq_len`` tokens: half needle-in-a-haystack
     prompts (filler from the corpus ``split``), a quarter full MQAR sequences, a quarter ICL episodes.
 
-    NIAH and ICL items are :class:`~difftransformer.probes.ProbeExample` (prompt + answer); MQAR items are whole
-    strings (every query answered). Lengths vary over the allowed range; depths cover [0, 1] in steps of 0.1.
+    NIAH and ICL items are :class:`~difftransformer.research.probes.ProbeExample` (prompt + answer); MQAR items are
+    whole strings (every query answered). Lengths vary over the allowed range; depths cover [0, 1] in steps of 0.1.
     """
     depths = [i / 10 for i in range(11)]
     lengths = sorted({max(48, int(seq_len * f)) - 8 for f in (0.4, 0.6, 0.8, 1.0)})
@@ -612,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab-size",
         type=int,
         default=4096,
-        help="Tokenizer vocabulary (difftransformer.data.get_tokenizer). Default 4096.",
+        help="Tokenizer vocabulary (difftransformer.research.data.get_tokenizer). Default 4096.",
     )
     p.add_argument(
         "--max-corpus-chars",

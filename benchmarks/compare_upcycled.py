@@ -15,20 +15,20 @@ budget*:
 then compare
 
 * held-out perplexity on the embedded corpus's validation split and on ``pydoc_data.topics`` prose
-  (:func:`difftransformer.upcycle.heldout_blocks`), and
-* the retrieval probes of :mod:`difftransformer.probes`: multi-needle retrieval (NIAH), multi-query associative
+  (:func:`difftransformer.research.upcycle.heldout_blocks`), and
+* the retrieval probes of :mod:`difftransformer.research.probes`: multi-needle retrieval (NIAH), multi-query associative
   recall (MQAR) and in-context learning with shuffled demonstrations (ICL, with its accuracy spread over orders),
   scored by candidate log-likelihood, held-out filler,
 
 before and after fine-tuning, over several seeds (mean and sample standard deviation), and, for every upcycle,
-whether the two softmax maps of its heads separate during fine-tuning: :mod:`difftransformer.telemetry` on a fixed
-probe batch (the first 2 × 128 validation tokens) before and after (map separation ½·Σ|A1 − A2|, the share of
+whether the two softmax maps of its heads separate during fine-tuning: :mod:`difftransformer.research.telemetry` on a
+fixed probe batch (the first 2 × 128 validation tokens) before and after (map separation ½·Σ|A1 − A2|, the share of
 negative differential weight, λ), per layer.
 
 Same budget means: the same training blocks (the corpus's train split through the source's tokenizer) in the same
 order for a given seed, the same number of steps, batch and sequence length (so the same tokens), the same optimizer
 (AdamW, β = 0.9/0.95, cosine schedule with warm-up, clipping at 1.0), learning rate, loss and trainable set
-(:func:`difftransformer.upcycle.prepare_student`; the Llama gets the same, without λ). The loss is the
+(:func:`difftransformer.research.upcycle.prepare_student`; the Llama gets the same, without λ). The loss is the
 upcycling recipe's, ``(1 − w)·LM + w·KL(teacher ‖ student)`` with the untouched source as teacher, for every model
 (for the Llama and V2, which start as the teacher's function, the KL term starts at zero). A seed sets the data
 order, LoRA's initialisation and V1's λ draws.
@@ -61,8 +61,8 @@ if __name__ == "__main__" and not __package__:
 import torch  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
-from difftransformer import probes, telemetry  # noqa: E402
-from difftransformer import upcycle as up  # noqa: E402
+from difftransformer.research import probes, telemetry  # noqa: E402
+from difftransformer.research import upcycle as up  # noqa: E402
 
 MODELS = ("llama", "v2", "v1", "v1_eps1")
 LABELS = {
@@ -162,7 +162,7 @@ def fine_tune(
     quarter of the run and at the end)."""
     from transformers import TrainingArguments
 
-    from difftransformer.data import LMBlockDataset
+    from difftransformer.research.data import LMBlockDataset
 
     targs = TrainingArguments(
         output_dir=str(workdir / "trainer"),

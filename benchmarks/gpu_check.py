@@ -32,7 +32,7 @@ starts past its part's allowance or the budget, it is recorded as "skipped: time
    1×8192 and 8×2048, training 8×2048 (forward and ``out.backward(dout)``), decode at batch 1 and 32 over 4096 keys;
    for each, the SDPA backend it ran (cuDNN, flash, memory-efficient, math: from the kernel and operator names of a
    short profile) and its agreement with the padded call.
-3. ``tuning``: the Triton kernel's tuning sweep (``triton_difftransformer.tuning_sweep``), where the module has one.
+3. ``tuning``: the Triton kernel's tuning sweep (``kernels.triton.attention.tuning_sweep``), where the module has one.
 4. ``checks``: correctness, each check one entry ``{name, status, passed, max_err, bound, detail, seconds}`` (status:
    pass, fail, error — it raised, skipped — with the reason, absent — the backend's package or the function is not
    there); a failing or raising check never stops the others. The reference and the bounds are the CPU tests' own,
@@ -611,7 +611,7 @@ def run_liger_checks(rec: Recorder, profile: Profile) -> None:
     _free(device)
 
 
-# The one-pass Triton kernel of V1 (triton_difftransformer.py) on its own: cases (name, batch, query tokens, keys,
+# The one-pass Triton kernel of V1 (kernels/triton/attention.py) on its own: cases (name, batch, query tokens, keys,
 # KV groups, signal heads per group n, noise ratio r, mask kind), small enough to compile and run in seconds.
 TRITON_CASES = (
     ("causal n2", 1, 70, 70, 2, 2, 1, None),
@@ -650,7 +650,7 @@ def run_triton_checks(rec: Recorder, profile: Profile) -> None:
     the float64 formula (testing_utils.reference_differential_attention) on the kernel's own inputs. Bounds: fp32, the
     CPU tests' 2e-5 relative to the largest output (float32 accumulation, no TF32); bf16 / fp16, the rounding model (its
     draws round scores, maps and outputs to the dtype) × ROUNDING_FACTOR, per tensor."""
-    from difftransformer import triton_difftransformer as kernel
+    from difftransformer.kernels.triton import attention as kernel
 
     device = profile.device
     for i, d in enumerate(profile.triton_head_dims):
@@ -1609,7 +1609,7 @@ CANDIDATE_FUNCTIONS = {
     "sdpa_two_calls": ("kernels_difftransformer", "sdpa_two_calls_attention"),
     "sdpa_repeated_value": ("kernels_difftransformer", "sdpa_repeated_value_attention"),
     "decode_kernel": ("kernels_difftransformer", "differential_decode_attention"),
-    "triton": ("triton_difftransformer", "differential_attention_triton"),
+    "triton": ("kernels.triton.attention", "differential_attention_triton"),
 }
 # SDPA backends, by the names of the operators and kernels a call ran (first match wins).
 SDPA_BACKENDS = (
@@ -1820,7 +1820,7 @@ def profile_reps(profile: Profile) -> int:
 
 
 def run_tuning(rec: Recorder, profile: Profile) -> None:
-    """``tuning``: ``triton_difftransformer.tuning_sweep`` (per kernel and problem, each launch configuration's time and
+    """``tuning``: ``attention.tuning_sweep`` (per kernel and problem, each launch configuration's time and
     the best), where the module has it and the Triton kernel runs: on the GPU over its default problems (Llama-3.2-1B's
     attention) in bf16, its own time capped by what is left of the part (``budget_s``); in smoke mode over the module's
     ``SWEEP_SMOKE_SHAPES`` in fp32, in this process (the interpreter's times are not timings: only the sweep's logic
@@ -1828,14 +1828,14 @@ def run_tuning(rec: Recorder, profile: Profile) -> None:
     left."""
     import inspect
 
-    from difftransformer import triton_difftransformer
+    from difftransformer.kernels.triton import attention as triton_difftransformer
 
     sweep = getattr(triton_difftransformer, "tuning_sweep", None)
     smoke_shapes = getattr(triton_difftransformer, "SWEEP_SMOKE_SHAPES", None)
     start = time.perf_counter()
     out: dict = {}
     if sweep is None:
-        out = {"status": "absent", "reason": "absent: difftransformer.triton_difftransformer has no tuning_sweep"}
+        out = {"status": "absent", "reason": "absent: difftransformer.kernels.triton.attention has no tuning_sweep"}
     elif profile.tuning:
         out = {"status": "skipped", "reason": profile.tuning}
     elif profile.mode == "smoke" and smoke_shapes is None:
@@ -1889,7 +1889,7 @@ def tuning_text(tuning: dict) -> str:
     head = f"tuning sweep: {tuning['status']}, {tuning.get('seconds', 0)} s"
     if tuning.get("status") != "done":
         return head + (f" ({tuning['reason'][:300]})" if tuning.get("reason") else "")
-    from difftransformer import triton_difftransformer
+    from difftransformer.kernels.triton import attention as triton_difftransformer
 
     formatter = getattr(triton_difftransformer, "format_sweep", None)
     try:

@@ -12,13 +12,13 @@ in a model whose logits have outliers. This script asks it of a pretrained model
   scales). Both inherit the source's q and k projections: V2's attention logits are copies of the source's in
   every layer (it computes the source's function), V1's in its first layer (its later layers see the approximate
   conversion's outputs);
-* the quantization: :func:`difftransformer.lowbit.low_bit_attention` on the attention logits, symmetric, one scale
-  per sequence and layer (``granularity="tensor"``), at ``--bits`` (16, 8, 6 and 4), and unquantized;
+* the quantization: :func:`difftransformer.research.lowbit.low_bit_attention` on the attention logits, symmetric, one
+  scale per sequence and layer (``granularity="tensor"``), at ``--bits`` (16, 8, 6 and 4), and unquantized;
 * the measures: held-out perplexity on the demo's two held-out texts (``examples/upcycle.py``'s
-  :func:`difftransformer.upcycle.heldout_blocks`: the embedded corpus's validation split, Python code never trained
-  on by the demo, and ``pydoc_data.topics``, English prose), with each block's loss for paired tests; accuracy on a
-  cloze set of in-context identifier recall (:func:`cloze_set`); and, per layer, the attention logits' largest and
-  median magnitude and their ratio (:func:`difftransformer.lowbit.activation_statistics` on held-out blocks).
+  :func:`difftransformer.research.upcycle.heldout_blocks`: the embedded corpus's validation split, Python code never
+  trained on by the demo, and ``pydoc_data.topics``, English prose), with each block's loss for paired tests; accuracy
+  on a cloze set of in-context identifier recall (:func:`cloze_set`); and, per layer, the attention logits' largest and
+  median magnitude and their ratio (:func:`difftransformer.research.lowbit.activation_statistics` on held-out blocks).
 
 The cloze set, built deterministically from data every machine has (the Python standard library): the validation
 split's tokens right after the perplexity blocks, cut into ``--cloze-blocks`` blocks of ``--length`` tokens. An item
@@ -154,9 +154,9 @@ def cloze_scores(model, cloze: dict, batch_size: int = 4) -> dict:
 
 
 def logit_statistics(model, held: dict, blocks: int) -> dict:
-    """Per held-out text, per layer: :func:`difftransformer.lowbit.tensor_statistics` of the attention logits over the
-    first ``blocks`` blocks, with ``max_over_median`` (the ratio an absmax grid's resolution depends on)."""
-    from difftransformer import lowbit
+    """Per held-out text, per layer: :func:`difftransformer.research.lowbit.tensor_statistics` of the attention logits
+    over the first ``blocks`` blocks, with ``max_over_median`` (the ratio an absmax grid's resolution depends on)."""
+    from difftransformer.research import lowbit
 
     out = {}
     for name, tensor in held.items():
@@ -172,7 +172,7 @@ def settings(bits: list[int]) -> list[tuple[str, int | None]]:
 def evaluate(model, held: dict, cloze: dict, bits: list[int], stats_blocks: int, log=print) -> dict:
     """Every setting (unquantized, then each width): per-block losses and perplexity per held-out text, cloze scores;
     and the logit statistics of the unquantized model."""
-    from difftransformer import lowbit
+    from difftransformer.research import lowbit
 
     model.eval()
     out = {}
@@ -206,7 +206,7 @@ def evaluate(model, held: dict, cloze: dict, bits: list[int], stats_blocks: int,
 
 def build_models(source, workdir: Path, log=print):
     """(name, model, conversion record) for the source and its two upcycles, one at a time (the caller frees each)."""
-    from difftransformer import upcycle as up
+    from difftransformer.research import upcycle as up
 
     yield "llama", source.model, {"exact": True, "notes": ["the source itself"]}
     for name, version in (("v2", 2), ("v1", 1)):
@@ -238,7 +238,7 @@ def run(args) -> dict:
 
 
 def _run(args) -> dict:
-    from difftransformer import upcycle as up
+    from difftransformer.research import upcycle as up
 
     torch.set_num_threads(args.threads)
     started = time.time()

@@ -93,7 +93,7 @@ def lambda_weights(model) -> list[torch.Tensor]:
 
 def converted_v2(workdir: Path) -> Path:
     from difftransformer.convert import convert
-    from difftransformer.data import smollm2_gguf_path
+    from difftransformer.research.data import smollm2_gguf_path
 
     result = convert("llama", smollm2_gguf_path(), workdir / "smollm2-v2", diff_version=2, progress=False)
     assert result.exact, result.notes  # V2 from a Llama is exact: the unquantized row is the source model's

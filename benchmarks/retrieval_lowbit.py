@@ -3,16 +3,16 @@
 The Differential Transformer paper (Ye et al., arXiv 2410.05258) reports its largest effects on multi-needle retrieval
 (§3.3: more accurate retrieval, more attention to the answer, less to the noise) and on low-bit attention (§3.7:
 accuracy kept with quantised attention logits, smaller activation outliers). This script tests both at toy scale on
-synthetic tasks that a parameter-matched Llama learns (:mod:`difftransformer.retrieval_tasks`: multi-needle retrieval
-whose distractor needles share the queried key's prefix, and multi-query associative recall), for DIFF V1, DIFF V2 and
-the Llama at matched parameters (``compare_small.build_configs``), trained on the same data in the same order from the
-same initialisation stream, over several paired seeds:
+synthetic tasks that a parameter-matched Llama learns (:mod:`difftransformer.research.retrieval_tasks`: multi-needle
+retrieval whose distractor needles share the queried key's prefix, and multi-query associative recall), for DIFF V1,
+DIFF V2 and the Llama at matched parameters (``compare_small.build_configs``), trained on the same data in the same
+order from the same initialisation stream, over several paired seeds:
 
 1. accuracy (argmax over the whole vocabulary equals the answer) and answer loss on held-out sequences, over context
    lengths (beyond the trained length too), needle counts and needle depths; MQAR over pair counts;
-2. the attention lens (:func:`difftransformer.analysis.lens_on_spans`) on held-out needle prompts: share of attention
-   on the queried needle (answer), on the rest of the context (noise) and on the distractor needles;
-3. low-bit attention (:mod:`difftransformer.lowbit`): accuracy and loss with the attention logits, or q and k,
+2. the attention lens (:func:`difftransformer.research.analysis.lens_on_spans`) on held-out needle prompts: share of
+   attention on the queried needle (answer), on the rest of the context (noise) and on the distractor needles;
+3. low-bit attention (:mod:`difftransformer.research.lowbit`): accuracy and loss with the attention logits, or q and k,
    quantised to 8, 6 and 4 bits (symmetric, per tensor and per head), and the top activations of attention logits
    and hidden states per layer.
 
@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 from benchmarks import exact_tests, harness  # noqa: E402
 from benchmarks.compare_small import build_configs, build_model  # noqa: E402
-from difftransformer import retrieval_tasks as rt  # noqa: E402
+from difftransformer.research import retrieval_tasks as rt  # noqa: E402
 
 SCRIPT = "retrieval_lowbit.py"
 MODELS = ("llama", "v1", "v2")
@@ -408,7 +408,7 @@ def evaluate_retrieval(model, evals) -> dict:
 
 def evaluate_lowbit(model, evals, bits_list) -> dict:
     """Accuracy and loss on the low-bit sets with every quantisation (and none), and the activation statistics."""
-    from difftransformer import lowbit
+    from difftransformer.research import lowbit
 
     sets = {"needle": evals["lowbit_needle"], "mqar": evals["lowbit_mqar"]}
     out = {}
@@ -431,7 +431,7 @@ def evaluate_lowbit(model, evals, bits_list) -> dict:
 def evaluate_lens(model, examples) -> dict:
     """Answer / noise / distractor shares of the attention of the first query's last key token (positive mass of the
     differential maps for V1/V2, softmax maps for the Llama), mean over heads and prompts, per layer."""
-    from difftransformer import analysis
+    from difftransformer.research import analysis
 
     items = []
     for ex in examples:

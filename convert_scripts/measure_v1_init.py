@@ -9,8 +9,8 @@ token ids, and not calibrated (ρ = 1); then with the corpus calibration and a l
 (``--v1-subln-eps`` 0.01 and 1, instead of the source's rms_norm_eps).
 
 Held-out text, tokenized with the model's tokenizer, first ``blocks × length`` tokens of each: the validation split of
-the embedded corpus (``difftransformer.data``: stdlib modules never used for calibration) and English prose from
-``pydoc_data.topics`` (documents in sorted key order, joined by blank lines). Perplexity is exp of the mean
+the embedded corpus (``difftransformer.research.data``: stdlib modules never used for calibration) and English prose
+from ``pydoc_data.topics`` (documents in sorted key order, joined by blank lines). Perplexity is exp of the mean
 next-token loss over every predicted token (``length − 1`` per block).
 """
 
@@ -37,7 +37,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from difftransformer.convert import convert, load_gguf  # noqa: E402
-from difftransformer.data import SMOLLM2_GGUF, corpus_texts, smollm2_gguf_path  # noqa: E402
+from difftransformer.research.data import SMOLLM2_GGUF, corpus_texts, smollm2_gguf_path  # noqa: E402
 
 TEXTS = {
     "validation": "embedded corpus, validation split (Python stdlib source)",

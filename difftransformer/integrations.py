@@ -148,9 +148,7 @@ def apply_liger_kernel_to_difftransformer(
     from liger_kernel.transformers import monkey_patch as liger
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-    from .telemetry import unwrap_model
-
-    target = unwrap_model(model)
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's model
     _config_of(target)
     patched: dict[str, list[str]] = {
         "rms_norm": [],

@@ -28,20 +28,66 @@ CPU a float32 prompt of at least ``CAUSAL_BLOCK_MIN_LENGTH`` tokens (prefill, tr
 
 On CUDA, V1 runs :func:`sdpa_two_calls_attention` by default: two stock SDPA calls, one per softmax map, with the
 ``2d``-wide value (section "V1 through stock SDPA" below, beside the one-call :func:`sdpa_repeated_value_attention`).
-The one-pass Triton kernel (triton_difftransformer.py) runs only where a user chooses it. Which kernel runs for which
+The one-pass Triton kernel (difftransformer/kernels/triton/, the optional extra ``difftransformer[triton]``) runs only
+where a user chooses it; :func:`triton_kernels` loads it by its absolute name where it is chosen or used, so that no
+saved folder carries it. Which kernel runs for which
 device and workload: ``DEFAULT_KERNELS`` in modeling_difftransformer.py (docs/model.md, "Kernels"). This file is
 imported relatively by the modeling file, so ``save_pretrained`` copies it into every saved folder (Hub remote code).
 """
 
+import importlib
 import logging
 
 import torch
 import torch.nn.functional as F
 
-from .triton_epilogue_difftransformer import runs as epilogue_runs
-from .triton_epilogue_difftransformer import v2_sigmoid_combine
-
 logger = logging.getLogger(__name__)
+
+# The Triton kernels live in the package (difftransformer/kernels/triton/), not beside this file: they are loaded by
+# their absolute name through importlib, so that transformers neither copies them into a saved folder (it copies every
+# module imported relatively) nor requires them where it checks a remote-code folder's imports. Loaded once, on first
+# use: {"module": the package or None, "reason": why it is None}.
+_TRITON_KERNELS: dict = {}
+TRITON_KERNELS_MODULE = "difftransformer.kernels.triton"
+
+
+def triton_kernels():
+    """The Triton kernels (the package ``difftransformer.kernels.triton``: V1's one-pass kernel, the decode
+    epilogues), or None where they cannot run: triton is not installed, or the difftransformer package is absent (a
+    remote-code folder loaded without it). :func:`triton_missing` says which."""
+    if "module" not in _TRITON_KERNELS:
+        try:
+            module = importlib.import_module(TRITON_KERNELS_MODULE)
+        except ImportError as error:
+            module, reason = (
+                None,
+                (
+                    f"the Triton kernels are not importable ({TRITON_KERNELS_MODULE}: {error}); they come with the "
+                    "difftransformer package: pip install 'difftransformer[triton]'"
+                ),
+            )
+        else:
+            reason = None
+            if module.triton is None:
+                module, reason = None, "the triton package is not installed: pip install 'difftransformer[triton]'"
+        _TRITON_KERNELS.update(module=module, reason=reason)
+    return _TRITON_KERNELS["module"]
+
+
+def triton_missing():
+    """Why :func:`triton_kernels` is None (a sentence naming what to install), else None."""
+    triton_kernels()
+    return _TRITON_KERNELS["reason"]
+
+
+def epilogue_runs(device: torch.device) -> bool:
+    """Whether the decode epilogues' Triton kernels run for tensors on ``device`` (never while compiling: inductor
+    fuses the same PyTorch operations itself)."""
+    if torch.compiler.is_compiling():
+        return False
+    kernels = triton_kernels()
+    return kernels is not None and kernels.epilogue_runs(device)
+
 
 # At most this many query rows per block, and few enough that a block's scores (n heads × rows × keys) stay within
 # _BLOCK_SCORES float32 elements (1 MiB) per map and KV group, near the L2 cache.
@@ -93,7 +139,7 @@ def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None, 
 def rows_decode_attention(query, key, value, logits, scaling, attention_mask=None, noise_ratio=1):
     """V2's decode step from the λ logits ``z = x W_λᵀ`` ``(B, 1, H)``: :func:`pair_decode_attention` with
     ``λ = sigmoid(z)``. Returns the heads ``(B, 1, H, d)`` and λ ``(B, 1, H)``. Where Triton runs and nothing compiles,
-    the sigmoid and the pair combine are one kernel (triton_epilogue_difftransformer.py) after the SDPA call."""
+    the sigmoid and the pair combine are one kernel (difftransformer/kernels/triton/epilogue.py) after the SDPA call."""
     if not epilogue_runs(query.device):
         lam = torch.sigmoid(logits)
         return pair_decode_attention(query, key, value, lam, scaling, attention_mask, noise_ratio), lam
@@ -102,7 +148,7 @@ def rows_decode_attention(query, key, value, logits, scaling, attention_mask=Non
     attended = F.scaled_dot_product_attention(
         query.view(b, g, hq // g, d), key, value, attn_mask=attention_mask, scale=scaling
     )  # (B, G, rows, d)
-    return v2_sigmoid_combine(attended, logits, noise_ratio)
+    return triton_kernels().v2_sigmoid_combine(attended, logits, noise_ratio)
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:

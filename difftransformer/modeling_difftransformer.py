@@ -19,8 +19,8 @@ static, quantized, paged, and those built from the config) allocate. Under ``att
 its own kernels on those tensors (kernels_difftransformer.py), chosen per device and workload (``DEFAULT_KERNELS``;
 docs/model.md, "Kernels"): on CUDA two stock SDPA calls, one per softmax map, with the ``2d``-wide value
 (``sdpa_two_calls_attention``); on CPU ``differential_sdpa_attention`` (``A1 − λ·A2`` per block of queries, and a
-decode kernel for one token). The one-pass Triton kernel (triton_difftransformer.py) runs only where a user chooses it
-(``model.set_differential_kernel("triton")``).
+decode kernel for one token). The one-pass Triton kernel (difftransformer/kernels/triton/, loaded by name, never copied
+into a saved folder) runs only where a user chooses it (``model.set_differential_kernel("triton")``).
 Every other backend (eager, flex, flash, a user's AttentionInterface function) receives one standard call per layer
 with equal q/k/v head sizes: K and V viewed per group as one ``2d``-wide head, ``[K1 | K2]`` and ``[V_g,0 | V_g,1]``
 (a free view of the projections; a copy of a cache), and each query zero-padded to ``2d`` on the side of its own key
@@ -100,6 +100,7 @@ from .kernels_difftransformer import (
     combine_maps,
     differential_decode_attention,
     differential_sdpa_attention,
+    epilogue_runs,
     needs_grad,
     pack_value_groups,
     pair_decode_attention,
@@ -108,13 +109,10 @@ from .kernels_difftransformer import (
     sdpa_decode_maps,
     sdpa_repeated_value_attention,
     sdpa_two_calls_attention,
+    triton_kernels,
+    triton_missing,
     uses_causal_block_attention,
 )
-from .triton_difftransformer import differential_attention_triton
-from .triton_difftransformer import is_available as triton_runs_on
-from .triton_difftransformer import triton as _triton_module
-from .triton_epilogue_difftransformer import runs as epilogue_runs
-from .triton_epilogue_difftransformer import v1_combine_norm
 
 logger = logging.get_logger(__name__)
 
@@ -212,6 +210,41 @@ def differential_combine(
     return torch.addcmul(first, lam, second, value=-1).flatten(dim, dim + 1)
 
 
+def attention_logits(module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The logits ``Q_c K_cᵀ·s`` of every softmax map, ``(B, 2H, T, S)``, from the query ``(B, 2H, T, w)`` and key
+    ``(B, G, S, w)`` that the module passes its kernels (query head ``i`` reads key head ``i // (2H/G)``)."""
+    return torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+
+
+def attention_from_logits(
+    module: nn.Module,
+    scores: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    diff_lambda: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention from its logits on: the additive mask, the softmax (in float32 at least, then ``dtype``, by
+    default the logits'), and with ``diff_lambda`` the differential step and the product with the values. Returns what
+    :func:`eager_attention_forward` returns."""
+    dtype = dtype or scores.dtype
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)  # (B, 2H, T, S)
+    if diff_lambda is None:
+        return torch.matmul(maps, repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous(), maps
+    r = getattr(module, "noise_ratio", 1)
+    lam = (
+        diff_lambda
+        if diff_lambda.dim() == 0
+        else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
+    )
+    diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1, noise_ratio=r)  # (B, H, T, S)
+    values = repeat_kv(value, module.num_key_value_groups * r // (r + 1))  # (B, H, S, w): head h reads group h // n
+    attn_output = torch.matmul(diff_maps, values).transpose(1, 2).contiguous()  # (B, T, H, w)
+    return attn_output, diff_maps
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -230,26 +263,11 @@ def eager_attention_forward(
     the *combined* output ``(B, T, H, w)`` together with the differential maps ``(B, H, T, S)`` it was computed from
     (what ``output_attentions`` shows: docs/model.md). Without it, it is plain eager attention: one output per softmax
     map, ``(B, T, 2H, w)``, and the softmax maps ``(B, 2H, T, S)`` (the module's ``combine`` then pairs the outputs).
+    It is :func:`attention_logits` followed by :func:`attention_from_logits` (the low-bit analysis transforms the logits
+    between the two: ``difftransformer.research.lowbit``).
     """
-    keys = repeat_kv(key, module.num_key_value_groups)  # (B, 2H, S, w)
-    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    maps = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(
-        query.dtype
-    )  # (B, 2H, T, S)
-    if diff_lambda is None:
-        return torch.matmul(maps, repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous(), maps
-    r = getattr(module, "noise_ratio", 1)
-    lam = (
-        diff_lambda
-        if diff_lambda.dim() == 0
-        else diff_lambda.transpose(1, 2).unflatten(1, (-1, module.pair_stride))[..., None]
-    )
-    diff_maps = differential_combine(maps, lam, module.pair_stride, dim=1, noise_ratio=r)  # (B, H, T, S)
-    values = repeat_kv(value, module.num_key_value_groups * r // (r + 1))  # (B, H, S, w): head h reads group h // n
-    attn_output = torch.matmul(diff_maps, values).transpose(1, 2).contiguous()  # (B, T, H, w)
-    return attn_output, diff_maps
+    scores = attention_logits(module, query, key, scaling)
+    return attention_from_logits(module, scores, value, attention_mask, diff_lambda, dtype=query.dtype)
 
 
 def packed_sequences(position_ids, attention_mask, batch_size: int) -> bool:
@@ -269,7 +287,7 @@ pack_groups = pack_value_groups  # V1's keys or values as one 2d-wide head per g
 
 
 def triton_differential_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
-    """V1's one-pass Triton kernel (triton_difftransformer.py) called with transformers' sdpa conventions: without a
+    """V1's one-pass Triton kernel (difftransformer/kernels/triton/) with transformers' sdpa conventions: without a
     mask several queries are causal from the first key (a prompt, or a prefill into an empty static cache, where the
     keys past the prompt are never seen), while the kernel places the queries at the last positions of the keys."""
     t = query.shape[1]
@@ -278,8 +296,19 @@ def triton_differential_attention(query, key, value, attention_mask, lam, scalin
     return differential_attention_triton(query, key, value, lam, scaling, pair_stride, noise_ratio, attention_mask)
 
 
+def differential_attention_triton(*args, **kwargs):
+    """``difftransformer.kernels.triton.differential_attention_triton``, loaded where it is first called."""
+    return triton_kernels().differential_attention_triton(*args, **kwargs)
+
+
 def triton_installed() -> bool:
-    return _triton_module is not None
+    return triton_kernels() is not None
+
+
+def triton_runs_on(device) -> bool:
+    """Whether V1's one-pass Triton kernel runs on ``device`` (CUDA, or any device under ``TRITON_INTERPRET=1``)."""
+    kernels = triton_kernels()
+    return kernels is not None and kernels.is_available(device)
 
 
 def decode_kernel_attention(query, key, value, attention_mask, lam, scaling, pair_stride, noise_ratio=1):
@@ -367,7 +396,7 @@ def check_kernel_name(diff_version: int, name: str, noise_ratio: int = 1) -> Non
             f"has {noise_ratio}); allowed here: {', '.join(n for n in allowed if n != name)}"
         )
     if name == "triton" and not triton_installed():
-        raise ValueError("differential kernel 'triton' needs the triton package (pip install triton) and a CUDA device")
+        raise ValueError(f"differential kernel 'triton' needs a CUDA device and its Triton kernels: {triton_missing()}")
 
 
 def computed_from_parameters(owner: nn.Module, slot: str, params, compute: Callable[[], torch.Tensor], extra=None):
@@ -426,13 +455,15 @@ class DiffTransformerHeadRMSNorm(nn.Module):
     def combined(self, first, second, lam, scale: float, dtype: torch.dtype) -> torch.Tensor:
         """The decode step's epilogue, ``scale · RMSNorm(O1 − λ·O2) ⊙ w`` for one token, from the two maps' outputs
         ``(B, G, n, 2d)`` and ``(B, G, m, 2d)`` (:func:`sdpa_decode_maps`), in float32, written in ``dtype`` as
-        ``(B, 1, H, 2d)``: one Triton kernel where it runs (triton_epilogue_difftransformer.py), else one combine into
-        float32 rows, one ``rms_norm`` and a cast."""
+        ``(B, 1, H, 2d)``: one Triton kernel where it runs (difftransformer/kernels/triton/epilogue.py), else one
+        combine into float32 rows, one ``rms_norm`` and a cast."""
         b, g, n, width = first.shape
         acc = ACCUMULATION_DTYPES.get(first.dtype, first.dtype)
         weight = self.scaled_weight(scale, acc)
         if epilogue_runs(first.device):
-            return v1_combine_norm(first, second, lam, weight, self.eps, dtype).view(b, 1, g * n, width)
+            return (
+                triton_kernels().v1_combine_norm(first, second, lam, weight, self.eps, dtype).view(b, 1, g * n, width)
+            )
         heads = combine_maps(first, second, lam, out=torch.empty(b, g, n, width, dtype=acc, device=first.device))
         return F.rms_norm(heads, (width,), weight, self.eps).to(dtype).view(b, 1, g * n, width)
 

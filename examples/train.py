@@ -7,7 +7,7 @@
 
 What it does (transformers ``Trainer`` throughout, so every step is the one users know):
 
-1. builds the corpus and byte-level BPE tokenizer of :mod:`difftransformer.data` (no download; the tokenizer is
+1. builds the corpus and byte-level BPE tokenizer of :mod:`difftransformer.research.data` (no download; the tokenizer is
    trained once, in about a second, and cached);
 2. trains a DiffTransformer language model with a tqdm progress bar, evaluating the validation loss (held-out
    stdlib *files*) every ``--eval-steps`` and saving a checkpoint every ``--save-steps``;
@@ -15,9 +15,9 @@ What it does (transformers ``Trainer`` throughout, so every step is the one user
    ``OUTPUT_DIR/model`` (loadable with ``pipeline("text-generation", model=...)``, Hub-ready), generates a sample
    (``OUTPUT_DIR/sample.txt``), and plots the loss curves (``OUTPUT_DIR/loss_curve.png``).
 
-Every ``--telemetry-every`` steps, :class:`difftransformer.telemetry.DiffAttentionTelemetryCallback` probes two held-out
-blocks (λ, map separation, negative share, first-token weight and the largest attention logit of each map, per layer;
-gradient-norm spikes): the terminal gets one summary line per probe, ``--report-to`` (TensorBoard, W&B, ...) and
+Every ``--telemetry-every`` steps, :class:`difftransformer.research.telemetry.DiffAttentionTelemetryCallback` probes two
+held-out blocks (λ, map separation, negative share, first-token weight and the largest attention logit of each map, per
+layer; gradient-norm spikes): the terminal gets one summary line per probe, ``--report-to`` (TensorBoard, W&B, ...) and
 ``OUTPUT_DIR/checkpoint-*/trainer_state.json`` every per-layer value, ``OUTPUT_DIR/telemetry.png`` the plot.
 
 Interrupted (Ctrl-C, SIGTERM)? The current step finishes, a checkpoint is saved, and the script exits; running the
@@ -252,9 +252,9 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
 
     import difftransformer
     from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
-    from difftransformer.data import get_tokenizer, lm_datasets
     from difftransformer.hub import save_for_hub
-    from difftransformer.upcycle import StopControl
+    from difftransformer.research.data import get_tokenizer, lm_datasets
+    from difftransformer.research.upcycle import StopControl
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -333,7 +333,7 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
         callbacks=[stop, *callbacks],
     )
     if args.telemetry_every:
-        from difftransformer.telemetry import DiffAttentionTelemetryCallback
+        from difftransformer.research.telemetry import DiffAttentionTelemetryCallback
 
         DiffAttentionTelemetryCallback(valid_set.blocks[:2, :128], every=args.telemetry_every).attach(trainer)
     if last_checkpoint:
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace, callbacks=()) -> dict:
         title=f"DiffTransformer V{args.diff_version} on the Python stdlib",
     )
     if args.telemetry_every:
-        from difftransformer.telemetry import plot_telemetry
+        from difftransformer.research.telemetry import plot_telemetry
 
         plot_telemetry(
             trainer.state.log_history,

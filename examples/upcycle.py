@@ -17,8 +17,8 @@ What it does (see docs/upcycling.md for the recipe and measured results):
    ``pydoc_data.topics`` prose (both never trained on), λ, and greedy chat answers;
 4. fine-tunes the student on the corpus's train split with the transformers ``Trainer`` (tqdm progress bar), loss
    ``(1 − w)·LM + w·KL(teacher ‖ student)`` (``--distill-weight w``), saving checkpoints in ``OUTPUT_DIR/checkpoints``;
-   and logs the differential-attention telemetry (:mod:`difftransformer.telemetry`: λ, how far the two softmax maps of
-   a head have separated, the share of negative attention weight, the weight on the first token, gradient-norm
+   and logs the differential-attention telemetry (:mod:`difftransformer.research.telemetry`: λ, how far the two softmax
+   maps of a head have separated, the share of negative attention weight, the weight on the first token, gradient-norm
    spikes) every ``--telemetry-steps`` steps on a fixed held-out probe batch;
 5. measures again, chats again, and writes ``report.json``, ``report.md``, ``training_curves.png``, ``telemetry.png``
    and the Hub-ready model folder ``OUTPUT_DIR/model`` (LoRA merged; loads with ``trust_remote_code=True`` where the
@@ -39,11 +39,11 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from difftransformer.convert import V1_INITS  # noqa: E402
-from difftransformer.upcycle import DEFAULT_LEARNING_RATES, DEFAULT_PROMPTS, METHODS, SMOKE, UpcycleSettings  # noqa: E402
-from difftransformer.upcycle.job import REPORT_FILES  # noqa: E402
+from difftransformer.research.upcycle import DEFAULT_LEARNING_RATES, DEFAULT_PROMPTS, METHODS, SMOKE, UpcycleSettings  # noqa: E402
+from difftransformer.research.upcycle.job import REPORT_FILES  # noqa: E402
 
 DEFAULTS = UpcycleSettings()
-# --smoke: a tiny random Llama teacher (difftransformer.upcycle.smoke_source) and a few short steps.
+# --smoke: a tiny random Llama teacher (difftransformer.research.upcycle.smoke_source) and a few short steps.
 SMOKE_SETTINGS = dict(
     source=SMOKE,
     max_steps=4,
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.telemetry_steps,
         help="log the differential-attention telemetry every N steps (λ, map separation, negative share, "
-        "first-token mass, grad-norm spikes; difftransformer.telemetry) and plot it in telemetry.png; 0: off",
+        "first-token mass, grad-norm spikes; difftransformer.research.telemetry) and plot it in telemetry.png; 0: off",
     )
     g.add_argument(
         "--prompt",
@@ -265,7 +265,7 @@ def parse_settings(argv=None) -> UpcycleSettings:
 
 
 def main(argv=None) -> int:
-    from difftransformer.upcycle import run_upcycle
+    from difftransformer.research.upcycle import run_upcycle
 
     settings = parse_settings(argv)
     report = run_upcycle(settings)

@@ -49,7 +49,7 @@ def quanto_without_its_compiled_kernel(monkeypatch):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from difftransformer.data import SMOLLM2_GGUF, SMOLLM2_INSTALL, smollm2_gguf_path
+    from difftransformer.research.data import SMOLLM2_GGUF, SMOLLM2_INSTALL, smollm2_gguf_path
 
     path = smollm2_gguf_path(required=False)
     if path is None:

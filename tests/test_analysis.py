@@ -1,4 +1,4 @@
-"""The attention-noise lens (difftransformer.analysis) on tiny random and hand-set models."""
+"""The attention-noise lens (difftransformer.research.analysis) on tiny random and hand-set models."""
 
 import json
 import math
@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, analysis
-from difftransformer.analysis import attention_maps, attention_shares, lens, split_pairs
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
+from difftransformer.research import analysis
+from difftransformer.research.analysis import attention_maps, attention_shares, lens, split_pairs
 
 # (diff_version, Hq, Hkv): V1/V2, MHA and GQA (n > 1, where a wrong pairing would show).
 LAYOUTS = {"v1_mha": (1, 8, 8), "v1_gqa": (1, 8, 4), "v1_gqa4": (1, 8, 2), "v2_mha": (2, 8, 4), "v2_gqa": (2, 8, 2)}
@@ -277,7 +278,7 @@ def test_lens_on_spans_averages_prompts_and_reports_extra_regions(kind):
 
 
 def test_find_token_span_and_errors():
-    from difftransformer.data import corpus_texts, train_tokenizer
+    from difftransformer.research.data import corpus_texts, train_tokenizer
 
     tok = train_tokenizer(corpus_texts("train", max_chars=20_000), vocab_size=300)
     text = "x = 1\nneedle_key = 42\ny = 2\nassert needle_key =="
@@ -342,7 +343,7 @@ def test_docs_examples_run(tmp_path, monkeypatch):
         exec(compile(block, "docs/analysis.md", "exec"), namespace)
     for png in ("lens_v1.png", "shares.png", "niah_v1.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    commands = [b for b in _doc_blocks("bash") if "difftransformer.analysis" in b]
+    commands = [b for b in _doc_blocks("bash") if "difftransformer.research.analysis" in b]
     assert commands
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for command in commands:

@@ -21,7 +21,7 @@ def cs():
 
 @pytest.fixture(scope="module")
 def tok():
-    from difftransformer.data import get_tokenizer
+    from difftransformer.research.data import get_tokenizer
 
     return get_tokenizer()
 

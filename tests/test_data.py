@@ -5,8 +5,8 @@ import zlib
 import pytest
 import torch
 
-from difftransformer import data
-from difftransformer.data import (
+from difftransformer.research import data
+from difftransformer.research.data import (
     LMBlockDataset,
     build_blocks,
     corpus_files,

@@ -5,7 +5,7 @@ about as much as a layer's arithmetic for one token). A test of operation counts
 What is counted: every ATen operation a decoder layer dispatches (a ``TorchDispatchMode``) that can launch a kernel —
 not views, not ``empty`` allocations, not ``_unsafe_view`` — with one call each for what is one kernel on CUDA but
 decomposes on a CPU: SDPA, ``rms_norm`` (both ``torch.nn.functional`` calls, fenced by a ``TorchFunctionMode``) and
-the decode epilogues of triton_epilogue_difftransformer.py (one Triton launch each, run here through Triton's
+the decode epilogues of difftransformer/kernels/triton/epilogue.py (one Triton launch each, run here through Triton's
 interpreter). The models run CUDA's kernel choice (``DEFAULT_KERNELS`` for "cuda"; for V2 the same as every device's),
 with λ kept between steps (V1) and the norm's scaled weight too.
 """
@@ -23,10 +23,11 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, triton_difftransformer  # noqa: E402
-from difftransformer import kernels_difftransformer as kernels  # noqa: E402
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
 from difftransformer import modeling_difftransformer as mdt  # noqa: E402
-from difftransformer import triton_epilogue_difftransformer as epilogue  # noqa: E402
+from difftransformer.kernels import triton as triton_kernels  # noqa: E402
+from difftransformer.kernels.triton import attention as triton_difftransformer  # noqa: E402
+from difftransformer.kernels.triton import epilogue  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(triton_difftransformer.triton is None, reason="triton is not installed"),
@@ -54,7 +55,7 @@ NO_KERNEL = {
 }
 ONE_KERNEL_ON_CUDA = {F.scaled_dot_product_attention, F.rms_norm, torch.rms_norm}
 # The decode epilogues (one Triton launch each), where the model's files call them.
-LAUNCHES = ((mdt, "v1_combine_norm"), (kernels, "v2_sigmoid_combine"))
+LAUNCHES = ((triton_kernels, "v1_combine_norm"), (triton_kernels, "v2_sigmoid_combine"))  # what the model calls
 
 
 class LayerOps(TorchDispatchMode):

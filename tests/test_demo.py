@@ -18,9 +18,9 @@ from transformers import TrainerControl
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
-from difftransformer import upcycle as up
-from difftransformer.data import get_tokenizer
-from difftransformer.upcycle.job import StopControl, _measure
+from difftransformer.research import upcycle as up
+from difftransformer.research.data import get_tokenizer
+from difftransformer.research.upcycle.job import StopControl, _measure
 
 ROOT = Path(__file__).resolve().parent.parent
 TOO_LONG = "Token indices sequence length is longer than the specified maximum"

@@ -79,7 +79,7 @@ def test_smoke_cli_trains_reports_saves_samples_and_plots(cli_run):
     # The saved folder is a complete model + tokenizer: generation and the reported loss reproduce.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from difftransformer.data import build_blocks, corpus_texts
+    from difftransformer.research.data import build_blocks, corpus_texts
 
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     tokenizer = AutoTokenizer.from_pretrained(out / "model")

@@ -37,7 +37,7 @@ def triton_configs_restored():
     """The check pins the tuning sweep's configurations for the rest of its process (gpu_check.run_tuning): here the
     process goes on with other test modules, which get the kernel's own rules back."""
     yield
-    triton_difftransformer = sys.modules.get("difftransformer.triton_difftransformer")
+    triton_difftransformer = sys.modules.get("difftransformer.kernels.triton.attention")
     if triton_difftransformer is not None and hasattr(triton_difftransformer, "set_configs"):
         triton_difftransformer.set_configs(None)
 
@@ -354,7 +354,7 @@ def test_sdpa_backends_are_named_from_operator_and_kernel_names():
 def test_smoke_runs_the_tuning_sweep_on_its_smoke_problems(smoke_run):
     """The tuning part calls the Triton module's sweep (on the interpreter: its logic, not timings) and keeps its
     result; where this version of the module has no sweep, it says so."""
-    from difftransformer import triton_difftransformer
+    from difftransformer.kernels.triton import attention as triton_difftransformer
 
     tuning = smoke_run[0]["tuning"]
     if not hasattr(triton_difftransformer, "tuning_sweep"):

@@ -16,7 +16,6 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import EntryNotFoundError
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
-from difftransformer.data import get_tokenizer
 from difftransformer.hub import (
     INSTALL_LINE,
     SOURCE_FILES,
@@ -26,6 +25,7 @@ from difftransformer.hub import (
     push_to_hub,
     save_for_hub,
 )
+from difftransformer.research.data import get_tokenizer
 
 IDS = [[1, 40, 41, 42, 43, 44, 45, 46]]
 

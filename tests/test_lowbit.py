@@ -1,11 +1,13 @@
-"""Low-bit attention (difftransformer.lowbit): the unquantised path is eager's arithmetic, quantisation moves each logit
-by at most half its grid step, V1's padded queries and packed keys quantise as their unpadded heads, statistics."""
+"""Low-bit attention (difftransformer.research.lowbit): the unquantised path is eager's arithmetic, quantisation moves
+each logit by at most half its grid step, V1's padded queries and packed keys quantise as their unpadded heads,
+statistics."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, lowbit
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
+from difftransformer.research import lowbit
 
 KINDS = ("llama", "v1", "v2")
 

@@ -25,7 +25,12 @@ def test_every_model_and_width_is_measured_with_its_provenance(smoke):
     report, saved = smoke
     assert saved["provenance"]["script"] == "lowbit_pretrained.py"
     ran = {key.rsplit(":", 1)[0] for key in saved["provenance"]["code"]["digests"]}
-    assert {"benchmarks/lowbit_pretrained.py", "difftransformer/lowbit.py", "difftransformer/convert/llama.py"} <= ran
+    expected = {
+        "benchmarks/lowbit_pretrained.py",
+        "difftransformer/research/lowbit.py",
+        "difftransformer/convert/llama.py",
+    }
+    assert expected <= ran
     assert list(saved["models"]) == ["llama", "v2", "v1"]
     assert saved["models"]["v2"]["conversion"]["exact"] and not saved["models"]["v1"]["conversion"]["exact"]
     for entry in saved["models"].values():
@@ -72,7 +77,7 @@ def test_the_upcycles_inherit_the_source_logits_and_v2_its_function(smoke):
 
 
 def test_cloze_items_recall_an_earlier_word_piece_among_three_others():
-    from difftransformer import upcycle as up
+    from difftransformer.research import upcycle as up
 
     tokenizer = up.smoke_source().tokenizer
     ids = tokenizer(up.heldout_texts()["validation"], add_special_tokens=False)["input_ids"][512:]  # as --smoke

@@ -56,7 +56,7 @@ def test_wheel_holds_only_the_package(wheel):
     assert {
         "difftransformer/__init__.py",
         "difftransformer/convert/cli.py",
-        "difftransformer/upcycle/job.py",
+        "difftransformer/research/upcycle/job.py",
     } <= modules
     packages = {
         p.relative_to(REPO).as_posix() + "/__init__.py"

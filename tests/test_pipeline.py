@@ -16,7 +16,7 @@ from difftransformer import (
     DiffTransformerForTokenClassification,
     DiffTransformerModel,
 )
-from difftransformer.data import get_tokenizer
+from difftransformer.research.data import get_tokenizer
 from difftransformer.testing_utils import left_padded_batch, randomize_norms, reference_forward, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

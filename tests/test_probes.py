@@ -1,12 +1,13 @@
-"""Synthetic probes (difftransformer.probes): generation, determinism, scoring, tables and heatmaps."""
+"""Synthetic probes (difftransformer.research.probes): generation, determinism, scoring, tables and heatmaps."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, probes
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer.compat_difftransformer import CACHE_NAME
-from difftransformer.data import corpus_texts, train_tokenizer
+from difftransformer.research import probes
+from difftransformer.research.data import corpus_texts, train_tokenizer
 
 
 @pytest.fixture(scope="module")

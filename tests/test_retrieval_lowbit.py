@@ -1,5 +1,6 @@
-"""Synthetic retrieval tasks (difftransformer.retrieval_tasks) and benchmarks/retrieval_lowbit.py: the sequences hold
-what they claim, scoring reads the right positions, and the experiment runs end to end, pairs seeds and resumes."""
+"""Synthetic retrieval tasks (difftransformer.research.retrieval_tasks) and benchmarks/retrieval_lowbit.py: the
+sequences hold what they claim, scoring reads the right positions, and the experiment runs end to end, pairs seeds and
+resumes."""
 
 import itertools
 import json
@@ -12,7 +13,7 @@ import statistics
 import pytest
 import torch
 
-from difftransformer import retrieval_tasks as rt
+from difftransformer.research import retrieval_tasks as rt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = rt.TaskVocab()
@@ -154,10 +155,10 @@ def test_smoke_run_pairs_seeds_and_resumes(script, tmp_path, monkeypatch):
     ran = {key.rsplit(":", 1)[0] for key in saved["provenance"]["code"]["digests"]}
     assert saved["provenance"]["code"]["how"] == "traced"
     assert {
-        "difftransformer/retrieval_tasks.py",
+        "difftransformer/research/retrieval_tasks.py",
         "difftransformer/modeling_difftransformer.py",
-        "difftransformer/lowbit.py",
-        "difftransformer/analysis.py",
+        "difftransformer/research/lowbit.py",
+        "difftransformer/research/analysis.py",
         "benchmarks/retrieval_lowbit.py",
     } <= ran
     # The report's tables and the README row are rendered from the file: one row per quantity, the paired column is

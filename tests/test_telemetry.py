@@ -1,5 +1,5 @@
-"""Differential-attention telemetry (difftransformer/telemetry.py): the logged values against a direct computation on
-tiny models, logging through the Trainer, the gradient-norm spike rule."""
+"""Differential-attention telemetry (difftransformer/research/telemetry.py): the logged values against a direct
+computation on tiny models, logging through the Trainer, the gradient-norm spike rule."""
 
 import copy
 import json
@@ -9,8 +9,9 @@ import torch
 from transformers import AttentionInterface, Trainer, TrainerCallback, TrainingArguments
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM, telemetry
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
 from difftransformer.modeling_difftransformer import eager_attention_forward
+from difftransformer.research import telemetry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM
-from difftransformer.data import get_tokenizer, lm_datasets
+from difftransformer.research.data import get_tokenizer, lm_datasets
 from difftransformer.testing_utils import (
     ROUNDING_DRAWS,
     ROUNDING_FACTOR,

@@ -1,4 +1,4 @@
-"""The fused DIFF V1 Triton kernel (difftransformer/triton_difftransformer.py) against a float64 formula.
+"""The fused DIFF V1 Triton kernel (difftransformer/kernels/triton/attention.py) against a float64 formula.
 
 Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set by a module fixture and restored after: the
 kernel module decorates its kernels on first use, so the switch only has to be on when they first run). Sizes are tiny
@@ -38,7 +38,7 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernel needs triton (pip install triton)")
 
-from difftransformer import triton_difftransformer as tdt  # noqa: E402
+from difftransformer.kernels.triton import attention as tdt  # noqa: E402
 
 # On a CUDA machine the same checks run the compiled kernels on the GPU (the reference stays float64 on the CPU).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -894,7 +894,7 @@ def test_kernels_compile_for_h100(monkeypatch):
 
 
 def test_decode_epilogues_compile_for_h100(monkeypatch):
-    """The decode step's epilogues (triton_epilogue_difftransformer.py), which the tests otherwise run on the
+    """The decode step's epilogues (difftransformer/kernels/triton/epilogue.py), which the tests otherwise run on the
     interpreter, compile for an H100 (sm_90) in the decoration the GPU gets: ``tl.sum`` for the row sum."""
     from triton.backends import backends
     from triton.backends.compiler import GPUTarget
@@ -902,7 +902,7 @@ def test_decode_epilogues_compile_for_h100(monkeypatch):
     from triton.compiler import compile as triton_compile
     from triton.runtime.jit import JITFunction
 
-    from difftransformer import triton_epilogue_difftransformer as epilogue
+    from difftransformer.kernels.triton import epilogue
 
     if "nvidia" not in backends or DEVICE.type == "cuda":
         pytest.skip("no NVIDIA backend to compile for, or a GPU (where the decode tests run them compiled)")

@@ -15,8 +15,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
 
-from difftransformer import DiffTransformerForCausalLM, triton_difftransformer  # noqa: E402
+from difftransformer import DiffTransformerForCausalLM  # noqa: E402
 from difftransformer import modeling_difftransformer as mdt  # noqa: E402
+from difftransformer.kernels.triton import attention as triton_difftransformer  # noqa: E402
 from difftransformer.testing_utils import (  # noqa: E402
     FP32_LOGITS_ATOL,
     GRAD_RTOL,

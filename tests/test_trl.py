@@ -16,7 +16,7 @@ from datasets import Dataset  # noqa: E402  (a TRL dependency)
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
-from difftransformer.data import get_tokenizer  # noqa: E402
+from difftransformer.research.data import get_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""Upcycling (difftransformer/upcycle/, examples/upcycle.py, benchmarks/compare_upcycled.py) and λ in Trainer
+"""Upcycling (difftransformer/research/upcycle/, examples/upcycle.py, benchmarks/compare_upcycled.py) and λ in Trainer
 checkpoints of a V1 PeftModel (difftransformer/integrations.py).
 
 They run on a tiny random Llama (``upcycle.smoke_source``) converted to V1 and V2 by the real converter; the real
@@ -22,15 +22,12 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from difftransformer import (  # noqa: E402
-    DiffTransformerConfig,
-    DiffTransformerForCausalLM,
-    telemetry,  # noqa: E402
-)
-from difftransformer import upcycle as up  # noqa: E402
-from difftransformer.data import LMBlockDataset, corpus_files  # noqa: E402
+from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  # noqa: E402
 from difftransformer.hub import check_hub_folder  # noqa: E402
 from difftransformer.integrations import LambdaCheckpointCallback, enable_lambda_training, save_adapter  # noqa: E402
+from difftransformer.research import telemetry  # noqa: E402
+from difftransformer.research import upcycle as up  # noqa: E402
+from difftransformer.research.data import LMBlockDataset, corpus_files  # noqa: E402
 from utils_upcycle import distillation_trainer, kd_loss_on  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

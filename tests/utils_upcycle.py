@@ -4,8 +4,8 @@ Trainer on a few blocks, the KL against the teacher, and the real model's chat p
 import torch
 from transformers import TrainingArguments
 
-from difftransformer import upcycle as up
-from difftransformer.data import LMBlockDataset
+from difftransformer.research import upcycle as up
+from difftransformer.research.data import LMBlockDataset
 
 # The chat prompt of the real-model tests and SmolLM2-135M-Instruct's greedy answer to it.
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -19,8 +19,8 @@ def logits(model, ids=IDS):
 
 
 def distillation_trainer(model, teacher, blocks, tmp_path, **kwargs):
-    """A :class:`~difftransformer.upcycle.DistillationTrainer` over ``blocks``: 4 steps of batch 2, lr 3e-3, a log
-    every step, no checkpoints (``args=dict(...)`` overrides TrainingArguments, other kwargs go to the trainer)."""
+    """A :class:`~difftransformer.research.upcycle.DistillationTrainer` over ``blocks``: 4 steps of batch 2, lr 3e-3, a
+    log every step, no checkpoints (``args=dict(...)`` overrides TrainingArguments, other kwargs go to the trainer)."""
     args = dict(
         output_dir=str(tmp_path / "t"),
         max_steps=4,

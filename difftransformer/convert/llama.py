@@ -417,8 +417,8 @@ def calibration_input_ids(
 ) -> tuple[torch.Tensor, str]:
     """Calibration input ``(sequences, length)`` and a description of it.
 
-    With a tokenizer: consecutive tokens of the embedded corpus's training split (``difftransformer.data``), so the
-    held-out validation split stays unseen. Without one: random token ids from a generator seeded with ``seed``.
+    With a tokenizer: consecutive tokens of the embedded corpus's training split (``difftransformer.research.data``), so
+    the held-out validation split stays unseen. Without one: random token ids from a generator seeded with ``seed``.
     """
     if max_length:
         length = min(length, max_length)

@@ -1,6 +1,6 @@
 """Training and held-out text for upcycling, tokenized with the *source's* tokenizer.
 
-Training: the embedded corpus's train split (:mod:`difftransformer.data`), documents separated by the token the
+Training: the embedded corpus's train split (:mod:`difftransformer.research.data`), documents separated by the token the
 source was pre-trained with between documents and packed into full blocks. Held out: the corpus's validation split
 and ``pydoc_data.topics`` (English prose of the Python docs, a stdlib subpackage outside the corpus)."""
 

@@ -32,11 +32,11 @@ class Source:
 def load_source(source: str | os.PathLike | None = None, progress: bool = True) -> Source:
     """Load the teacher: a ``.gguf`` file (transformers' GGUF loader, de-quantised to float32, with the file's
     tokenizer, chat template and generation config), a model folder, ``None`` for SmolLM2-135M-Instruct
-    (:func:`difftransformer.data.smollm2_gguf_path`), or ``"smoke"`` for :func:`smoke_source`."""
+    (:func:`difftransformer.research.data.smollm2_gguf_path`), or ``"smoke"`` for :func:`smoke_source`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..convert import load_gguf
-    from ..convert.gguf_source import is_gguf_path
+    from ...convert import load_gguf
+    from ...convert.gguf_source import is_gguf_path
 
     if source == SMOKE:
         return smoke_source()
@@ -103,7 +103,7 @@ def convert_student(
     with its default calibration, and ``v1_subln_eps``, by default the source's ``rms_norm_eps``; a large value such
     as 1 gives the V1 layout with its per-head norm made nearly inert; ``progress``: the converter's progress bars).
     Returns the :class:`~difftransformer.convert.ConversionResult`."""
-    from ..convert import convert
+    from ...convert import convert
 
     v1 = diff_version == 1
     return convert(
@@ -123,6 +123,6 @@ def load_student(folder: str | os.PathLike):
     """A converted (or trained) difftransformer folder as a float32 causal LM."""
     from transformers import AutoModelForCausalLM
 
-    from .. import DiffTransformerForCausalLM  # noqa: F401  (registers the Auto classes)
+    from ... import DiffTransformerForCausalLM  # noqa: F401  (registers the Auto classes)
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -84,7 +84,7 @@ class UpcycleSettings:
     save_steps: int = 20
     logging_steps: int = 5
     telemetry_steps: int | None = (
-        5  # differential-attention telemetry every N steps (difftransformer.telemetry); None: off
+        5  # differential-attention telemetry every N steps (difftransformer.research.telemetry); None: off
     )
     max_minutes: float | None = None
     report_dir: str | None = None  # also copy the report files (REPORT_FILES) there
@@ -106,7 +106,7 @@ class UpcycleSettings:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
-        from ..convert import V1_INITS
+        from ...convert import V1_INITS
 
         if self.diff_version not in (1, 2):
             raise ValueError(f"`diff_version` must be 1 or 2, got {self.diff_version!r}.")
@@ -365,8 +365,8 @@ def _training_arguments(settings: UpcycleSettings, ckpt_dir: Path):
 
 def _build_trainer(model, source: Source, held: dict, settings: UpcycleSettings, out: Path, callbacks: Sequence):
     """The DistillationTrainer of the run with its callbacks: stop control, telemetry, V1 λ in LoRA checkpoints."""
+    from ...integrations import LambdaCheckpointCallback
     from ..data import LMBlockDataset
-    from ..integrations import LambdaCheckpointCallback
     from ..telemetry import DiffAttentionTelemetryCallback
 
     train_set = LMBlockDataset(
@@ -412,7 +412,7 @@ def _save_model(
     model, source: Source, settings: UpcycleSettings, before: dict, after: dict, step: int, out: Path
 ) -> Path:
     """The Hub-ready folder ``out/model`` (LoRA merged) with a model card that states how it was made."""
-    from ..hub import save_for_hub
+    from ...hub import save_for_hub
 
     final = model.merge_and_unload() if settings.method == "lora" else model
     final.eval()

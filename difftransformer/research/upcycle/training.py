@@ -160,7 +160,7 @@ def prepare_student(
         return model
     from peft import LoraConfig, get_peft_model
 
-    from ..integrations import MODEL_TYPE, enable_lambda_training, lambda_modules_to_save
+    from ...integrations import MODEL_TYPE, enable_lambda_training, lambda_modules_to_save
 
     version = model.config.diff_version if model.config.model_type == MODEL_TYPE else None
     targets = (

@@ -14,7 +14,7 @@ from .training import DEFAULT_LEARNING_RATES
 
 
 def _git(*args: str) -> str | None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # the checkout: research/upcycle/report.py is three below it
     try:
         proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
