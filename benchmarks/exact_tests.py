@@ -28,8 +28,8 @@ distribution exactly; each returns a two-sided p-value, except :func:`signed_ran
 
 The same definitions as scipy's ``binomtest``, ``fisher_exact``, ``mannwhitneyu(method="exact")`` (without ties),
 ``wilcoxon(method="exact")`` (without ties or zeros), ``kendalltau(method="exact")`` and ``spearmanr``'s statistic
-(tests/test_exact_tests.py compares them where scipy is installed); written out here because scipy is no dependency
-of the package or its tests.
+(tests/benchmarks/test_exact_tests.py compares them where scipy is installed); written out here because scipy is no
+dependency of the package or its tests.
 """
 
 from __future__ import annotations

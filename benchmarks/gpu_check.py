@@ -5,7 +5,8 @@ GPU time is rare and short (a slot of about 15 minutes, start-up included), so e
 GPU is gathered by one command, ``bash scripts/gpu_check.sh`` (which runs ``python -m benchmarks.gpu_check --out DIR``
 with the repository root on ``PYTHONPATH``). It survives its own failures and writes one JSON report
 (``gpu_check.json``, rewritten after every row and check, so a run cut short keeps what it measured) and a text summary
-(``gpu_check.txt``). ``--smoke`` runs the same code on tiny sizes on the CPU in seconds (tests/test_gpu_check.py).
+(``gpu_check.txt``). ``--smoke`` runs the same code on tiny sizes on the CPU in seconds
+(tests/benchmarks/test_gpu_check.py).
 
 The parts run in this order, the most wanted first, each within its own time allowance (``PART_BUDGET_S``; a part
 that finishes early leaves its time to the next) and all within ``--budget`` seconds from the start: no row or check
@@ -106,7 +107,7 @@ FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash
 LAYOUTS = ("v1_gqa", "v1_mha", "v2_gqa", "v2_mha")  # testing_utils.LAYOUTS: V1/V2, GQA and MHA
 # Every flex_attention check compiles: the three layouts of test_modeling_difftransformer.py's FLEX_PAIRS.
 FLEX_LAYOUTS = ("v1_gqa", "v1_mha", "v2_gqa")
-COMPILED_LAYOUTS = ("v1_gqa", "v2_gqa")  # as tests/test_generation_difftransformer.py: one compile each
+COMPILED_LAYOUTS = ("v1_gqa", "v2_gqa")  # as tests/models/test_generation_difftransformer.py: one compile each
 # V1's kernels that run prompts (modeling_difftransformer.select_kernel's names; "decode_kernel" takes one token only),
 # each forced through ``model.set_differential_kernel`` in the checks.
 V1_PROMPT_KERNELS = ("sdpa_two_calls", "sdpa_repeated_value", "triton", "padded", "blocked")

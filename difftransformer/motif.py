@@ -186,7 +186,7 @@ class MotifForCausalLM(DiffTransformerForCausalLM):
     hook, so the class adds :func:`motif_weight_conversions` to the load configuration of its own
     ``from_pretrained`` (``_load_pretrained_model``) and records it as the conversion ``save_pretrained`` reverts
     (``_weight_conversions``, what transformers records after a load) for a model built from a config.
-    tests/test_motif.py checks both directions where the rows really move."""
+    tests/models/test_motif.py checks both directions where the rows really move."""
 
     config_class = MotifConfig
     _auto_class = None  # saved as Motif's format, not with difftransformer's remote code (save_pretrained)

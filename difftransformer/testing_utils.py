@@ -227,8 +227,8 @@ class RoundingModel:
     Parker 1997). The spread over a few draws is the size of the error bf16 arithmetic makes *for this model and
     input*: small where the computation is well conditioned, large where it cancels (λ's gradient is a sum over every
     score of terms of both signs). A bf16 result then has to lie within ``factor ×`` the largest drawn error; a
-    wrong kernel (a mis-paired map, a wrong λ or scale) moves results by far more (tests/test_kernels_difftransformer.py
-    checks that the bounds catch one).
+    wrong kernel (a mis-paired map, a wrong λ or scale) moves results by far more
+    (tests/kernels/test_kernels_difftransformer.py checks that the bounds catch one).
     """
 
     u = 2.0**-8

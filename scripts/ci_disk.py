@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 # MB each venv takes once set up, rounded up from `du -sm` of CI's venvs at the pins of 2026-11-28 (3,310; 5,900;
-# 5,595; 3,661). tests/test_ci_disk.py checks .venv's against its real size.
+# 5,595; 3,661). tests/repository/test_ci_disk.py checks .venv's against its real size.
 VENV_MB = {".venv": 3600, ".venv-latest": 6300, ".venv-min": 6000, ".venv-vllm": 4000}
 EXTRA = (".venv-latest", ".venv-min", ".venv-vllm")
 # pip's downloads before it unpacks them (a CUDA build of torch is a wheel of about 0.9 GB; the parallel layout runs

@@ -16,8 +16,8 @@ parallel processes are joined by the script's ``combined``), each row linking th
 
 Numbers live in the tables: prose cites a table instead of repeating its numbers, and
 :func:`unchecked_numbers` finds a result-like number (two or more decimals, or a percentage) in prose that no table
-block of the same document shows. tests/test_doc_numbers.py runs :func:`check` over the README and every page of
-docs/ and docs/reports/.
+block of the same document shows. tests/repository/test_doc_numbers.py runs :func:`check` over the README and every page
+of docs/ and docs/reports/.
 """
 
 from __future__ import annotations

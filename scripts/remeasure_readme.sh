@@ -16,12 +16,12 @@
 # and 12, plus compiling (compiled decode: 4 models x 2 batch sizes) and the memory rows, a few minutes each.
 #
 #   REMEASURE_SMOKE=1 bash scripts/remeasure_readme.sh   # the same commands at --smoke sizes into a temporary folder,
-#                                                        # no compiled decode, docs untouched (tests/test_doc_numbers.py)
+#                                                        # no compiled decode, docs untouched (tests/repository/test_doc_numbers.py)
 #
 # It writes benchmarks/results/bench_t1cpu_{fp32,bf16}.json and .png (the JSONs record commit, command, machine and
 # versions and the code the run executed), then runs `python scripts/doc_tables.py --write`, which rewrites every table
 # block of the README and docs/ from its JSON, and `python scripts/doc_tables.py`, which checks them (what
-# tests/test_doc_numbers.py checks). Read the report's prose against the new tables, then commit the JSONs, PNGs and
+# tests/repository/test_doc_numbers.py checks). Read the report's prose against the new tables, then commit the JSONs, PNGs and
 # docs together (a new date: a new report under docs/reports/).
 #
 # Run it on a quiet machine with the code committed: the JSONs name the commit, and uncommitted changes are listed in

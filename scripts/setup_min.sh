@@ -2,7 +2,7 @@
 # The venv for the core tests on the LOWEST releases the package declares (they prove the declared ranges true;
 # scripts/test.sh runs them): .venv-min with requirements-min.txt (torch, accelerate, peft, safetensors, tokenizers) and
 # pyproject.toml's lowest transformers, read from its `transformers>=X.Y,` requirement (any X.Y.* release), so the
-# range and this check cannot drift apart (tests/test_versions.py checks every other lower bound against
+# range and this check cannot drift apart (tests/repository/test_versions.py checks every other lower bound against
 # requirements-min.txt).
 #
 # torch comes from the registry: requirements-min.txt's release is a CUDA build (about 5 GB in the venv; it runs on

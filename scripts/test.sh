@@ -131,11 +131,14 @@ elif [ "$(cat "$logs/newest.state")" = 0 ]; then
     phases+=("$(printf '%-9s %5s    %s' newest - "$(cat "$logs/newest.versions"): resolved now, the pinned releases: whole suite run above")")
 else
     DIFFTRANSFORMER_VENV=newest .venv-latest/bin/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadfile --no-loadscope-reorder \
-        tests/test_upstream_api.py tests/test_configuration_difftransformer.py tests/test_modeling_difftransformer.py \
-        tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_save_load_difftransformer.py \
-        tests/test_remote_code_folders.py tests/test_convert_llama.py tests/test_convert_diffllama.py \
-        tests/test_convert_microsoft.py tests/test_convert_config_fields.py tests/test_peft.py tests/test_pipeline.py \
-        tests/test_trainer.py tests/test_transformers_common.py tests/test_motif.py -k "not flex"
+        tests/models/test_upstream_api.py tests/models/test_configuration_difftransformer.py \
+        tests/models/test_modeling_difftransformer.py tests/models/test_generation_difftransformer.py \
+        tests/models/test_continuous_batching.py tests/models/test_save_load_difftransformer.py \
+        tests/models/test_remote_code_folders.py tests/convert/test_convert_llama.py \
+        tests/convert/test_convert_diffllama.py tests/convert/test_convert_microsoft.py \
+        tests/convert/test_convert_config_fields.py tests/integrations/test_peft.py \
+        tests/integrations/test_pipeline.py tests/integrations/test_trainer.py \
+        tests/models/test_transformers_common.py tests/models/test_motif.py -k "not flex"
     phase newest "$t" "$(versions .venv-latest)"
 fi
 

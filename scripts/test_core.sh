@@ -10,10 +10,11 @@
 #
 # PYTHON=path/to/python picks another interpreter. scripts/test.sh (CI) runs the same CORE list on the newest and the
 # lowest releases the package declares, and the whole suite on the pinned ones (CONTRIBUTING.md).
-CORE=(tests/test_upstream_api.py tests/test_modeling_difftransformer.py tests/test_save_load_difftransformer.py
-      tests/test_generation_difftransformer.py tests/test_continuous_batching.py tests/test_remote_code_folders.py
-      tests/test_convert_llama.py tests/test_peft.py tests/test_pipeline.py tests/test_trainer.py tests/test_motif.py
-      tests/test_registration.py)
+CORE=(tests/models/test_upstream_api.py tests/models/test_modeling_difftransformer.py
+      tests/models/test_save_load_difftransformer.py tests/models/test_generation_difftransformer.py
+      tests/models/test_continuous_batching.py tests/models/test_remote_code_folders.py
+      tests/convert/test_convert_llama.py tests/integrations/test_peft.py tests/integrations/test_pipeline.py
+      tests/integrations/test_trainer.py tests/models/test_motif.py tests/models/test_registration.py)
 CORE_K="not flex and not bfloat16 and not released_layer_shapes"
 # Sourced (scripts/test.sh): the list above and nothing else.
 (return 0 2>/dev/null) && return 0

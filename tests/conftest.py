@@ -37,7 +37,7 @@ def quanto_without_its_compiled_kernel(monkeypatch):
     time a quantized tensor is read: one to two minutes of CI's two cores in every fresh venv. The quantized-cache
     tests give quanto the same unpack in torch instead (``utils_quanto.unpack_bits``: the same bits, so the cache's
     values and the model's outputs are unchanged; a check against the compiled kernel where it is built:
-    tests/test_generation_difftransformer.py).
+    tests/models/test_generation_difftransformer.py).
     quanto's kernel itself is quanto's to test."""
     pytest.importorskip("optimum.quanto", reason="the quantized cache's quanto backend needs optimum-quanto")
     from types import SimpleNamespace
@@ -88,36 +88,40 @@ def smollm2_v2(smollm2_gguf, tmp_path_factory):
 # claim, is listed at the end of the run and in CI's summary (scripts/test.sh), by name and reason, for every venv.
 # Node-id prefix → the claim the test guards. Each prefix must match a collected test (else the session fails: a
 # renamed test would otherwise stop being guarded unnoticed).
-_QUANTIZED = "tests/test_quantization.py::test_quantization_leaves_the_differential_parameters_alone"
+_QUANTIZED = "tests/integrations/test_quantization.py::test_quantization_leaves_the_differential_parameters_alone"
 GUARDED_CLAIMS = {
-    "tests/test_generation_difftransformer.py::test_flex_attention_generate": "flex_attention inside generate()",
-    "tests/test_modeling_difftransformer.py::test_backends_bfloat16_within_the_rounding_model[flex_attention": (
+    "tests/models/test_generation_difftransformer.py::test_flex_attention_generate": "flex_attention inside generate()",
+    "tests/models/test_modeling_difftransformer.py::test_backends_bfloat16_within_the_rounding_model[flex_attention": (
         "bf16 on every attention backend (flex_attention)"
     ),
-    "tests/test_trainer.py::test_bf16_mixed_precision_training": "bf16 mixed-precision training with Trainer",
-    "tests/test_transformers_common.py": "transformers' own common model tests, run against V1 and V2",
-    "tests/test_real_model.py": "the real SmolLM2-135M conversions and chat",
-    "tests/test_peft.py": "PEFT LoRA",
-    "tests/test_lm_eval.py": "lm-evaluation-harness",
-    "tests/test_generation_difftransformer.py::test_quantized_cache": "the quantized cache",
+    "tests/integrations/test_trainer.py::test_bf16_mixed_precision_training": (
+        "bf16 mixed-precision training with Trainer"
+    ),
+    "tests/models/test_transformers_common.py": "transformers' own common model tests, run against V1 and V2",
+    "tests/convert/test_real_model.py": "the real SmolLM2-135M conversions and chat",
+    "tests/integrations/test_peft.py": "PEFT LoRA",
+    "tests/integrations/test_lm_eval.py": "lm-evaluation-harness",
+    "tests/models/test_generation_difftransformer.py::test_quantized_cache": "the quantized cache",
     # Quantized loading, one entry per backend (torchao's CUDA-only int4 scheme is no CPU claim: skipped by design).
     f"{_QUANTIZED}[bnb-": "quantized loading with bitsandbytes",
-    "tests/test_quantization.py::test_a_users_skip_list_keeps_the_differential_parameters_too": (
+    "tests/integrations/test_quantization.py::test_a_users_skip_list_keeps_the_differential_parameters_too": (
         "quantized loading with bitsandbytes (a user's skip list)"
     ),
     f"{_QUANTIZED}[torchao-int8-": "quantized loading with torchao",
     **{f"{_QUANTIZED}[torchao-int4-{version}]": "quantized loading with torchao (int4 on CPU)" for version in (1, 2)},
     f"{_QUANTIZED}[quanto-": "quantized loading with optimum-quanto",
-    "tests/test_quantization.py::test_qlora_trains_lambda_with_the_adapter": "QLoRA (bitsandbytes, torchao)",
-    "tests/test_export.py::test_onnx_logits_within_float32_rounding": "ONNX export (onnxruntime)",
-    "tests/test_convert_io.py::test_installed_console_command_converts_with_a_progress_bar": (
+    "tests/integrations/test_quantization.py::test_qlora_trains_lambda_with_the_adapter": (
+        "QLoRA (bitsandbytes, torchao)"
+    ),
+    "tests/integrations/test_export.py::test_onnx_logits_within_float32_rounding": "ONNX export (onnxruntime)",
+    "tests/convert/test_convert_io.py::test_installed_console_command_converts_with_a_progress_bar": (
         "the difftransformer-convert console script"
     ),
-    "tests/test_distributed.py::test_ddp_": "DDP training on 2 processes",
-    "tests/test_distributed.py::test_fsdp2_": "FSDP2 training on 2 processes",
-    "tests/test_distributed.py::test_tensor_parallel_": "tensor-parallel inference on 2 processes",
-    "tests/test_deepspeed.py": "DeepSpeed ZeRO-2/3 training on 2 processes",
-    "tests/test_pipeline_parallel.py": "pipeline-parallel generate() on 2 processes",
+    "tests/integrations/test_distributed.py::test_ddp_": "DDP training on 2 processes",
+    "tests/integrations/test_distributed.py::test_fsdp2_": "FSDP2 training on 2 processes",
+    "tests/integrations/test_distributed.py::test_tensor_parallel_": "tensor-parallel inference on 2 processes",
+    "tests/integrations/test_deepspeed.py": "DeepSpeed ZeRO-2/3 training on 2 processes",
+    "tests/integrations/test_pipeline_parallel.py": "pipeline-parallel generate() on 2 processes",
 }
 SKIPS = SkipRecorder(GUARDED_CLAIMS, Path(__file__).parent)
 

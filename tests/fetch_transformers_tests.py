@@ -7,7 +7,7 @@ folder that is renamed into place only when complete, so an interrupted fetch ne
 
     python tests/fetch_transformers_tests.py          # prints the cached folder (downloads it if needed)
 
-``tests/test_transformers_common.py`` calls :func:`fetch` at collection time and skips, with the reason, when the
+``tests/models/test_transformers_common.py`` calls :func:`fetch` at collection time and skips, with the reason, when the
 download is impossible (no network, no such sdist).
 """
 

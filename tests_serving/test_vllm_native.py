@@ -20,7 +20,7 @@ Models (``Hq`` query half-heads, ``Hkv`` KV half-heads; V1: ``H`` differential h
   noise heads per KV pair: the one layout whose query rows the native model must permute at load) and ``motif_gda``
   (Motif-2-12.7B's topology scaled down: 2 groups of 4 signal + 1 noise), all with the PolyNorm MLP and λinit from
   depth − 1. Their reference is our ``MotifForCausalLM`` in transformers, itself checked against the plain-torch oracle
-  of Motif's published forward in tests/test_motif.py.
+  of Motif's published forward in tests/models/test_motif.py.
 
 The engines run one after another in one child process (vLLM imported once; ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 keeps each engine inside it), the references here with plain transformers (serving_utils.engine_jobs_in_child).

@@ -21,8 +21,8 @@ rotary ``cos``/``sin``, additive mask) and :func:`softmax_maps` recomputes ``q``
 projections and transformers' ``apply_rotary_pos_emb``. With the row order of docs/model.md ("What it computes")
 the standard GQA rule (query head ``i`` reads key head ``i // (Hq/Hkv)``) gives exactly the paper's pairing for both
 versions; :func:`split_pairs` then separates the maps of every differential head ``h = g·n + r`` (V1 rows
-``(g, c, r)``, V2 rows ``(h, c)``). ``tests/test_analysis.py`` checks that ``A1 − λ·A2`` recomputed this way equals the
-model's own differential maps.
+``(g, c, r)``, V2 rows ``(h, c)``). ``tests/research/test_analysis.py`` checks that ``A1 − λ·A2`` recomputed this way
+equals the model's own differential maps.
 
 Shares (:func:`attention_shares`). For one query row with weights ``w`` over key positions, the key positions
 are split into three disjoint regions: the answer span, the *context* outside the answer (noise) and everything

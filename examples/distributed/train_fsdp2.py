@@ -4,8 +4,8 @@
 `fully_shard` (FSDP2) following the config's `base_model_fsdp_plan` (embeddings, every decoder layer, the final
 norm, the root): each process then holds 1/N of every parameter, gradient and optimizer state. The loop below is
 plain PyTorch; rank `r` takes the `r`-th slice of every global batch, so the loss trajectory equals a
-single-process run on the whole batch (tests/test_distributed.py checks this, and that the saved model equals the
-single-process result).
+single-process run on the whole batch (tests/integrations/test_distributed.py checks this, and that the saved model
+equals the single-process result).
 
     python examples/distributed/train_fsdp2.py --model FOLDER --output-dir out                         # 1 process
     torchrun --nproc_per_node 2 examples/distributed/train_fsdp2.py --model FOLDER --output-dir out    # FSDP2

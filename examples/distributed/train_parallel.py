@@ -5,8 +5,9 @@ config's `base_model_tp_plan` over `T` ranks (q/k/v column-wise, o_proj row-wise
 and per-head norm replicated, their gradients summed over the tensor-parallel group) and, when `F > 1`, with FSDP2
 (`fully_shard`) over `F` data-parallel groups on top (`T = 1`: FSDP2 alone). The `T` ranks of a tensor-parallel group
 see the same batch; the `F` groups take the slices of every global batch, so the loss trajectory equals a
-single-process run on the whole batch. tests/test_distributed.py checks the losses, every gathered parameter, and
-that the ranks of a tensor-parallel group hold identical replicated parameters, in float32 and (FSDP2) bfloat16.
+single-process run on the whole batch. tests/integrations/test_distributed.py checks the losses, every gathered
+parameter, and that the ranks of a tensor-parallel group hold identical replicated parameters, in float32 and (FSDP2)
+bfloat16.
 
     python examples/distributed/train_parallel.py --model FOLDER --output-dir out                  # one process
     torchrun --nproc_per_node 2 examples/distributed/train_parallel.py --model FOLDER --output-dir out   # TP = 2

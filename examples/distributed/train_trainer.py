@@ -17,9 +17,9 @@ partitioned over the processes (`deepspeed.zero.Init`), so no process ever holds
 
 Each process draws `--per-device-batch-size` sequences per step, so the global batch is that times the number of
 processes; the tests check that 2 processes x 2 sequences follow the same loss trajectory as 1 process x 4, under
-DDP (tests/test_distributed.py) and ZeRO-2/ZeRO-3 (tests/test_deepspeed.py). The data is a deterministic synthetic
-corpus (`dist_common.synthetic_dataset`) so that the script runs anywhere without downloads; `--model` starts from a
-saved model folder instead of a fresh tiny model.
+DDP (tests/integrations/test_distributed.py) and ZeRO-2/ZeRO-3 (tests/integrations/test_deepspeed.py). The data is a
+deterministic synthetic corpus (`dist_common.synthetic_dataset`) so that the script runs anywhere without downloads;
+`--model` starts from a saved model folder instead of a fresh tiny model.
 """
 
 import argparse

@@ -99,8 +99,8 @@ call's inputs are validated once per signature (shapes, strides, dtypes, devices
 
 Triton is optional: without it (or without a CUDA device, unless ``TRITON_INTERPRET=1``) :func:`is_available` is
 False, the module still imports and nothing here runs. The kernels are decorated with ``triton.jit`` on first use,
-so ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, which tests/test_triton_difftransformer.py uses) takes effect
-whenever it is set before the first call, even after triton itself was imported.
+so ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, which tests/kernels/test_triton_difftransformer.py uses) takes
+effect whenever it is set before the first call, even after triton itself was imported.
 
 This module lives in ``difftransformer.kernels.triton`` (the optional extra ``difftransformer[triton]``), outside the
 flat model files: the model loads it by name only where the kernel is chosen (kernels_difftransformer.triton_kernels)
