@@ -56,7 +56,7 @@ class SkipRecorder:
             return  # a -k / -m selection runs part of the suite on purpose
         collected = [item.nodeid for item in session.items]
         files = {nodeid.split("::")[0] for nodeid in collected} | {s["test"] for s in self.skips if s["module"]}
-        suite = {f"{self.suite.name}/{path.name}" for path in self.suite.glob("test_*.py")}
+        suite = {path.relative_to(self.suite.parent).as_posix() for path in self.suite.rglob("test_*.py")}
         if not suite <= files:
             return  # a part of the suite (CI's newest and lowest runs, single files): only the whole suite checks
         missing = [
