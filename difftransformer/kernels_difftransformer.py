@@ -30,8 +30,8 @@ On CUDA, V1 runs :func:`sdpa_two_calls_attention` by default: two stock SDPA cal
 ``2d``-wide value (section "V1 through stock SDPA" below, beside the one-call :func:`sdpa_repeated_value_attention`).
 The one-pass Triton kernel (difftransformer/kernels/triton/, the optional extra ``difftransformer[triton]``) runs only
 where a user chooses it; :func:`triton_kernels` loads it by its absolute name where it is chosen or used, so that no
-saved folder carries it. Which kernel runs for which
-device and workload: ``DEFAULT_KERNELS`` in modeling_difftransformer.py (docs/model.md, "Kernels"). This file is
+saved folder carries it. Which kernel runs for which device and workload: :data:`DEFAULT_KERNELS`, at the end of
+this file (docs/model.md, "Kernels"). This file is
 imported relatively by the modeling file, so ``save_pretrained`` copies it into every saved folder (Hub remote code).
 """
 
@@ -680,7 +680,45 @@ def sdpa_repeated_value_attention(query, key, value, attention_mask, lam, scalin
     return torch.addcmul(first, lam, second, value=-1).permute(0, 3, 1, 2, 4).reshape(b, t, g * n, 2 * d)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Which kernel runs where (docs/model.md, "Kernels")
+# ----------------------------------------------------------------------------------------------------------------
+
+WORKLOADS = ("prefill", "train", "decode")
+# transformers' attention function with one standard call per layer (V1: zero-padded queries over packed groups).
+FALLBACK_KERNEL = {1: "padded", 2: "standard"}
+# The default kernel under attn_implementation="sdpa", by version and device type ("other": any device not listed) and
+# workload. Set by measurement: CUDA's V1 row by docs/reports/2026-11-28-gpu-check.md (its attention table), the CPU
+# rows by docs/reports/2026-11-26-cpu-speed.md; "other" is not measured (the padded call, which SDPA's flash and
+# memory-efficient kernels run without writing a map, and the decode kernel for one token).
+DEFAULT_KERNELS: dict[tuple[int, str], dict[str, str]] = {
+    (1, "cuda"): {"prefill": "sdpa_two_calls", "train": "sdpa_two_calls", "decode": "sdpa_two_calls"},
+    (1, "cpu"): {"prefill": "blocked", "train": "blocked", "decode": "decode_kernel"},
+    (1, "other"): {"prefill": "padded", "train": "padded", "decode": "decode_kernel"},
+    (2, "cpu"): {"prefill": "causal_blocks", "train": "causal_blocks", "decode": "rows_decode"},
+    (2, "other"): {"prefill": "standard", "train": "standard", "decode": "rows_decode"},
+}
+
+
+def select_kernel(diff_version: int, device_type: str, workload: str, dtype: torch.dtype | None = None) -> str:
+    """The kernel a ``diff_version`` layer runs by default under ``attn_implementation="sdpa"`` for ``workload``
+    (``"prefill"``: several query tokens without autograd, ``"train"``: with autograd, ``"decode"``: one token without
+    autograd) on ``device_type``: an entry of :data:`DEFAULT_KERNELS`. V2's causal blocks need float32 (other dtypes:
+    the standard call). ``model.set_differential_kernel`` overrides it (docs/model.md, "Kernels")."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    table = DEFAULT_KERNELS.get((diff_version, device_type)) or DEFAULT_KERNELS[(diff_version, "other")]
+    name = table[workload]
+    if name == "causal_blocks" and dtype not in (None, torch.float32):
+        return FALLBACK_KERNEL[diff_version]
+    return name
+
+
 __all__ = [
+    "DEFAULT_KERNELS",
+    "FALLBACK_KERNEL",
+    "WORKLOADS",
+    "select_kernel",
     "BlockedDifferentialAttention",
     "HeadRMSNorm",
     "CausalBlockAttention",

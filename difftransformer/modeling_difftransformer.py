@@ -15,9 +15,11 @@ groups (n = 2)::
 
 With that order the standard GQA rule (query head i reads KV head i // n) already pairs every map with its
 own key head, and the cache holds a Llama's tensors: ``(B, Hkv, S, d)``, exactly what transformers' caches (dynamic,
-static, quantized, paged, and those built from the config) allocate. Under ``attn_implementation="sdpa"`` V1 runs
-its own kernels on those tensors (kernels_difftransformer.py), chosen per device and workload (``DEFAULT_KERNELS``;
-docs/model.md, "Kernels"): on CUDA two stock SDPA calls, one per softmax map, with the ``2d``-wide value
+static, quantized, paged, and those built from the config) allocate. Each layer makes one attention call through this
+file's ``ALL_ATTENTION_FUNCTIONS`` (an ``AttentionInterface`` of its own; section "Attention dispatch"), whose every
+entry returns the heads the output projection reads. Under ``attn_implementation="sdpa"`` it runs the package's own
+kernels on those tensors (kernels_difftransformer.py), chosen per device and workload (``DEFAULT_KERNELS`` there;
+docs/model.md, "Kernels"): for V1 on CUDA two stock SDPA calls, one per softmax map, with the ``2d``-wide value
 (``sdpa_two_calls_attention``); on CPU ``differential_sdpa_attention`` (``A1 − λ·A2`` per block of queries, and a
 decode kernel for one token). The one-pass Triton kernel (difftransformer/kernels/triton/, loaded by name, never copied
 into a saved folder) runs only where a user chooses it (``model.set_differential_kernel("triton")``).
@@ -48,6 +50,7 @@ interleaved, group-major query rows (convert_scripts handle both), no attention 
 
 import contextlib
 import functools
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -62,6 +65,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -70,7 +74,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -95,6 +99,9 @@ from .compat_difftransformer import (
 from .configuration_difftransformer import AUTO_MAP, DiffTransformerConfig  # noqa: F401 (AUTO_MAP: re-exported)
 from .kernels_difftransformer import (
     ACCUMULATION_DTYPES,
+    DEFAULT_KERNELS,
+    FALLBACK_KERNEL,
+    WORKLOADS,
     HeadRMSNorm,
     causal_block_attention,
     combine_maps,
@@ -103,12 +110,12 @@ from .kernels_difftransformer import (
     epilogue_runs,
     needs_grad,
     pack_value_groups,
-    pair_decode_attention,
     query_padding,
     rows_decode_attention,
     sdpa_decode_maps,
     sdpa_repeated_value_attention,
     sdpa_two_calls_attention,
+    select_kernel,
     triton_kernels,
     triton_missing,
     uses_causal_block_attention,
@@ -262,7 +269,7 @@ def eager_attention_forward(
     queries over packed groups, ``w = 2d``; V2: ``w = d``). With ``diff_lambda`` (what the module passes) this returns
     the *combined* output ``(B, T, H, w)`` together with the differential maps ``(B, H, T, S)`` it was computed from
     (what ``output_attentions`` shows: docs/model.md). Without it, it is plain eager attention: one output per softmax
-    map, ``(B, T, 2H, w)``, and the softmax maps ``(B, 2H, T, S)`` (the module's ``combine`` then pairs the outputs).
+    map, ``(B, T, 2H, w)``, and the softmax maps ``(B, 2H, T, S)`` (the layer's ``pair_outputs`` then pairs them).
     It is :func:`attention_logits` followed by :func:`attention_from_logits` (the low-bit analysis transforms the logits
     between the two: ``difftransformer.research.lowbit``).
     """
@@ -317,30 +324,18 @@ def decode_kernel_attention(query, key, value, attention_mask, lam, scaling, pai
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernel selection (docs/model.md, "Kernels")
+# Attention dispatch (docs/model.md, "Kernels")
 # ----------------------------------------------------------------------------------------------------------------
+#
+# A layer makes one call, as Llama's does: `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`,
+# where ALL_ATTENTION_FUNCTIONS is this file's own instance of transformers' AttentionInterface (below). Every entry
+# takes the rotated queries (B, 2H, T, d) in q_proj row order, the cached keys and values (B, Hkv, S, d) and
+# `diff_lambda` (V1: λ, a scalar; V2: λ's logits (B, T, H)), and returns (heads, maps, λ): the H heads the output
+# projection reads, (B, T, H, w) (V1: after its per-head norm), the attention maps or None, and λ (V2: the sigmoid of
+# the logits). "sdpa" is the package's choice of kernel per call (:func:`differential_sdpa_attention_forward`), "eager"
+# materialises A1 − λ·A2 (:func:`eager_attention_forward`), and every other name is transformers' function of that
+# name (flex, flash, paged, vLLM's, a user's), called once per layer as :func:`standard_attention_call` describes.
 
-# The kernels a layer can run under attn_implementation="sdpa", by version: name → the function (query (B, T, 2H, d) as
-# projected, key/value (B, Hkv, S, d) as cached → the combined heads (B, T, H, w)), or None for transformers' attention
-# function (V1: one call with zero-padded queries over packed groups; V2: the standard call over 2H heads). Every other
-# attn_implementation, a paged cache and an additive float mask always take that call.
-V1_KERNELS: dict[str, Callable | None] = {
-    "sdpa_two_calls": sdpa_two_calls_attention,  # two stock SDPA calls, one per map, the 2d-wide value: 1.5x arithmetic
-    "sdpa_repeated_value": sdpa_repeated_value_attention,  # one SDPA call, the value repeated per key head: 1.5x
-    "triton": triton_differential_attention,  # the one-pass Triton kernel: 1.5x
-    "blocked": differential_sdpa_attention,  # CPU: A1 − λA2 materialised per block of queries, 1x; one token: decode
-    "decode_kernel": decode_kernel_attention,  # one token without autograd: both maps combined, then V once: 1x
-    "padded": None,  # transformers' attention function, zero-padded queries: 2x
-}
-V2_KERNELS: dict[str, Callable | None] = {
-    "standard": None,  # transformers' attention function over the 2H query heads
-    "rows_decode": pair_decode_attention,  # one token: the 2n heads of a KV head as the rows of one SDPA head
-    "causal_blocks": causal_block_attention,  # CPU float32 prompts of 256+ tokens: causal blocks skip hidden scores
-}
-KERNELS = {1: V1_KERNELS, 2: V2_KERNELS}
-FALLBACK_KERNEL = {1: "padded", 2: "standard"}
-# Kernels that serve only some calls; the others take the default choice.
-_DECODE_ONLY = ("decode_kernel", "rows_decode")
 # Warned once where `output_attentions=True` meets a kernel of its own under "sdpa" (none returns attention maps), as
 # transformers' sdpa function warns for its own call.
 NO_MAPS_UNDER_SDPA = (
@@ -348,38 +343,146 @@ NO_MAPS_UNDER_SDPA = (
     "attention maps, so `attentions` is empty. For the differential maps A1 - lambda*A2 (those the output is computed "
     'from), load the model with `attn_implementation="eager"` or call `model.set_attn_implementation("eager")`.'
 )
-WORKLOADS = ("prefill", "train", "decode")
 
-# The default choice, by version and device type ("other": any device not listed), set by measurement:
-# * CUDA, V1: the GPU check's attention micro-benchmark (docs/reports/2026-11-28-gpu-check.md, one H200, the 1B
-#   shape's 32 query / 8 KV heads of width 64, bf16): two SDPA calls 1.185 / 0.863 / 3.889 ms for prefill 1x8192,
-#   8x2048 and training 8x2048 against the one-pass Triton kernel's 2.871 / 1.653 / 10.55 and the padded call's
-#   1.270 / 1.106 / 4.491; decoding after 4096 tokens 0.186 ms at batch 1 (Triton 0.279) and 0.341 at batch 32
-#   (Triton 0.344). The repeated-value call and the decode kernel have not run on a GPU yet.
-# * CPU: docs/reports/2026-11-26-cpu-speed.md (the blocked and decode kernels; V2's causal blocks in float32).
-# * Elsewhere (not measured): the padded call for prompts and training, which SDPA's flash and memory-efficient kernels
-#   run without writing a map, and the decode kernel for one token.
-DEFAULT_KERNELS: dict[tuple[int, str], dict[str, str]] = {
-    (1, "cuda"): {"prefill": "sdpa_two_calls", "train": "sdpa_two_calls", "decode": "sdpa_two_calls"},
-    (1, "cpu"): {"prefill": "blocked", "train": "blocked", "decode": "decode_kernel"},
-    (1, "other"): {"prefill": "padded", "train": "padded", "decode": "decode_kernel"},
-    (2, "cpu"): {"prefill": "causal_blocks", "train": "causal_blocks", "decode": "rows_decode"},
-    (2, "other"): {"prefill": "standard", "train": "standard", "decode": "rows_decode"},
+
+def _computes_heads(function: Callable) -> bool:
+    """Whether an attention function takes ``diff_lambda``: then it computes the differential heads itself."""
+    try:
+        return "diff_lambda" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+
+
+def standard_attention_call(
+    function: Callable,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    diff_lambda: torch.Tensor | None = None,
+    cache: Cache | None = None,
+    **kwargs,
+):
+    """One call of transformers' attention function ``function`` per layer, with equal q/k/v head sizes and the
+    standard GQA rule: V1's keys and values viewed per group as one ``2d``-wide head (``[K1 | K2]``, ``[V_g,0 |
+    V_g,1]``) and each query zero-padded to ``2d`` on the side of its own key (``[Q1 | 0]``, ``[0 | Q2]``); V2's 2H
+    query heads as they are. A function with a ``diff_lambda`` parameter (this file's eager function, a user's
+    differential function) gets λ and returns the H combined heads itself; any other returns one output per softmax
+    map, ``(B, T, 2H, w)`` (or ``(B·T, 2H·w)``, as vLLM's function does), and the pairs are combined here."""
+    lam = module.lambda_of(diff_lambda)
+    batch, tokens, dtype = query.shape[0], query.shape[2], query.dtype
+    if ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache):
+        kwargs = {**kwargs, "cache": cache}  # up to 5.23 the attention function updates the paged cache
+    if module.diff_version == 1:
+        if isinstance(cache, PagedAttentionCache) and kwargs.get("block_table") is not None:
+            raise NotImplementedError(
+                "diff_version=1 with a block-table paged cache (flash paged attention) is not supported: that "
+                "kernel reads keys of width head_dim, V1's padded call attends over 2*head_dim-wide groups. Use "
+                "attn_implementation='sdpa' or 'eager' for continuous batching, or a diff_version=2 model."
+            )
+        query, key, value = module.single_call_inputs(query, key, value)
+    if _computes_heads(function):
+        kwargs["diff_lambda"] = lam
+    attn_output, attn_weights = function(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+    attn_output = attn_output.reshape(batch, tokens, -1, query.shape[-1])
+    if "diff_lambda" not in kwargs:  # one output per softmax map: pair them
+        attn_output = module.pair_outputs(attn_output, lam)
+    module._ran(FALLBACK_KERNEL[module.diff_version])
+    return module.normalize_heads(attn_output, dtype), attn_weights, lam
+
+
+def _v1_kernel(kernel: Callable) -> Callable:
+    """A kernel of kernels_difftransformer.py (query ``(B, T, 2H, d)`` as projected → combined heads) as an entry."""
+
+    def entry(module, query, key, value, attention_mask, scaling, dropout=0.0, diff_lambda=None, cache=None, **kwargs):
+        query = query.transpose(1, 2)  # (B, T, 2H, d), as projected: a view
+        heads = kernel(query, key, value, attention_mask, diff_lambda, scaling, module.pair_stride, module.noise_ratio)
+        return module.normalize_heads(heads, query.dtype), None, diff_lambda
+
+    entry.__name__ = entry.__qualname__ = f"{kernel.__name__}_entry"
+    return entry
+
+
+def _v1_sdpa_two_calls(module, query, key, value, attention_mask, scaling, dropout=0.0, diff_lambda=None, **kwargs):
+    """V1's two stock SDPA calls; one token without autograd: the two calls, then the combine, the per-head norm and
+    the cast in one epilogue (``DiffTransformerHeadRMSNorm.combined``)."""
+    query = query.transpose(1, 2)
+    if query.shape[1] == 1 and not needs_grad(query, key, value, diff_lambda):
+        maps = sdpa_decode_maps(query, key, value, attention_mask, scaling, module.pair_stride, module.noise_ratio)
+        heads = module.subln.combined(*maps, diff_lambda, scale=1.0 - module.lambda_init, dtype=query.dtype)
+        return heads, None, diff_lambda
+    heads = sdpa_two_calls_attention(
+        query, key, value, attention_mask, diff_lambda, scaling, module.pair_stride, module.noise_ratio
+    )
+    return module.normalize_heads(heads, query.dtype), None, diff_lambda
+
+
+def _v2_rows_decode(module, query, key, value, attention_mask, scaling, dropout=0.0, diff_lambda=None, **kwargs):
+    """V2's decode step: the 2n query heads of a KV head as the rows of one SDPA head, then the sigmoid and the
+    combine (one Triton epilogue on CUDA)."""
+    heads, lam = rows_decode_attention(
+        query.transpose(1, 2), key, value, diff_lambda, scaling, attention_mask, module.noise_ratio
+    )
+    return heads, None, lam
+
+
+def _v2_causal_blocks(module, query, key, value, attention_mask, scaling, dropout=0.0, diff_lambda=None, **kwargs):
+    """V2's float32 CPU prompts of 256+ tokens: causal blocks that skip hidden scores, then the pairs combine."""
+    lam = module.lambda_of(diff_lambda)
+    heads = causal_block_attention(query, key, value, scaling)  # (B, 2H, T, d)
+    return module.pair_outputs(heads.transpose(1, 2), lam), None, lam
+
+
+# The kernels a layer can run under attn_implementation="sdpa", by version (name → entry), and what each costs in
+# attention arithmetic against a Llama with the same query heads. Every other attn_implementation, a paged cache and an
+# additive float mask take the standard call (FALLBACK_KERNEL); DEFAULT_KERNELS (kernels_difftransformer.py) says
+# which runs by default where.
+V1_KERNELS: dict[str, Callable] = {
+    "sdpa_two_calls": _v1_sdpa_two_calls,  # two stock SDPA calls, one per map, the 2d-wide value: 1.5x arithmetic
+    "sdpa_repeated_value": _v1_kernel(sdpa_repeated_value_attention),  # one SDPA call, value repeated per key head
+    "triton": _v1_kernel(triton_differential_attention),  # the one-pass Triton kernel: 1.5x
+    "blocked": _v1_kernel(differential_sdpa_attention),  # CPU: A1 − λA2 per block of queries, 1x; one token: decode
+    "decode_kernel": _v1_kernel(decode_kernel_attention),  # one token without autograd: maps combined, then V once
+    "padded": functools.partial(standard_attention_call, sdpa_attention_forward),  # zero-padded queries: 2x
 }
+V2_KERNELS: dict[str, Callable] = {
+    "standard": functools.partial(standard_attention_call, sdpa_attention_forward),  # the 2H query heads
+    "rows_decode": _v2_rows_decode,  # one token: the 2n heads of a KV head as the rows of one SDPA head
+    "causal_blocks": _v2_causal_blocks,  # CPU float32 prompts of 256+ tokens: causal blocks skip hidden scores
+}
+KERNELS = {1: V1_KERNELS, 2: V2_KERNELS}
+# Kernels that serve only some calls; the others take the default choice.
+_DECODE_ONLY = ("decode_kernel", "rows_decode")
 
 
-def select_kernel(diff_version: int, device_type: str, workload: str, dtype: torch.dtype | None = None) -> str:
-    """The kernel a ``diff_version`` layer runs by default under ``attn_implementation="sdpa"`` for ``workload``
-    (``"prefill"``: several query tokens without autograd, ``"train"``: with autograd, ``"decode"``: one token without
-    autograd) on ``device_type``: an entry of :data:`DEFAULT_KERNELS`. V2's causal blocks need float32 (other dtypes:
-    the standard call). ``model.set_differential_kernel`` overrides it (docs/model.md, "Kernels")."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
-    table = DEFAULT_KERNELS.get((diff_version, device_type)) or DEFAULT_KERNELS[(diff_version, "other")]
-    name = table[workload]
-    if name == "causal_blocks" and dtype not in (None, torch.float32):
-        return FALLBACK_KERNEL[diff_version]
-    return name
+def differential_sdpa_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The "sdpa" entry: the kernel :meth:`DiffTransformerAttention.kernel_for` picks for this call (the layer's
+    ``kernel`` where ``model.set_differential_kernel`` set one, else :func:`select_kernel`'s default), run."""
+    name = module.kernel_for(query.transpose(1, 2), key, value, attention_mask, kwargs)
+    return KERNELS[module.diff_version][name](
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
+
+
+class DifferentialAttentionInterface(AttentionInterface):
+    """transformers' attention functions as the differential layers call them (the contract above): "sdpa" and
+    "eager" are this file's, any other name is transformers' function of that name through
+    :func:`standard_attention_call`, so that every entry returns the same thing."""
+
+    def __getitem__(self, key):
+        if key in self._local_mapping:
+            return self._local_mapping[key]
+        return functools.partial(standard_attention_call, self._global_mapping[key])
+
+
+ALL_ATTENTION_FUNCTIONS = DifferentialAttentionInterface()
+ALL_ATTENTION_FUNCTIONS["sdpa"] = differential_sdpa_attention_forward
+ALL_ATTENTION_FUNCTIONS["eager"] = functools.partial(standard_attention_call, eager_attention_forward)
 
 
 def check_kernel_name(diff_version: int, name: str, noise_ratio: int = 1) -> None:
@@ -555,44 +658,41 @@ class DiffTransformerAttention(nn.Module):
             return {**kwargs, "cache": cache}
         return kwargs
 
-    def combine(self, attn_output, query, lam):
-        """A kernel's output → the H differential heads ``(B, T, H, w)``, for ``query`` ``(B, T, 2H, w)`` as passed.
+    def pair_outputs(self, attn_output: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        """One output per softmax map ``(B, T, 2H, w)`` → the H differential heads ``(B, T, H, w)``, ``A1·V − λ·A2·V``
+        (:func:`differential_combine`; V2's λ ``(B, T, H)`` against the signal outputs of each block)."""
+        lam = lam if lam.dim() == 0 else lam.unflatten(-1, (-1, self.pair_stride))[..., None]
+        return differential_combine(attn_output, lam, self.pair_stride, dim=2, noise_ratio=self.noise_ratio)
 
-        Standard kernels return one output ``A_c·V`` per softmax map, ``(B, T, 2H, w)`` — or ``(B·T, 2H·w)`` where an
-        engine flattens the tokens (vLLM's attention function) — and the pairs are combined here; eager returns the
-        combined heads already."""
-        attn_output = attn_output.reshape(*query.shape[:2], -1, query.shape[-1])
-        if attn_output.shape[2] == query.shape[2]:
-            # V2's λ (B, T, H) against the signal outputs of each block, (B, T, H / pair_stride, pair_stride, w)
-            lam_out = lam if lam.dim() == 0 else lam.unflatten(-1, (-1, self.pair_stride))[..., None]
-            attn_output = differential_combine(
-                attn_output, lam_out, self.pair_stride, dim=2, noise_ratio=self.noise_ratio
-            )
-        return attn_output
+    def lambda_of(self, diff_lambda: torch.Tensor) -> torch.Tensor:
+        """λ from what the layer passes its attention function as ``diff_lambda``: V1's λ itself."""
+        return diff_lambda
+
+    def normalize_heads(self, heads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The combined heads as the output projection reads them (V2: as they are)."""
+        return heads
 
     # The kernel this layer runs: "auto" (select_kernel's choice per call) or a name of KERNELS[diff_version] that the
     # user chose (model.set_differential_kernel); last_kernel: the kernel of the last call outside torch.compile.
     kernel: str = "auto"
     last_kernel: str | None = None
 
-    def kernel_for(self, query, key, value, attention_mask, lam, cache, kwargs) -> str:
-        """The kernel of this call, a name of ``KERNELS[diff_version]`` (docs/model.md, "Kernels"): the one function
-        that decides, for both versions.
+    def kernel_for(self, query, key, value, attention_mask, kwargs) -> str:
+        """The kernel of this call under ``"sdpa"``, a name of ``KERNELS[diff_version]`` (docs/model.md, "Kernels"):
+        the one function that decides, for both versions. ``query`` ``(B, T, 2H, d)`` as projected; ``kwargs`` holds
+        the call's ``diff_lambda`` and ``cache``.
 
-        Transformers' attention function (``FALLBACK_KERNEL``) runs under every attn_implementation but ``"sdpa"``,
-        with an additive float mask (a user's 4-D mask) and with continuous batching (its paged cache). Otherwise the
-        layer's ``kernel`` (set by ``model.set_differential_kernel``), else :func:`select_kernel`'s choice for the
-        workload: decode (one token, no autograd), train (autograd) or prefill. A kernel that serves only some calls
-        (the decode kernels; V2's causal blocks: float32 CPU prompts of 256+ tokens without a mask) leaves the others
-        to the default choice."""
+        Transformers' attention function (``FALLBACK_KERNEL``) runs with an additive float mask (a user's 4-D mask)
+        and with continuous batching (its paged cache). Otherwise the layer's ``kernel`` (set by
+        ``model.set_differential_kernel``), else :func:`select_kernel`'s choice for the workload: decode (one token,
+        no autograd), train (autograd) or prefill. A kernel that serves only some calls (the decode kernels; V2's
+        causal blocks: float32 CPU prompts of 256+ tokens without a mask) leaves the others to the default choice."""
         version = self.diff_version
-        if (
-            self.config._attn_implementation != "sdpa"
-            or isinstance(cache, PagedAttentionCache)
-            or (attention_mask is not None and attention_mask.dtype != torch.bool)
+        if isinstance(kwargs.get("cache"), PagedAttentionCache) or (
+            attention_mask is not None and attention_mask.dtype != torch.bool
         ):
             return self._ran(FALLBACK_KERNEL[version])
-        grad = needs_grad(query, key, value, lam)
+        grad = needs_grad(query, key, value, kwargs.get("diff_lambda"))
         workload = "train" if grad else "decode" if query.shape[1] == 1 else "prefill"
         default = select_kernel(version, query.device.type, workload, query.dtype)
         name = default if self.kernel == "auto" else self.kernel
@@ -681,6 +781,21 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         q1, k1, q2, k2 = (p.to(dtype) for p in params)
         return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
 
+    def normalize_heads(self, heads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(1 − λinit)·RMSNorm_2d(O_h) ⊙ w``, in ``dtype``."""
+        return self.subln(heads, scale=1.0 - self.lambda_init, dtype=dtype)
+
+    def single_call_inputs(self, query, key, value):
+        """What one standard attention call gets: the queries zero-padded, ``[Q1 | 0]`` and ``[0 | Q2]``
+        ``(B, 2H, T, 2d)`` (map c sees only half c of the packed key), over the packed groups ``(B, G, S, 2d)``."""
+        # Rows (g, j) → (g, j, c', d), a group's n signal rows first (c' = 0 carries them), then its noise rows.
+        pad = query_padding(self.pair_stride, self.num_key_value_groups - self.pair_stride, query.dtype, query.device)
+        query = query.transpose(1, 2)  # (B, T, 2H, d)
+        padded = (query.unflatten(2, (-1, self.num_key_value_groups, 1)) * pad).reshape(
+            *query.shape[:2], -1, 2 * self.head_dim
+        )
+        return padded.transpose(1, 2), pack_groups(key), pack_groups(value)
+
     @accepts_old_cache_name
     def forward(
         self,
@@ -693,52 +808,21 @@ class DiffTransformerV1Attention(DiffTransformerAttention):
         if ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE and isinstance(cache, PagedAttentionCache):
             cache = PackedGroupsPagedCache(cache)  # up to 5.23 the attention function writes it: as packed groups
         query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, Hkv, S, d)
-        lam = self.lambda_full()
-        name = self.kernel_for(query, key, value, attention_mask, lam, cache, kwargs)
-        kernel = V1_KERNELS[name]
-        if name == "sdpa_two_calls" and query.shape[1] == 1 and not needs_grad(query, key, value, lam):
-            # one token: two SDPA calls, then the combine and the per-head norm in one epilogue
-            maps = sdpa_decode_maps(query, key, value, attention_mask, self.scaling, self.pair_stride, self.noise_ratio)
-            attn_output = self.subln.combined(*maps, lam, scale=1.0 - self.lambda_init, dtype=query.dtype)
-            return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1)), None, lam
-        if kernel is not None:
-            attn_output = kernel(
-                query, key, value, attention_mask, lam, self.scaling, self.pair_stride, self.noise_ratio
-            )  # (B, T, H, 2d)
-            attn_weights = None
-        else:
-            if isinstance(cache, PagedAttentionCache) and kwargs.get("block_table") is not None:
-                raise NotImplementedError(
-                    "diff_version=1 with a block-table paged cache (flash paged attention) is not supported: that "
-                    "kernel reads keys of width head_dim, V1's padded call attends over 2*head_dim-wide groups. Use "
-                    "attn_implementation='sdpa' or 'eager' for continuous batching, or a diff_version=2 model."
-                )
-            # [Q1 | 0] and [0 | Q2]: map c only sees half c of the packed key. Rows (g, j) → (g, j, c', d), a group's
-            # n signal rows first (c' = 0 carries them), then its noise rows.
-            pad = query_padding(
-                self.pair_stride, self.num_key_value_groups - self.pair_stride, query.dtype, query.device
-            )
-            padded = (query.unflatten(2, (-1, self.num_key_value_groups, 1)) * pad).reshape(
-                *query.shape[:2], -1, 2 * self.head_dim
-            )
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
-            attn_output, attn_weights = attention_interface(
-                self,
-                padded.transpose(1, 2),
-                pack_groups(key),
-                pack_groups(value),
-                attention_mask,
-                dropout=0.0,
-                scaling=self.scaling,
-                diff_lambda=lam,
-                **self.attention_kwargs(cache, kwargs),
-            )
-            attn_output = self.combine(attn_output, padded, lam)
-        attn_output = self.subln(
-            attn_output, scale=1.0 - self.lambda_init, dtype=query.dtype
-        )  # (1 − λinit)·RMSNorm_2d(O_h)⊙w
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights, lam = attention_interface(
+            self,
+            query.transpose(1, 2),
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            diff_lambda=self.lambda_full(),
+            cache=cache,
+            **kwargs,
+        )  # (B, T, H, 2d), normalised per head
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
 
@@ -755,6 +839,10 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         self.pair_stride = self.noise_ratio  # q_proj rows are ordered (h, c); blocks [signal × r, noise] when grouped
         self.lambda_proj = DiffTransformerLambdaProjection(config.hidden_size, self.num_heads)
 
+    def lambda_of(self, diff_lambda: torch.Tensor) -> torch.Tensor:
+        """λ from its logits, which the layer passes as ``diff_lambda``: ``sigmoid(x W_λᵀ)``."""
+        return torch.sigmoid(diff_lambda)
+
     @accepts_old_cache_name
     def forward(
         self,
@@ -765,39 +853,23 @@ class DiffTransformerV2Attention(DiffTransformerAttention):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         query, key, value = self.project(hidden_states, position_embeddings, cache, kwargs)  # key/value (B, G, S, d)
-        logits = self.lambda_proj(hidden_states)  # (B, T, H): λ = sigmoid(logits)
-        kernel, attn_output, attn_weights = (
-            self.kernel_for(query, key, value, attention_mask, logits, cache, kwargs),
-            None,
-            None,
+        # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by
+        # reading its forward's source for that lookup and call (and the scale from `scaling=self.scaling`).
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
         )
-        if kernel == "rows_decode":  # the 2n query heads of a KV head as the rows of one SDPA head, then the pairs
-            attn_output, lam = rows_decode_attention(
-                query, key, value, logits, self.scaling, attention_mask, self.noise_ratio
-            )
-        else:
-            lam = torch.sigmoid(logits)
-        if kernel == "causal_blocks":
-            heads = causal_block_attention(query.transpose(1, 2), key, value, self.scaling)  # (B, 2H, T, d)
-            attn_output = self.combine(heads.transpose(1, 2), query, lam)
-        if attn_output is None:
-            # The kernel is looked up and called here, once: vLLM's Transformers backend finds a layer's attention by
-            # reading its forward's source for that lookup and call (and the scale from `scaling=self.scaling`).
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
-            attn_output, attn_weights = attention_interface(
-                self,
-                query.transpose(1, 2),
-                key,
-                value,
-                attention_mask,
-                dropout=0.0,
-                scaling=self.scaling,
-                diff_lambda=lam,
-                **self.attention_kwargs(cache, kwargs),
-            )
-            attn_output = self.combine(attn_output, query, lam)
+        attn_output, attn_weights, lam = attention_interface(
+            self,
+            query.transpose(1, 2),
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            diff_lambda=self.lambda_proj(hidden_states),  # (B, T, H): λ = sigmoid of these logits
+            cache=cache,
+            **kwargs,
+        )  # (B, T, H, d)
         attn_output = self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
         return attn_output, attn_weights, lam
 
@@ -1276,6 +1348,8 @@ MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("difftransformer", "DiffTransformer
 
 
 __all__ = [
+    "ALL_ATTENTION_FUNCTIONS",
+    "DEFAULT_KERNELS",
     "KERNELS",
     "select_kernel",
     "DiffTransformerPreTrainedModel",

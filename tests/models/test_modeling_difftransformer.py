@@ -524,3 +524,70 @@ def test_lambda_and_norm_weight_are_kept_within_generate_and_fresh_after_any_par
     with model.fixed_parameters():
         model(ids, labels=ids).loss.backward()  # an inference tensor saved for the backward would raise here
     assert attn.q_proj.weight.grad is not None and attn.lambda_q1.grad is None
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_each_layer_makes_one_attention_lookup_and_one_call(version):
+    """Each attention forward looks its function up once in the modeling file's ``ALL_ATTENTION_FUNCTIONS`` and calls
+    it once with ``scaling=self.scaling``: the pattern vLLM's Transformers backend reads from a forward's source to find
+    a layer's attention and its scale (as in Llama's forward)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(DIFF_ATTENTION_CLASSES[version].forward)))
+    names = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+        and isinstance(node.value.func.value, ast.Name)
+        and node.value.func.value.id == "ALL_ATTENTION_FUNCTIONS"
+        and node.value.func.attr == "get_interface"
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    }
+    calls = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names
+    ]
+    assert len(names) == 1 and len(calls) == 1, (names, len(calls))
+    (scaling,) = [kw.value for kw in calls[0].keywords if kw.arg == "scaling"]
+    assert ast.unparse(scaling) == "self.scaling"
+    assert isinstance(mdt.ALL_ATTENTION_FUNCTIONS, mdt.DifferentialAttentionInterface)
+
+
+@pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
+def test_every_attention_entry_returns_the_heads_the_output_projection_reads(layout):
+    """Every entry of the modeling file's attention interface that runs on a CPU, called as a layer calls it, returns
+    the same thing: the H heads ``(B, T, H, w)`` as the output projection reads them (V1: after its per-head norm),
+    equal to the eager entry's within float32 rounding, and λ."""
+    model = _model(layout, "sdpa")
+    attn = model.model.layers[0].self_attn
+    b, t = 2, 5
+    torch.manual_seed(1)
+    hidden = torch.randn(b, t, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(t)[None].expand(b, t))
+    with torch.no_grad():
+        query, key, value = attn.project(hidden, (cos, sin), None, {})
+        diff_lambda = attn.lambda_full() if attn.diff_version == 1 else attn.lambda_proj(hidden)
+        args = (attn, query.transpose(1, 2), key, value, None)
+        kwargs = dict(scaling=attn.scaling, dropout=0.0, diff_lambda=diff_lambda, cache=None)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None].expand(b, 1, t, t)
+        want, _, want_lam = mdt.ALL_ATTENTION_FUNCTIONS["eager"](
+            attn,
+            query.transpose(1, 2),
+            key,
+            value,
+            torch.zeros(b, 1, t, t).masked_fill(~causal, float("-inf")),
+            **kwargs,
+        )
+        width = attn.value_width
+        assert want.shape == (b, t, attn.num_heads, width)
+        names = [n for n in mdt.KERNELS[attn.diff_version] if n not in ("triton", "decode_kernel", "rows_decode")]
+        for name in names:
+            got, weights, lam = mdt.KERNELS[attn.diff_version][name](*args, **kwargs)
+            assert got.shape == (b, t, attn.num_heads, width), name
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=0, msg=name)
+            torch.testing.assert_close(lam, want_lam, msg=name)
+        got, _, _ = mdt.ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
