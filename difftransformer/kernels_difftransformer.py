@@ -80,13 +80,14 @@ def triton_missing():
     return _TRITON_KERNELS["reason"]
 
 
-def epilogue_runs(device: torch.device) -> bool:
-    """Whether the decode epilogues' Triton kernels run for tensors on ``device`` (never while compiling: inductor
+def epilogue_runs(device: torch.device, as_device: str | None = None) -> bool:
+    """Whether the decode epilogues' Triton kernels run for tensors on ``device`` under the kernel choice of
+    ``as_device`` (by default ``device``'s type): CUDA's choice, where Triton runs, never while compiling (inductor
     fuses the same PyTorch operations itself)."""
     if torch.compiler.is_compiling():
         return False
     kernels = triton_kernels()
-    return kernels is not None and kernels.epilogue_runs(device)
+    return kernels is not None and kernels.epilogue_runs(device, as_device)
 
 
 # At most this many query rows per block, and few enough that a block's scores (n heads × rows × keys) stay within
@@ -136,11 +137,12 @@ def pair_decode_attention(query, key, value, lam, scaling, attention_mask=None, 
     return heads.view(b, 1, hq // (r + 1) * r, d)
 
 
-def rows_decode_attention(query, key, value, logits, scaling, attention_mask=None, noise_ratio=1):
+def rows_decode_attention(query, key, value, logits, scaling, attention_mask=None, noise_ratio=1, as_device=None):
     """V2's decode step from the λ logits ``z = x W_λᵀ`` ``(B, 1, H)``: :func:`pair_decode_attention` with
     ``λ = sigmoid(z)``. Returns the heads ``(B, 1, H, d)`` and λ ``(B, 1, H)``. Where Triton runs and nothing compiles,
-    the sigmoid and the pair combine are one kernel (difftransformer/kernels/triton/epilogue.py) after the SDPA call."""
-    if not epilogue_runs(query.device):
+    the sigmoid and the pair combine are one kernel (difftransformer/kernels/triton/epilogue.py) after the SDPA call
+    (``as_device``: whose kernel choice runs, :func:`epilogue_runs`)."""
+    if not epilogue_runs(query.device, as_device):
         lam = torch.sigmoid(logits)
         return pair_decode_attention(query, key, value, lam, scaling, attention_mask, noise_ratio), lam
     b, _, hq, d = query.shape

@@ -414,7 +414,9 @@ def _v1_sdpa_two_calls(module, query, key, value, attention_mask, scaling, dropo
     query = query.transpose(1, 2)
     if query.shape[1] == 1 and not needs_grad(query, key, value, diff_lambda):
         maps = sdpa_decode_maps(query, key, value, attention_mask, scaling, module.pair_stride, module.noise_ratio)
-        heads = module.subln.combined(*maps, diff_lambda, scale=1.0 - module.lambda_init, dtype=query.dtype)
+        heads = module.subln.combined(
+            *maps, diff_lambda, scale=1.0 - module.lambda_init, dtype=query.dtype, as_device=module.kernel_device
+        )
         return heads, None, diff_lambda
     heads = sdpa_two_calls_attention(
         query, key, value, attention_mask, diff_lambda, scaling, module.pair_stride, module.noise_ratio
@@ -426,7 +428,14 @@ def _v2_rows_decode(module, query, key, value, attention_mask, scaling, dropout=
     """V2's decode step: the 2n query heads of a KV head as the rows of one SDPA head, then the sigmoid and the
     combine (one Triton epilogue on CUDA)."""
     heads, lam = rows_decode_attention(
-        query.transpose(1, 2), key, value, diff_lambda, scaling, attention_mask, module.noise_ratio
+        query.transpose(1, 2),
+        key,
+        value,
+        diff_lambda,
+        scaling,
+        attention_mask,
+        module.noise_ratio,
+        module.kernel_device,
     )
     return heads, None, lam
 
@@ -555,15 +564,15 @@ class DiffTransformerHeadRMSNorm(nn.Module):
             self, "_scaled_weight", (self.weight,), lambda: self.weight.to(dtype) * scale, extra=(scale, dtype)
         )
 
-    def combined(self, first, second, lam, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    def combined(self, first, second, lam, scale: float, dtype: torch.dtype, as_device: str | None = None):
         """The decode step's epilogue, ``scale · RMSNorm(O1 − λ·O2) ⊙ w`` for one token, from the two maps' outputs
         ``(B, G, n, 2d)`` and ``(B, G, m, 2d)`` (:func:`sdpa_decode_maps`), in float32, written in ``dtype`` as
         ``(B, 1, H, 2d)``: one Triton kernel where it runs (difftransformer/kernels/triton/epilogue.py), else one
-        combine into float32 rows, one ``rms_norm`` and a cast."""
+        combine into float32 rows, one ``rms_norm`` and a cast (``as_device``: whose kernel choice runs)."""
         b, g, n, width = first.shape
         acc = ACCUMULATION_DTYPES.get(first.dtype, first.dtype)
         weight = self.scaled_weight(scale, acc)
-        if epilogue_runs(first.device):
+        if epilogue_runs(first.device, as_device):
             return (
                 triton_kernels().v1_combine_norm(first, second, lam, weight, self.eps, dtype).view(b, 1, g * n, width)
             )
@@ -676,6 +685,9 @@ class DiffTransformerAttention(nn.Module):
     # user chose (model.set_differential_kernel); last_kernel: the kernel of the last call outside torch.compile.
     kernel: str = "auto"
     last_kernel: str | None = None
+    # Whose default choice this layer takes: None (its tensors' device type) or a device type of DEFAULT_KERNELS
+    # (model.set_differential_kernel(device_type=...)).
+    kernel_device: str | None = None
 
     def kernel_for(self, query, key, value, attention_mask, kwargs) -> str:
         """The kernel of this call under ``"sdpa"``, a name of ``KERNELS[diff_version]`` (docs/model.md, "Kernels"):
@@ -694,7 +706,7 @@ class DiffTransformerAttention(nn.Module):
             return self._ran(FALLBACK_KERNEL[version])
         grad = needs_grad(query, key, value, kwargs.get("diff_lambda"))
         workload = "train" if grad else "decode" if query.shape[1] == 1 else "prefill"
-        default = select_kernel(version, query.device.type, workload, query.dtype)
+        default = select_kernel(version, self.kernel_device or query.device.type, workload, query.dtype)
         name = default if self.kernel == "auto" else self.kernel
         if not self._serves(name, workload, query, key, attention_mask, kwargs):
             name = (
@@ -1091,17 +1103,23 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
             custom_object_save(SimpleNamespace(__module__=__name__), save_directory)  # this file and its imports
         return result
 
-    def set_differential_kernel(self, kernel: str = "auto") -> None:
+    def set_differential_kernel(self, kernel: str = "auto", device_type: str | None = None) -> None:
         """Choose the attention kernel every layer runs under ``attn_implementation="sdpa"`` (docs/model.md,
         "Kernels"): ``"auto"`` (the default: :func:`select_kernel`'s measured choice per device and workload) or a
         name of ``KERNELS[diff_version]`` (V1: ``sdpa_two_calls``, ``sdpa_repeated_value``, ``triton``, ``blocked``,
         ``decode_kernel``, ``padded``; V2: ``standard``, ``rows_decode``, ``causal_blocks``). A kernel that serves only
-        some calls leaves the others to the default; each layer's ``last_kernel`` names what its last call ran. Not
-        saved with the model (a choice for this machine, like ``attn_implementation``)."""
+        some calls leaves the others to the default; each layer's ``last_kernel`` names what its last call ran.
+        ``device_type`` (``"cuda"`` or ``"cpu"``; None: the tensors' own) takes that device's default choice wherever
+        the model runs: ``"cuda"`` on a CPU runs CUDA's kernels, its decode epilogues through Triton's interpreter
+        (``TRITON_INTERPRET=1``), so that CUDA's path is testable without a GPU. Not saved with the model (a choice for
+        this machine, like ``attn_implementation``)."""
         check_kernel_name(self.config.diff_version, kernel, self.config.noise_ratio)
+        if device_type not in (None, "cuda", "cpu"):
+            raise ValueError(f"device_type must be None, 'cuda' or 'cpu', got {device_type!r}")
         for module in self.modules():
             if isinstance(module, DiffTransformerAttention):
                 module.kernel = kernel
+                module.kernel_device = device_type
 
     def kernel_plan(self) -> dict[str, str]:
         """The kernel each workload (``prefill``, ``train``, ``decode``) runs by default on this model's device and
@@ -1110,7 +1128,8 @@ class DiffTransformerPreTrainedModel(PreTrainedModel):
         attn = next(m for m in self.modules() if isinstance(m, DiffTransformerAttention))
         if attn.kernel != "auto":
             return dict.fromkeys(WORKLOADS, attn.kernel)
-        return {w: select_kernel(self.config.diff_version, self.device.type, w, self.dtype) for w in WORKLOADS}
+        device = attn.kernel_device or self.device.type
+        return {w: select_kernel(self.config.diff_version, device, w, self.dtype) for w in WORKLOADS}
 
     @contextlib.contextmanager
     def fixed_parameters(self):

@@ -6,8 +6,8 @@ What is counted: every ATen operation a decoder layer dispatches (a ``TorchDispa
 not views, not ``empty`` allocations, not ``_unsafe_view`` — with one call each for what is one kernel on CUDA but
 decomposes on a CPU: SDPA, ``rms_norm`` (both ``torch.nn.functional`` calls, fenced by a ``TorchFunctionMode``) and
 the decode epilogues of difftransformer/kernels/triton/epilogue.py (one Triton launch each, run here through Triton's
-interpreter). The models run CUDA's kernel choice (``DEFAULT_KERNELS`` for "cuda"; for V2 the same as every device's),
-with λ kept between steps (V1) and the norm's scaled weight too.
+interpreter). The models run CUDA's kernel choice (``set_differential_kernel(device_type="cuda")``; for V2 the same as
+every device's), with λ kept between steps (V1) and the norm's scaled weight too.
 """
 
 import collections
@@ -27,7 +27,6 @@ from difftransformer import DiffTransformerConfig, DiffTransformerForCausalLM  #
 from difftransformer import modeling_difftransformer as mdt  # noqa: E402
 from difftransformer.kernels import triton as triton_kernels  # noqa: E402
 from difftransformer.kernels.triton import attention as triton_difftransformer  # noqa: E402
-from difftransformer.kernels.triton import epilogue  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(triton_difftransformer.triton is None, reason="triton is not installed"),
@@ -99,11 +98,8 @@ def _fenced(counter, name, func, *args, **kwargs):
 
 @pytest.fixture
 def cuda_choices(monkeypatch):
-    """CUDA's kernel choices on this CPU, with the decode epilogues (Triton, interpreted) counted as one launch."""
-    monkeypatch.setattr(epilogue, "ON_CPU", True)
-    cuda = mdt.DEFAULT_KERNELS[(1, "cuda")]
-    monkeypatch.setitem(mdt.DEFAULT_KERNELS, (1, "cpu"), cuda)
-    monkeypatch.setitem(mdt.DEFAULT_KERNELS, (2, "cpu"), mdt.DEFAULT_KERNELS[(2, "other")])
+    """The launch counters' monkeypatch; the models take CUDA's kernel choices on this CPU through the public setting
+    (``set_differential_kernel(device_type="cuda")``: the decode epilogues run through Triton's interpreter)."""
     return monkeypatch
 
 
@@ -157,6 +153,7 @@ def test_decode_step_launches_at_most_a_few_more_kernels_than_a_llama(cuda_choic
         model = DiffTransformerForCausalLM(
             DiffTransformerConfig(**SHAPE, diff_version=version, attn_implementation="sdpa")
         )
+        model.set_differential_kernel(device_type="cuda")
         ops = _decode_step_ops(model, model.model.layers, dtype, cache, cuda_choices)
         extra = collections.Counter(ops[0]) - collections.Counter(baseline[0])
         assert ops[0] == ops[1], f"V{version}: the layers differ"
@@ -176,6 +173,7 @@ def test_the_counter_sees_a_recomputed_lambda(cuda_choices):
     llama = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa"))
     baseline = _decode_step_ops(llama, llama.model.layers, torch.float32, "dynamic")
     model = DiffTransformerForCausalLM(DiffTransformerConfig(**SHAPE, diff_version=1, attn_implementation="sdpa"))
+    model.set_differential_kernel(device_type="cuda")
     cuda_choices.setattr(
         mdt.DiffTransformerV1Attention,
         "lambda_full",
@@ -214,6 +212,7 @@ def test_decode_with_the_epilogues_equals_uncached_greedy_decoding(cuda_choices,
     model.set_attn_implementation("eager")
     ref = model.generate(ids, use_cache=False, **kwargs)
     model.set_attn_implementation("sdpa")
+    model.set_differential_kernel(device_type="cuda")
     launches = []
     for module, name in LAUNCHES:
         launch = getattr(module, name)
@@ -225,3 +224,16 @@ def test_decode_with_the_epilogues_equals_uncached_greedy_decoding(cuda_choices,
         assert torch.equal(out.sequences, ref.sequences), cache
         for got, want in zip(out.scores, ref.scores):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_cuda_choices_on_a_cpu_are_a_public_setting():
+    """``set_differential_kernel(device_type="cuda")`` is how a CPU runs CUDA's choices (these tests' set-up): the plan
+    is CUDA's table, and a device type the table does not know is an error naming the allowed values."""
+    model = DiffTransformerForCausalLM(DiffTransformerConfig(**SHAPE, diff_version=1, attn_implementation="sdpa"))
+    assert model.kernel_plan() == mdt.DEFAULT_KERNELS[(1, "cpu")]
+    model.set_differential_kernel(device_type="cuda")
+    assert model.kernel_plan() == mdt.DEFAULT_KERNELS[(1, "cuda")]
+    with pytest.raises(ValueError, match="device_type must be None, 'cuda' or 'cpu', got 'tpu'"):
+        model.set_differential_kernel(device_type="tpu")
+    model.set_differential_kernel()
+    assert model.kernel_plan() == mdt.DEFAULT_KERNELS[(1, "cpu")]

@@ -114,15 +114,11 @@ def _jitted() -> dict:
     return _KERNELS
 
 
-# The epilogues run on CUDA. Tests set this to also run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1
-# alone does not: a process that interprets Triton kernels for one test keeps the CPU's own paths everywhere else).
-ON_CPU = False
-
-
-def runs(device: torch.device) -> bool:
-    """Whether the epilogues run for tensors on ``device``: a CUDA device (or the CPU where :data:`ON_CPU` says so)
-    on which Triton runs, and nothing is being compiled."""
-    if torch.compiler.is_compiling() or not (device.type == "cuda" or (ON_CPU and device.type == "cpu")):
+def runs(device: torch.device, as_device: str | None = None) -> bool:
+    """Whether the epilogues run for tensors on ``device``: where the kernel choice is CUDA's (``as_device``, by
+    default ``device``'s type; a model set to CUDA's choice on a CPU, ``set_differential_kernel(device_type="cuda")``,
+    runs them through Triton's interpreter), Triton runs on ``device``, and nothing is being compiled."""
+    if torch.compiler.is_compiling() or (as_device or torch.device(device).type) != "cuda":
         return False
     return is_available(device)
 
@@ -188,4 +184,4 @@ def v2_sigmoid_combine(attended, logits, noise_ratio: int = 1) -> tuple[torch.Te
     return out, lam
 
 
-__all__ = ["ON_CPU", "runs", "v1_combine_norm", "v2_sigmoid_combine"]
+__all__ = ["runs", "v1_combine_norm", "v2_sigmoid_combine"]
