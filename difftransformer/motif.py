@@ -50,7 +50,8 @@ from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .configuration_difftransformer import DiffTransformerConfig
-from .modeling_difftransformer import DiffTransformerForCausalLM, MotifPolyNorm, MotifPolyNormMLP  # noqa: F401 (re-exported)
+from .modeling_difftransformer import DiffTransformerForCausalLM
+from .motif_layers_difftransformer import MotifPolyNorm, MotifPolyNormMLP  # noqa: F401 (re-exported)
 from .registration import register_model_type
 
 MOTIF_MODEL_TYPE = "Motif"

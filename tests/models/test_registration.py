@@ -36,12 +36,12 @@ CLEAN_IMPORT = textwrap.dedent("""
     assert not [w for w in caught if "did not register" in str(w.message)], [str(w.message) for w in caught]
     assert sys.meta_path == meta_path, "import hook installed"
     assert not [m for m in sys.modules if m.split(".")[0] in ("peft", "liger_kernel")], "PEFT or Liger imported"
-    # Our own name only: config, the Auto classes, and Trainer's causal-LM name (the modeling file's setdefault).
+    # Our own name only: config and the Auto classes; Trainer's causal-LM name once a model is built (below).
     assert CONFIG_MAPPING["difftransformer"] is difftransformer.DiffTransformerConfig
     model_class = AutoModelForCausalLM._model_mapping[difftransformer.DiffTransformerConfig]
     assert model_class is difftransformer.DiffTransformerForCausalLM
     changed = {k: v for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if names_before.get(k) != v}
-    assert changed == {"difftransformer": "DiffTransformerForCausalLM"}, changed
+    assert changed == {}, changed
     # No Motif name: no config, no model, no checkpoint conversion registered with transformers.
     assert "Motif" not in CONFIG_MAPPING
     assert AutoModelForCausalLM._model_mapping.get(difftransformer.MotifConfig, None) is None
@@ -56,6 +56,9 @@ CLEAN_IMPORT = textwrap.dedent("""
     assert not [n for n, t in tables.items() if "difftransformer" in t]
     config = difftransformer.DiffTransformerConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    difftransformer.DiffTransformerForCausalLM(config)
+    changed = {k: v for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if names_before.get(k) != v}
+    assert changed == {"difftransformer": "DiffTransformerForCausalLM"}, changed  # building the model added it
     try:
         get_peft_model(difftransformer.DiffTransformerForCausalLM(config), LoraConfig(task_type="CAUSAL_LM"))
     except ValueError as err:
