@@ -44,6 +44,10 @@ CACHE_RENAMED = "cache" in {field.name for field in dataclasses.fields(BaseModel
 CACHE_NAME = "cache" if CACHE_RENAMED else "past_key_values"
 # Where transformers announced the removal of the old name (`deprecate_kwarg("past_key_values", "5.40.0", ...)`).
 OLD_CACHE_NAME_REMOVED_IN = "5.40.0"
+# Settled here, once: whether the old name is transformers' deprecated alias (5.24 up to 5.40) or refused (5.40 on).
+OLD_CACHE_NAME_REFUSED = CACHE_RENAMED and version.parse(TRANSFORMERS_VERSION) >= version.parse(
+    OLD_CACHE_NAME_REMOVED_IN
+)
 # Up to 5.23 the attention functions (sdpa, flash, paged|eager) update a paged cache passed to them as `cache=`.
 ATTENTION_FUNCTIONS_UPDATE_PAGED_CACHE = "cache" in inspect.signature(sdpa_attention_forward).parameters
 MASK_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -65,7 +69,7 @@ def accepts_old_cache_name(forward: Callable) -> Callable:
                     f"{type(self).__name__}.forward got both `cache` and `past_key_values`: pass the cache once, as "
                     f"`{CACHE_NAME}` (transformers {TRANSFORMERS_VERSION})."
                 )
-            if CACHE_RENAMED and version.parse(TRANSFORMERS_VERSION) >= version.parse(OLD_CACHE_NAME_REMOVED_IN):
+            if OLD_CACHE_NAME_REFUSED:
                 raise TypeError(
                     f"{type(self).__name__}.forward got `past_key_values`, which transformers {TRANSFORMERS_VERSION} "
                     "no longer accepts (renamed in 5.24, removed in 5.40): pass the cache as `cache=`."
@@ -236,6 +240,7 @@ __all__ = [
     "CACHE_NAME",
     "CACHE_RENAMED",
     "MASK_CACHE_ARGUMENT",
+    "OLD_CACHE_NAME_REFUSED",
     "OLD_CACHE_NAME_REMOVED_IN",
     "PASSED_ON_KWARGS",
     "TRANSFORMERS_VERSION",
