@@ -93,6 +93,7 @@ from difftransformer.testing_utils import (  # noqa: E402
     SCORES_ATOL,
     RoundingModel,
     bf16_error_bound,
+    greedy_with_scores,
     left_padded_batch,
     randomize_norms,
     reference_differential_attention,
@@ -718,20 +719,6 @@ def _generation_model(layout: str, backend: str, device: str, seed: int = 0):
     return model.to(device)
 
 
-def _greedy(model, ids, mask=None, max_new_tokens=10, **kwargs):
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_scores=True,
-        **kwargs,
-    )
-    return out.sequences, torch.stack(out.scores)
-
-
 def run_generation_checks(rec: Recorder, profile: Profile) -> None:
     """``generate ... dynamic`` (every backend, and every V1 kernel forced), ``left-padding ...`` and ``generate ...
     compiled-static`` (fp32)."""
@@ -753,8 +740,8 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
                     force_kernel(model, kernel, profile.skip_kernels)
                 ids, _ = left_padded_batch(model.config.vocab_size, [7], seed=5)
                 ids = ids.to(device)
-                ref_seq, ref_scores = _greedy(model, ids, use_cache=False)
-                seq, scores = _greedy(model, ids)
+                ref_seq, ref_scores = greedy_with_scores(model, ids, use_cache=False)
+                seq, scores = greedy_with_scores(model, ids)
                 took, note = _kernel_took(model, kernel) if kernel else (True, "")
                 same = torch.equal(seq, ref_seq)
                 return {
@@ -777,10 +764,10 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
                 lengths = [8, 5, 3]
                 ids, mask = left_padded_batch(model.config.vocab_size, lengths, seed=8)
                 ids, mask = ids.to(device), mask.to(device)
-                batch_seq, batch_scores = _greedy(model, ids, mask)
+                batch_seq, batch_scores = greedy_with_scores(model, ids, mask)
                 worst, differ = 0.0, []
                 for b, length in enumerate(lengths):
-                    alone_seq, alone_scores = _greedy(model, ids[b : b + 1, -length:])
+                    alone_seq, alone_scores = greedy_with_scores(model, ids[b : b + 1, -length:])
                     if not torch.equal(batch_seq[b, -(length + 10) :], alone_seq[0]):
                         differ.append(b)
                     worst = max(worst, _max_abs(batch_scores[:, b], alone_scores[:, 0]))
@@ -804,11 +791,11 @@ def run_generation_checks(rec: Recorder, profile: Profile) -> None:
             model = _generation_model(layout, "sdpa", device)
             ids, _ = left_padded_batch(model.config.vocab_size, [6], seed=6)
             ids = ids.to(device)
-            ref_seq, ref_scores = _greedy(model, ids, use_cache=False)
+            ref_seq, ref_scores = greedy_with_scores(model, ids, use_cache=False)
             torch._dynamo.reset()
             compile_config = CompileConfig(fullgraph=True, dynamic=False)
             compile_config._compile_all_devices = True  # generate() compiles on CUDA anyway; on CPU only with this
-            seq, scores = _greedy(model, ids, cache_implementation="static", compile_config=compile_config)
+            seq, scores = greedy_with_scores(model, ids, cache_implementation="static", compile_config=compile_config)
             took = hasattr(model, "_compiled_call")
             same = torch.equal(seq, ref_seq)
             return {

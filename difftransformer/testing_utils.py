@@ -292,6 +292,22 @@ def reference_differential_attention(
     return rnd(out).reshape(b, t, g * n, 2 * d)
 
 
+def greedy_with_scores(model, ids, mask=None, max_new_tokens=10, **kwargs):
+    """Greedy ``generate`` with a fixed pad token: the sequences and the stacked scores of every step ``(steps, B, V)``
+    (what the cache tests compare between cached and uncached decoding, on a CPU and in the GPU check)."""
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
+    )
+    return out.sequences, torch.stack(out.scores)
+
+
 def left_padded_batch(vocab_size, lengths, seed=0, pad_token_id=0):
     """Random prompts of the given lengths, left padded: (input_ids, attention_mask)."""
     g = torch.Generator().manual_seed(seed)

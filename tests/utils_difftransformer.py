@@ -22,6 +22,7 @@ from difftransformer.testing_utils import (  # noqa: F401 (re-exported)
     RoundingModel,
     bf16_error_bound,
     bf16_gradient_bounds,
+    greedy_with_scores,
     left_padded_batch,
     randomize_norms,
     reference_attention,

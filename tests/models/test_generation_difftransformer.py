@@ -7,7 +7,7 @@ from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausa
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer.compat_difftransformer import CACHE_NAME
-from difftransformer.testing_utils import left_padded_batch, tiny_config
+from difftransformer.testing_utils import greedy_with_scores, left_padded_batch, tiny_config
 from utils_difftransformer import CONTRACT_CALLS
 
 LAYOUTS = ["v1_gqa", "v1_mha", "v2_gqa", "v2_mha"]
@@ -24,20 +24,6 @@ def _model(layout, attn="sdpa", seed=0, **overrides):
     return model
 
 
-def _greedy(model, ids, mask=None, max_new_tokens=10, **kwargs):
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_scores=True,
-        **kwargs,
-    )
-    return out.sequences, torch.stack(out.scores)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "contract_sdpa"])
 def test_dynamic_and_static_cache_equal_uncached_greedy(layout, attn):
@@ -45,10 +31,10 @@ def test_dynamic_and_static_cache_equal_uncached_greedy(layout, attn):
     flash contract on every call, prefill and decode)."""
     model = _model(layout, attn)
     ids, _ = left_padded_batch(model.config.vocab_size, [7], seed=5)
-    ref_seq, ref_scores = _greedy(model, ids, use_cache=False)
+    ref_seq, ref_scores = greedy_with_scores(model, ids, use_cache=False)
     for kwargs in ({}, {"cache_implementation": "static"}):
         CONTRACT_CALLS.clear()
-        seq, scores = _greedy(model, ids, **kwargs)
+        seq, scores = greedy_with_scores(model, ids, **kwargs)
         assert torch.equal(seq, ref_seq), kwargs
         torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
         if attn == "contract_sdpa":  # one call per layer per step; decode calls see one query token
@@ -60,11 +46,11 @@ def test_dynamic_and_static_cache_equal_uncached_greedy(layout, attn):
 def test_compiled_static_cache_decode(layout):
     model = _model(layout)
     ids, _ = left_padded_batch(model.config.vocab_size, [6], seed=6)
-    ref_seq, ref_scores = _greedy(model, ids, use_cache=False)
+    ref_seq, ref_scores = greedy_with_scores(model, ids, use_cache=False)
     torch._dynamo.reset()
     compile_config = CompileConfig(fullgraph=True, dynamic=False)
     compile_config._compile_all_devices = True  # generate() compiles only on accelerators unless this is set
-    seq, scores = _greedy(model, ids, cache_implementation="static", compile_config=compile_config)
+    seq, scores = greedy_with_scores(model, ids, cache_implementation="static", compile_config=compile_config)
     assert hasattr(model, "_compiled_call"), "generate() did not take the compiled decode path"
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
@@ -105,7 +91,7 @@ def test_quantized_cache_greedy_equals_uncached_where_margins_exceed_the_quantiz
         output_scores=True,
     )
     assert type(getattr(out, CACHE_NAME)).__name__ == "QuantizedCache"
-    uncached, _ = _greedy(model, ids, use_cache=False, max_new_tokens=20)
+    uncached, _ = greedy_with_scores(model, ids, use_cache=False, max_new_tokens=20)
     assert torch.equal(out.sequences, uncached)
 
     # Teacher-forced: the uncached model on the generated tokens gives the exact logits of every step.
@@ -167,9 +153,9 @@ def test_batched_left_padding_equals_each_prompt_alone(layout, attn):
     model = _model(layout, attn)
     lengths = [8, 5, 3]
     ids, mask = left_padded_batch(model.config.vocab_size, lengths, seed=8)
-    batch_seq, batch_scores = _greedy(model, ids, mask)
+    batch_seq, batch_scores = greedy_with_scores(model, ids, mask)
     for b, length in enumerate(lengths):
-        alone_seq, alone_scores = _greedy(model, ids[b : b + 1, -length:])
+        alone_seq, alone_scores = greedy_with_scores(model, ids[b : b + 1, -length:])
         assert torch.equal(batch_seq[b, -(length + 10) :], alone_seq[0])
         torch.testing.assert_close(batch_scores[:, b], alone_scores[:, 0], atol=1e-4, rtol=0)
 
@@ -369,7 +355,7 @@ def test_flex_attention_generate_or_skip_with_the_upstream_reason():
         )
     for layout in ("v1_gqa", "v2_gqa"):
         model = _model(layout, "flex_attention")
-        seq, scores = _greedy(model, ids, mask)
-        ref_seq, ref_scores = _greedy(_model(layout, "eager"), ids, mask, use_cache=False)
+        seq, scores = greedy_with_scores(model, ids, mask)
+        ref_seq, ref_scores = greedy_with_scores(_model(layout, "eager"), ids, mask, use_cache=False)
         assert torch.equal(seq, ref_seq)
         torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)

@@ -22,6 +22,7 @@ from difftransformer.testing_utils import (
     RoundingModel,
     bf16_error_bound,
     bf16_gradient_bounds,
+    greedy_with_scores,
     left_padded_batch,
     randomize_norms,
     reference_forward,
@@ -353,17 +354,7 @@ def test_bfloat16_gradients_within_the_rounding_model(bf16_training_case, backen
 
 # ------------------------------------------------------------------------------------------------- caches, generate
 def _greedy(model, ids, mask=None, max_new_tokens=8, **kwargs):
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_scores=True,
-        **kwargs,
-    )
-    return out.sequences, torch.stack(out.scores)
+    return greedy_with_scores(model, ids, mask, max_new_tokens, **kwargs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
