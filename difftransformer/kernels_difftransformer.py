@@ -450,6 +450,45 @@ def private_op(name: str, ops=torch.ops.aten):
 
 _FLASH_CPU = private_op("_scaled_dot_product_flash_attention_for_cpu")
 _FLASH_CPU_BACKWARD = private_op("_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _flash_cpu_reads_grouped_keys() -> bool:
+    """Whether torch's CPU flash kernels (forward and backward) take fewer key/value heads than query heads (GQA:
+    query head ``i`` reads key head ``i // (Hq/G)``), as V2's causal blocks call them. torch 2.7.1's do not: they read
+    past the key heads without an error (values that are not finite, or a corrupted heap). Support came with
+    pytorch/pytorch#157893 ("[CPU] Support GQA for flash attention"), taken here as torch 2.9 (2.8 is untested and
+    treated as 2.7): releases before 2.9 are never called with grouped keys.
+    From 2.9 on it is settled once, at import, on tiny tensors against the same call with the keys repeated per query
+    head."""
+    if (
+        _FLASH_CPU is None
+        or _FLASH_CPU_BACKWARD is None
+        or torch.torch_version.TorchVersion(torch.__version__) < (2, 9)
+    ):
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 4, 8, generator=g) for heads in (2, 1, 1))
+    k2, v2 = k.expand(1, 2, 4, 8).contiguous(), v.expand(1, 2, 4, 8).contiguous()
+    try:
+        out, lse = _FLASH_CPU(q, k, v, 0.0, True, scale=0.5)
+        ref, ref_lse = _FLASH_CPU(q, k2, v2, 0.0, True, scale=0.5)
+        grad = torch.randn(out.shape, generator=g)
+        dq, dk, dv = _FLASH_CPU_BACKWARD(grad, q, k, v, out, lse, 0.0, True, scale=0.5)
+        rq, rk, rv = _FLASH_CPU_BACKWARD(grad, q, k2, v2, ref, ref_lse, 0.0, True, scale=0.5)
+    except RuntimeError:
+        return False
+    return (
+        dk.shape == k.shape
+        and torch.allclose(out, ref, atol=1e-5)
+        and torch.allclose(dq, rq, atol=1e-5)
+        and torch.allclose(dk, rk.sum(1, keepdim=True), atol=1e-5)
+        and torch.allclose(dv, rv.sum(1, keepdim=True), atol=1e-5)
+    )
+
+
+# V2's causal blocks run only where the CPU flash kernels read grouped keys (not on torch 2.7: transformers' sdpa call
+# there, the same result, slower).
+FLASH_CPU_READS_GROUPED_KEYS = _flash_cpu_reads_grouped_keys()
 # Query rows per block of :func:`causal_block_attention`, and the shortest prompt it is used for: the fastest of the
 # block sizes the V2 prompt-attention runs compared, and the shortest length at which it saved time there at batch 1,
 # 2 and 4 in every run (docs/reports/2026-11-25-attention-kernels.md; at 128 tokens it cost up to 18% at batch 1).
@@ -538,11 +577,13 @@ def causal_block_attention(query, key, value, scaling, block=None):
 
 def uses_causal_block_attention(query, key, attention_mask) -> bool:
     """Whether :func:`causal_block_attention` runs for this V2 call: a CPU float32 square prompt of at least
-    ``CAUSAL_BLOCK_MIN_LENGTH`` tokens with no mask (transformers' sdpa convention for an unpadded causal prompt).
+    ``CAUSAL_BLOCK_MIN_LENGTH`` tokens with no mask (transformers' sdpa convention for an unpadded causal prompt), on a
+    torch whose CPU flash kernels read grouped keys (:data:`FLASH_CPU_READS_GROUPED_KEYS`).
     docs/reports/2026-11-25-attention-kernels.md reports both paths' times."""
     return (
         _FLASH_CPU is not None
         and _FLASH_CPU_BACKWARD is not None
+        and FLASH_CPU_READS_GROUPED_KEYS
         and attention_mask is None
         and query.device.type == "cpu"
         and query.dtype == torch.float32

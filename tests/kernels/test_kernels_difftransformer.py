@@ -321,6 +321,13 @@ def test_bfloat16_costs_lambda_gradient_more_than_any_weight_matrix(bf16_trainin
 
 
 # ------------------------------------------------------------------------------------- V2's causal block attention
+NEEDS_GROUPED_FLASH = pytest.mark.skipif(
+    not kernels.FLASH_CPU_READS_GROUPED_KEYS,
+    reason=f"torch {torch.__version__}'s CPU flash kernels do not read grouped keys: V2 takes transformers' sdpa call",
+)
+
+
+@NEEDS_GROUPED_FLASH
 @pytest.mark.parametrize("t,block", [(8, 3), (7, 7), (9, 4)])
 def test_causal_block_attention_gradients_are_exact(t, block):
     """float64 gradcheck of the blocked causal attention (GQA: 4 query heads over 2 KV heads), with a last block
@@ -332,6 +339,7 @@ def test_causal_block_attention_gradients_are_exact(t, block):
     assert torch.autograd.gradcheck(fn, (query, key, value))
 
 
+@NEEDS_GROUPED_FLASH
 def test_causal_block_attention_equals_causal_sdpa():
     """float32, a (B, T, H, d) query viewed as (B, H, T, d) (the model's layout), 300 tokens in the default blocks
     (32 rows): output and gradients within float32 rounding of the float64 causal softmax attention."""
@@ -354,6 +362,7 @@ def test_causal_block_attention_equals_causal_sdpa():
         torch.testing.assert_close(kernels.causal_block_attention(query, key, value, 0.25), out, rtol=0, atol=0)
 
 
+@NEEDS_GROUPED_FLASH
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_v2_prompt_lengths_take_the_causal_block_path_and_equal_eager(dtype, monkeypatch):
     """A V2 model under sdpa, on prompt lengths the block path covers (shrunk here to 24 tokens or more, in 8-row

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from difftransformer import DiffTransformerForCausalLM
 from difftransformer import modeling_difftransformer as mdt
+from difftransformer.kernels_difftransformer import CAUSAL_BLOCK_MIN_LENGTH, FLASH_CPU_READS_GROUPED_KEYS
 from difftransformer.modeling_difftransformer import DIFF_ATTENTION_CLASSES, DiffTransformerAttention
 from utils_difftransformer import (
     CONTRACT_CALLS,
@@ -557,13 +558,15 @@ def test_each_layer_makes_one_attention_lookup_and_one_call(version):
 
 
 @pytest.mark.parametrize("layout", ["v1_gqa", "v2_gqa"])
-def test_every_attention_entry_returns_the_heads_the_output_projection_reads(layout):
-    """Every entry of the modeling file's attention interface that runs on a CPU, called as a layer calls it, returns
-    the same thing: the H heads ``(B, T, H, w)`` as the output projection reads them (V1: after its per-head norm),
-    equal to the eager entry's within float32 rounding, and λ."""
+@pytest.mark.parametrize("t", [5, CAUSAL_BLOCK_MIN_LENGTH])
+def test_every_attention_entry_returns_the_heads_the_output_projection_reads(layout, t):
+    """Every entry of the modeling file's attention interface that runs on a CPU, called as a layer calls it for a
+    prompt it serves, returns the same thing: the H heads ``(B, T, H, w)`` as the output projection reads them (V1:
+    after its per-head norm), equal to the eager entry's within float32 rounding, and λ. (V2's causal blocks serve
+    float32 prompts of ``CAUSAL_BLOCK_MIN_LENGTH`` tokens and more.)"""
     model = _model(layout, "sdpa")
     attn = model.model.layers[0].self_attn
-    b, t = 2, 5
+    b = 2
     torch.manual_seed(1)
     hidden = torch.randn(b, t, model.config.hidden_size)
     cos, sin = model.model.rotary_emb(hidden, torch.arange(t)[None].expand(b, t))
@@ -583,7 +586,9 @@ def test_every_attention_entry_returns_the_heads_the_output_projection_reads(lay
         )
         width = attn.value_width
         assert want.shape == (b, t, attn.num_heads, width)
-        names = [n for n in mdt.KERNELS[attn.diff_version] if n not in ("triton", "decode_kernel", "rows_decode")]
+        served = {"causal_blocks": t >= CAUSAL_BLOCK_MIN_LENGTH and FLASH_CPU_READS_GROUPED_KEYS}
+        served |= {"triton": False, "decode_kernel": False}
+        names = [n for n in mdt.KERNELS[attn.diff_version] if served.get(n, n != "rows_decode")]
         for name in names:
             got, weights, lam = mdt.KERNELS[attn.diff_version][name](*args, **kwargs)
             assert got.shape == (b, t, attn.num_heads, width), name
@@ -591,3 +596,20 @@ def test_every_attention_entry_returns_the_heads_the_output_projection_reads(lay
             torch.testing.assert_close(lam, want_lam, msg=name)
         got, _, _ = mdt.ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+
+
+def test_a_v2_float32_prompt_of_causal_block_length_under_sdpa_equals_the_reference():
+    """A V2 model's float32 prompt of ``CAUSAL_BLOCK_MIN_LENGTH`` tokens under sdpa, on every torch the package
+    supports: the logits equal the float64 reference. The causal blocks run where torch's CPU flash kernels read grouped
+    keys (torch 2.7's return values that are not finite there: transformers' sdpa call instead)."""
+    model = _model("v2_gqa", "sdpa")
+    ids = torch.randint(
+        3, model.config.vocab_size, (1, CAUSAL_BLOCK_MIN_LENGTH), generator=torch.Generator().manual_seed(2)
+    )
+    mask = torch.ones_like(ids)
+    ref, _ = reference_forward(model, ids, mask)
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.testing.assert_close(logits.double(), ref, atol=TOL[torch.float32], rtol=0)
+    kernel = "causal_blocks" if FLASH_CPU_READS_GROUPED_KEYS else "standard"
+    assert {m.last_kernel for m in model.modules() if isinstance(m, DiffTransformerAttention)} == {kernel}
