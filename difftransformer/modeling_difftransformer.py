@@ -489,6 +489,12 @@ class DifferentialAttentionInterface(AttentionInterface):
             return self._local_mapping[key]
         return functools.partial(standard_attention_call, self._global_mapping[key])
 
+    def get_interface(self, attn_implementation: str, default: Callable) -> Callable:
+        """As transformers' (its checks and warnings included); the ``default`` it falls back to (an attention module
+        used without a model, ``_attn_implementation`` None) is called as :func:`standard_attention_call` calls it."""
+        function = super().get_interface(attn_implementation, default)
+        return functools.partial(standard_attention_call, default) if function is default else function
+
 
 ALL_ATTENTION_FUNCTIONS = DifferentialAttentionInterface()
 ALL_ATTENTION_FUNCTIONS["sdpa"] = differential_sdpa_attention_forward
